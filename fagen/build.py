@@ -1,0 +1,272 @@
+"""Ahead-of-time build: spec -> solve -> render -> `<name>.cu`, `<name>.json` and, with nvcc, `<name>.cubin`.
+
+What `fagen build` does, as a library. Files are written only when their bytes change (FlashInfer's
+habit), so a rebuild leaves untouched files with their old mtimes and make-like tools stay quiet.
+nvcc is skipped when the `.json` beside the `.cubin` records a compile of the very same inputs
+(source, headers, arch, compiler): the cache is keyed on what went in, never on timestamps.
+"""
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+import os
+import subprocess
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from importlib import import_module
+from pathlib import Path
+from typing import Callable, Iterable, Optional, Union
+
+from fagen import render as rendering
+from fagen import solver
+from fagen.spec import Spec
+from fagen.target import target_for
+
+PathLike = Union[str, Path]
+
+
+def _nvcc():
+    """The compile stage (`fagen/compile.py`), imported on first use: solving and rendering never need it,
+    and looking it up at call time lets tests stub `compile_cubin`."""
+    return import_module("fagen.compile")
+
+
+@dataclass
+class Prepared:
+    """A variant solved and rendered: everything about it that needs no compiler."""
+
+    spec: Spec
+    solution: "solver.Solution"
+    rendered: "rendering.Rendered"
+
+    @property
+    def name(self) -> str:
+        return self.spec.variant_name
+
+
+@dataclass
+class BuildResult:
+    spec: Spec
+    solution: "solver.Solution"
+    rendered: "rendering.Rendered"
+    files: dict[str, Path]                      # "cu", "json" and, once compiled, "cubin"
+    written: list[Path] = field(default_factory=list)   # the files whose bytes changed
+    compiled: bool = False                      # a cubin matching this source exists
+    cached: bool = False                        # ... and nvcc was skipped because it already did
+    compile_record: Optional[dict] = None       # what .json says under "compile"
+    error: Optional[str] = None                 # nvcc's message when the compile failed
+    skipped_reason: Optional[str] = None        # why nothing was compiled (no nvcc, --no-compile)
+    seconds: float = 0.0
+
+    @property
+    def name(self) -> str:
+        return self.spec.variant_name
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+    @property
+    def resources(self) -> dict:
+        """kernel name -> {registers, smem_bytes, spill_stores, spill_loads, stack_bytes}, as ptxas reported."""
+        return (self.compile_record or {}).get("resources", {})
+
+
+def prepare(spec: Spec, arch: Optional[str] = None) -> Prepared:
+    """Solve and render one variant. Raises SpecError (InfeasibleSpec included) before any compile."""
+    if arch is not None and arch != spec.arch:
+        spec = spec.model_copy(update={"arch": arch})
+    solution = solver.solve(spec, target_for(spec.arch))
+    return Prepared(spec, solution, rendering.render(spec, solution))
+
+
+def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, compile: bool = True) -> BuildResult:
+    """Build one variant into out_dir. A compile failure raises `fagen.compile.CompileError`."""
+    result = _build(prepare(spec, arch), Path(out_dir), compile)
+    if result.error is not None:
+        raise _nvcc().CompileError(result.error)
+    return result
+
+
+def build_all(specs: Iterable[Union[Spec, Prepared]], out_dir: PathLike, arch: Optional[str] = None, compile: bool = True,
+              jobs: Optional[int] = None,
+              progress: Optional[Callable[[BuildResult], None]] = None) -> list[BuildResult]:
+    """Build every variant, compiling in parallel; results in the order of `specs`.
+
+    Every variant is solved and rendered first, so a bad or infeasible spec raises SpecError
+    before nvcc has run at all (items already `prepare`d are taken as they are). A variant that
+    fails to compile does not stop the others: its result carries nvcc's message in `error`.
+    `progress` is called once per finished variant, from the thread that built it.
+    """
+    prepared = [item if isinstance(item, Prepared) else prepare(item, arch) for item in specs]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # Threads suffice: the work is nvcc in subprocesses; the GIL is released while they run.
+    workers = max(1, min(jobs or os.cpu_count() or 1, len(prepared) or 1))
+
+    def one(item: Prepared) -> BuildResult:
+        result = _build(item, out, compile)
+        if progress is not None:
+            progress(result)
+        return result
+
+    if workers == 1:
+        return [one(item) for item in prepared]
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fagen-build") as pool:
+        return list(pool.map(one, prepared))
+
+
+# ---- one variant ---------------------------------------------------------------------------
+def _build(item: Prepared, out_dir: Path, compile: bool) -> BuildResult:
+    start = time.perf_counter()
+    spec, solution, rendered = item.spec, item.solution, item.rendered
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = spec.variant_name
+    cu_path, json_path, cubin_path = (out_dir / f"{name}{ext}" for ext in (".cu", ".json", ".cubin"))
+    result = BuildResult(spec, solution, rendered, files={"cu": cu_path, "json": json_path})
+
+    source = rendered.text.encode()
+    if write_if_changed(cu_path, source):
+        result.written.append(cu_path)
+
+    nvcc = _nvcc() if compile else None
+    inputs = inputs_key(rendered, spec.arch)
+    if not compile:
+        result.skipped_reason = "--no-compile"
+    elif not nvcc.nvcc_available():
+        result.skipped_reason = "nvcc is not on PATH"
+    key = inputs_key(rendered, spec.arch, compiler=_nvcc_version()) if result.skipped_reason is None else None
+
+    record = _previous_compile(json_path, cubin_path, inputs, key)
+    if record is not None:
+        result.compiled, result.cached, result.compile_record = True, True, record
+    elif key is not None:
+        try:
+            compiled = nvcc.compile_cubin(rendered.text, spec.arch, rendered.include_dir)
+        except nvcc.CompileError as err:
+            result.error = str(err).strip() or "nvcc failed without a message"
+        else:
+            if write_if_changed(cubin_path, compiled.cubin):
+                result.written.append(cubin_path)
+            result.compiled = True
+            result.compile_record = {
+                "arch": spec.arch,
+                "cubin": cubin_path.name,
+                "cubin_sha256": hashlib.sha256(compiled.cubin).hexdigest(),
+                "inputs_key": inputs,
+                "key": key,
+                "command": [str(part) for part in compiled.command],
+                "seconds": round(float(compiled.seconds), 3),
+                "resources": compiled.resources,
+            }
+    if result.compiled:
+        result.files["cubin"] = cubin_path
+    elif cubin_path.exists():
+        cubin_path.unlink()  # it was built from other inputs: a stale cubin beside a new .cu would be a lie
+
+    report = describe(spec, solution, rendered, result.compile_record)
+    if write_if_changed(json_path, (json.dumps(report, indent=2, sort_keys=False, default=_jsonable) + "\n").encode()):
+        result.written.append(json_path)
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rendered",
+             compile_record: Optional[dict] = None) -> dict:
+    """The `<name>.json` beside each kernel: what was asked, what the solver chose and why, what ptxas said."""
+    solved = solution.to_dict()
+    report = {
+        "name": spec.variant_name,
+        "template": solved.get("template", getattr(solution.primary, "template", None)),
+        "spec": spec.to_dict(),
+        "solution": solved,
+        "paper_constraint": solved.get("constraint"),
+        "source": {
+            "file": rendered.filename,
+            "sha256": hashlib.sha256(rendered.text.encode()).hexdigest(),
+            "kernels": rendered.kernels,
+        },
+    }
+    if compile_record is not None:
+        report["compile"] = compile_record
+    return report
+
+
+# ---- files and the compile cache -----------------------------------------------------------
+def write_if_changed(path: PathLike, data: bytes) -> bool:
+    """Write `data` unless the file already holds exactly these bytes; True when it wrote.
+
+    The bytes land in a temporary file that is renamed over the target, so a reader (or a
+    parallel build) never sees half a file.
+    """
+    path = Path(path)
+    try:
+        if path.read_bytes() == data:
+            return False
+    except OSError:
+        pass
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return True
+
+
+def inputs_key(rendered: "rendering.Rendered", arch: str, compiler: str = "") -> str:
+    """sha256 over what a cubin depends on: the source, the headers it may include, arch (and nvcc)."""
+    digest = hashlib.sha256()
+    digest.update(rendered.text.encode() + b"\0" + arch.encode() + b"\0" + compiler.encode() + b"\0")
+    include_dir = Path(rendered.include_dir)
+    headers = sorted(p for p in include_dir.rglob("*") if p.is_file() and p.suffix in (".cuh", ".h", ".hpp"))
+    for header in headers:
+        digest.update(str(header.relative_to(include_dir)).encode() + b"\0" + header.read_bytes() + b"\0")
+    return digest.hexdigest()
+
+
+def _previous_compile(json_path: Path, cubin_path: Path, inputs: str, key: Optional[str]) -> Optional[dict]:
+    """The "compile" record of an earlier build of the same inputs, if its cubin is still intact.
+
+    With a compiler at hand (`key`), the compiler's version must match too; without one (no nvcc,
+    --no-compile) a cubin built from the same inputs is kept rather than thrown away.
+    """
+    try:
+        record = json.loads(json_path.read_text()).get("compile")
+        if not isinstance(record, dict) or record.get("inputs_key") != inputs:
+            return None
+        if key is not None and record.get("key") != key:
+            return None
+        if hashlib.sha256(cubin_path.read_bytes()).hexdigest() != record.get("cubin_sha256"):
+            return None
+        return record
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+@functools.lru_cache(maxsize=1)
+def _nvcc_version() -> str:
+    try:
+        nvcc = getattr(_nvcc(), "nvcc_path", lambda: "nvcc")() or "nvcc"
+        return subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def _jsonable(value):
+    """sympy numbers and numpy scalars that slip into a solution dict."""
+    for cast in (int, float):
+        try:
+            number = cast(value)
+            if number == value:
+                return number
+        except (TypeError, ValueError):
+            pass
+    return str(value)

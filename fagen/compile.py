@@ -1,0 +1,129 @@
+"""Stage 4: compilation.
+
+Two routes, one source: `compile_cubin` runs nvcc to a .cubin and parses ptxas's resource report
+(for `fagen build`, no GPU needed); `load_module` compiles at run time with PyCUDA's SourceModule,
+cached on disk keyed by the source and the options, so a second process loads without recompiling.
+This is the only module that imports pycuda, and only inside the functions that need it.
+"""
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+NVCC_OPTIONS = ("-O3", "-std=c++17", "--use_fast_math")
+CACHE_ENV = "FAGEN_CACHE_DIR"
+
+
+class CompileError(RuntimeError):
+    """nvcc rejected a source; str() is nvcc's own message."""
+
+
+@dataclass
+class CompileResult:
+    cubin: bytes
+    resources: dict[str, dict]
+    command: list[str]
+    seconds: float
+    log: str = field(repr=False, default="")
+
+
+def nvcc_path() -> Optional[str]:
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    cuda_home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_ROOT") or "/usr/local/cuda"
+    candidate = Path(cuda_home) / "bin" / "nvcc"
+    return str(candidate) if candidate.exists() else None
+
+
+def nvcc_available() -> bool:
+    return nvcc_path() is not None
+
+
+def cache_dir() -> Path:
+    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "fagen")
+    path = Path(root)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
+
+
+def parse_ptxas_report(log: str) -> dict[str, dict]:
+    """ptxas -v output -> {kernel: {registers, smem_bytes (static), spill_stores, spill_loads, stack_bytes}}."""
+    report: dict[str, dict] = {}
+    current = None
+    for line in log.splitlines():
+        if (m := _ENTRY.search(line)):
+            current = m.group(1)
+            report[current] = {"registers": 0, "smem_bytes": 0, "spill_stores": 0, "spill_loads": 0, "stack_bytes": 0}
+        elif current and (m := _PROPS.search(line)):
+            report[current].update(stack_bytes=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
+        elif current and (m := _USED.search(line)):
+            report[current]["registers"] = int(m.group(1))
+            report[current]["smem_bytes"] = int(m.group(2) or 0)
+    return report
+
+
+def compile_cubin(source: str, arch: str, include_dir: Path, out_path: Optional[Path] = None,
+                  timeout: float = 600.0) -> CompileResult:
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CompileError("nvcc was not found on PATH (or under $CUDA_HOME/bin)")
+    with tempfile.TemporaryDirectory(prefix="fagen-") as tmp:
+        src = Path(tmp) / "kernel.cu"
+        src.write_text(source)
+        cubin = Path(tmp) / "kernel.cubin"
+        command = [nvcc, "-cubin", f"-arch={arch}", *NVCC_OPTIONS, f"-I{include_dir}", "-Xptxas", "-v",
+                   "-o", str(cubin), str(src)]
+        start = time.perf_counter()
+        try:
+            proc = subprocess.run(command, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise CompileError(f"nvcc took longer than {timeout:.0f} s") from None
+        seconds = time.perf_counter() - start
+        log = proc.stdout + proc.stderr
+        if proc.returncode != 0:
+            errors = [line for line in log.splitlines() if "error" in line.lower()]
+            raise CompileError("\n".join(errors[:20]) or log.strip()[-2000:])
+        data = cubin.read_bytes()
+    if out_path is not None:
+        Path(out_path).write_bytes(data)
+    return CompileResult(data, parse_ptxas_report(log), command, seconds, log)
+
+
+def load_module(source: str, arch: str, include_dir: Path):
+    """Compile with PyCUDA's SourceModule (needs a current CUDA context), cached in cache_dir()."""
+    from pycuda.compiler import SourceModule  # lazy: GPU machines only
+
+    module_cache = cache_dir() / "pycuda"
+    module_cache.mkdir(exist_ok=True)
+    try:
+        return SourceModule(source, arch=arch, options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
+                            no_extern_c=True, cache_dir=str(module_cache))
+    except Exception as err:  # pycuda.driver.CompileError carries nvcc's stderr
+        stderr = getattr(err, "stderr", "") or str(err)
+        raise CompileError(stderr) from None
+
+
+def compile_to_cache(source: str, arch: str, include_dir: Path) -> None:
+    """Fill PyCUDA's on-disk cache for `source` without a CUDA context (safe in worker threads)."""
+    from pycuda.compiler import compile as pycuda_compile
+
+    module_cache = cache_dir() / "pycuda"
+    module_cache.mkdir(exist_ok=True)
+    try:
+        pycuda_compile(source, arch=arch, options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
+                       no_extern_c=True, cache_dir=str(module_cache))
+    except Exception as err:
+        raise CompileError(getattr(err, "stderr", "") or str(err)) from None

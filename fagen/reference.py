@@ -1,0 +1,465 @@
+"""The float64 numpy reference every GPU kernel is checked against.
+
+Four layers, each a plain transcription of the maths the CUDA templates implement:
+
+1. `philox4x32_10`: the counter-based generator (Salmon et al. 2011, Random123), vectorised.
+2. Dropout: the keep decision of element (b, h, i, j) is a pure function of (seed, offset, b, h, i, j),
+   so it does not depend on tiling or loop order and the backward regenerates it bit for bit.
+3. Masks (`visible_mask`) and dense attention (`attention_forward`, `attention_backward`).
+4. `tiled_forward` / `tiled_backward`: FlashAttention-1 Algorithm 1 (`fa1`), FlashAttention-2's
+   forward (`fa2`) and Algorithm 4 (backward) executed block by block, so a test can show that the
+   recurrences the templates use give the dense answer.
+
+Layout everywhere: (batch B, heads H, sequence N, head_dim d). Inputs of any float dtype are
+converted to float64; every result is float64. Rows with no visible key give o = 0, lse = -inf and
+zero gradient, never NaN.
+"""
+from __future__ import annotations
+
+import operator
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+
+if TYPE_CHECKING:  # the spec is only read (mask, window, block_size, dropout, scale, loop_order)
+    from fagen.spec import Spec
+
+__all__ = [
+    "philox4x32_10",
+    "dropout_threshold",
+    "dropout_bits",
+    "dropout_keep_mask",
+    "visible_mask",
+    "attention_forward",
+    "attention_backward",
+    "tiled_forward",
+    "tiled_backward",
+]
+
+# ---- 1. Philox4x32-10 ------------------------------------------------------------------------
+PHILOX_M0 = 0xD2511F53
+PHILOX_M1 = 0xCD9E8D57
+PHILOX_W0 = 0x9E3779B9  # golden ratio
+PHILOX_W1 = 0xBB67AE85  # sqrt(3) - 1
+PHILOX_ROUNDS = 10
+_U32 = np.uint64(0xFFFFFFFF)
+
+
+def _as_uint32_words(values, width: int, what: str) -> np.ndarray:
+    array = np.asarray(values)
+    if array.ndim == 0 or array.shape[-1] != width:
+        raise ValueError(f"philox4x32_10: {what} must have shape (..., {width}), got {array.shape}")
+    if not np.issubdtype(array.dtype, np.integer):
+        raise ValueError(f"philox4x32_10: {what} must hold integers, got dtype {array.dtype}")
+    if array.size and (array.min() < 0 or array.max() > 0xFFFFFFFF):
+        raise ValueError(f"philox4x32_10: every {what} word must be a uint32 (0 .. 2**32-1)")
+    return array.astype(np.uint64)
+
+
+def philox4x32_10(counter, key) -> np.ndarray:
+    """Philox4x32 with 10 rounds: counter (..., 4) and key (..., 2) or (2,) uint32 -> (..., 4) uint32.
+
+    One round: (hi0, lo0) = mulhi/lo(M0 * c0), (hi1, lo1) = mulhi/lo(M1 * c2),
+    c <- (hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0); the key is bumped by (W0, W1) between rounds.
+    Products are formed exactly in uint64 (both factors < 2**32).
+    """
+    ctr = _as_uint32_words(counter, 4, "counter")
+    k = _as_uint32_words(key, 2, "key")
+    c0, c1, c2, c3 = (ctr[..., n] for n in range(4))
+    k0, k1 = k[..., 0], k[..., 1]
+    m0, m1 = np.uint64(PHILOX_M0), np.uint64(PHILOX_M1)
+    w0, w1 = np.uint64(PHILOX_W0), np.uint64(PHILOX_W1)
+    shift = np.uint64(32)
+    for round_index in range(PHILOX_ROUNDS):
+        if round_index:
+            k0 = (k0 + w0) & _U32
+            k1 = (k1 + w1) & _U32
+        product0 = m0 * c0
+        product1 = m1 * c2
+        hi0, lo0 = product0 >> shift, product0 & _U32
+        hi1, lo1 = product1 >> shift, product1 & _U32
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
+
+
+# ---- 2. Dropout ------------------------------------------------------------------------------
+def dropout_threshold(p: float) -> int:
+    """The uint32 threshold for drop probability p: int(p * 2**32); an element is kept iff r >= it."""
+    p = float(p)
+    if not (0.0 <= p < 1.0):
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    return int(p * 2**32)
+
+
+def _philox_key(seed) -> np.ndarray:
+    seed = operator.index(seed)  # any Python/numpy integer; a float seed is a bug
+    return np.array([seed % 2**32, (seed >> 32) % 2**32], dtype=np.uint64)
+
+
+def dropout_bits(seed: int, offset: int, num_heads: int, b, h, i, j) -> np.ndarray:
+    """The uint32 random word r of element (b, h, i, j) (integer arrays, broadcast together).
+
+    counter = (j // 4, i, b * num_heads + h, offset mod 2**32), key = (seed mod 2**32, seed >> 32 mod 2**32),
+    r = philox4x32_10(counter, key)[j % 4]. Element-wise on purpose (it recomputes each Philox call up to
+    four times): this is the definition the kernels follow and the tiled emulation calls it per block.
+    """
+    b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (b, h, i, j)))
+    if b.size and min(b.min(), h.min(), i.min(), j.min()) < 0:
+        raise ValueError("dropout_bits: b, h, i and j are non-negative indices")
+    words = [(j // 4) % 2**32, i % 2**32, (b * operator.index(num_heads) + h) % 2**32,
+             np.full(b.shape, operator.index(offset) % 2**32, dtype=np.int64)]
+    lanes = philox4x32_10(np.stack(words, axis=-1), _philox_key(seed))
+    return np.take_along_axis(lanes, (j % 4)[..., None], axis=-1)[..., 0]
+
+
+def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, p: float) -> np.ndarray:
+    """bool (B, H, Nq, Nk): True where element (b, h, i, j) is kept (r >= dropout_threshold(p)).
+
+    Same bits as `dropout_bits`, computed with one Philox call per group of four columns.
+    """
+    threshold = dropout_threshold(p)
+    groups = -(-Nk // 4)
+    b, h, i, g = np.meshgrid(np.arange(B), np.arange(H), np.arange(Nq), np.arange(groups), indexing="ij")
+    words = [g, i, b * H + h, np.full(b.shape, operator.index(offset) % 2**32)]
+    lanes = philox4x32_10(np.stack([w % 2**32 for w in words], axis=-1), _philox_key(seed))
+    bits = lanes.reshape(B, H, Nq, groups * 4)[..., :Nk]
+    return bits >= np.uint32(threshold) if threshold else np.ones((B, H, Nq, Nk), dtype=bool)
+
+
+def _dropout_scale(spec: "Spec", seed: int, offset: int, B: int, H: int, Nq: int, Nk: int):
+    """Z / (1 - p) as float64 (B, H, Nq, Nk), or None when the spec has no dropout."""
+    if not spec.dropout:
+        return None
+    keep = dropout_keep_mask(seed, offset, B, H, Nq, Nk, spec.dropout)
+    return keep / (1.0 - spec.dropout)
+
+
+def _dropout_scale_block(spec: "Spec", seed: int, offset: int, H: int, b: int, h: int,
+                         rows: np.ndarray, cols: np.ndarray):
+    """Z / (1 - p) of one tile, regenerated from absolute indices as a kernel does; None without dropout."""
+    if not spec.dropout:
+        return None
+    bits = dropout_bits(seed, offset, H, b, h, rows[:, None], cols[None, :])
+    return (bits >= np.uint32(dropout_threshold(spec.dropout))) / (1.0 - spec.dropout)
+
+
+# ---- 3. Masks --------------------------------------------------------------------------------
+def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
+                 kv_lengths=None, block_mask=None) -> np.ndarray:
+    """bool array broadcastable to (B, H, Nq, Nk): True where query i may attend to key j.
+
+    Keys are aligned bottom-right (shift = Nk - Nq, as PyTorch and FlashAttention do for Nq != Nk):
+      none            everything visible
+      causal          j <= i + shift
+      sliding_window  0 <= i + shift - j < spec.window
+      padding         j < kv_lengths[b]; kv_lengths: integers of shape (B,), required
+      block_sparse    block_mask[..., i // G, j // G] != 0 with G = spec.block_size; block_mask of shape
+                      (ceil(Nq/G), ceil(Nk/G)) or (B or 1, H or 1, ceil(Nq/G), ceil(Nk/G)), required
+    Only the spec's own mask is applied: kv_lengths is ignored unless spec.mask == "padding", and
+    block_mask unless spec.mask == "block_sparse".
+    """
+    for name, value in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk)):
+        if operator.index(value) < 1:
+            raise ValueError(f"visible_mask: {name} must be at least 1, got {value}")
+    rows = np.arange(Nq)[:, None]
+    cols = np.arange(Nk)[None, :]
+    shift = Nk - Nq
+    if spec.mask == "none":
+        return np.ones((1, 1, Nq, Nk), dtype=bool)
+    if spec.mask == "causal":
+        return (cols <= rows + shift)[None, None]
+    if spec.mask == "sliding_window":
+        distance = rows + shift - cols
+        return ((distance >= 0) & (distance < spec.window))[None, None]
+    if spec.mask == "padding":
+        lengths = _check_kv_lengths(kv_lengths, B)
+        return (cols[None, None] < lengths[:, None, None, None])
+    if spec.mask == "block_sparse":
+        G = spec.block_size
+        layout = _check_block_mask(block_mask, B, H, -(-Nq // G), -(-Nk // G), G)
+        return layout[:, :, np.arange(Nq)[:, None] // G, np.arange(Nk)[None, :] // G]
+    raise ValueError(f"visible_mask: unknown mask {spec.mask!r}")
+
+
+def _check_kv_lengths(kv_lengths, B: int) -> np.ndarray:
+    if kv_lengths is None:
+        raise ValueError("mask padding needs kv_lengths, an integer array of shape (B,) "
+                         "giving each batch's number of valid keys")
+    lengths = np.asarray(kv_lengths)
+    if lengths.shape != (B,):
+        raise ValueError(f"kv_lengths must have shape (B,) = ({B},), got {lengths.shape}")
+    if not np.issubdtype(lengths.dtype, np.integer):
+        raise ValueError(f"kv_lengths must hold integers, got dtype {lengths.dtype}")
+    if (lengths < 0).any():
+        raise ValueError(f"kv_lengths cannot be negative, got {lengths.tolist()}")
+    return lengths.astype(np.int64)
+
+
+def _check_block_mask(block_mask, B: int, H: int, blocks_q: int, blocks_k: int, G: int) -> np.ndarray:
+    wanted = (f"({blocks_q}, {blocks_k}) or (B or 1, H or 1, {blocks_q}, {blocks_k}) "
+              f"= ceil(Nq/{G}), ceil(Nk/{G}) blocks")
+    if block_mask is None:
+        raise ValueError(f"mask block_sparse needs block_mask, a bool array of shape {wanted}")
+    layout = np.asarray(block_mask)
+    if layout.ndim == 2:
+        layout = layout[None, None]
+    if (layout.ndim != 4 or layout.shape[2:] != (blocks_q, blocks_k)
+            or layout.shape[0] not in (1, B) or layout.shape[1] not in (1, H)):
+        raise ValueError(f"block_mask must have shape {wanted}, got {np.shape(block_mask)}")
+    return layout != 0
+
+
+# ---- dense attention -------------------------------------------------------------------------
+def _prepare(q, k, v, spec: "Spec"):
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be (B, H, N, d) arrays, got shapes {q.shape}, {k.shape}, {v.shape}")
+    B, H, Nq, d = q.shape
+    if k.shape[:2] != (B, H) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q, k, v disagree on (B, H) or k, v on Nk: {q.shape}, {k.shape}, {v.shape}")
+    if not (d == k.shape[3] == v.shape[3] == spec.head_dim):
+        raise ValueError(f"head_dim of q, k, v ({d}, {k.shape[3]}, {v.shape[3]}) must equal "
+                         f"spec.head_dim = {spec.head_dim}")
+    if Nq < 1 or k.shape[2] < 1:
+        raise ValueError(f"sequence lengths must be at least 1, got Nq={Nq}, Nk={k.shape[2]}")
+    return q, k, v
+
+
+def _finite_or_zero(x: np.ndarray) -> np.ndarray:
+    """FlashAttention's safe max: a row maximum (or lse) still at -inf is used as 0 when exponentiating,
+    so exp(-inf - 0) = 0 instead of exp(-inf + inf) = NaN."""
+    return np.where(np.isneginf(x), 0.0, x)
+
+
+def _softmax_stats(q, k, spec: "Spec", visible):
+    """S (masked with -inf), lse (natural log, -inf for a row with no visible key) and P = exp(S - lse)."""
+    S = spec.scale * np.einsum("bhid,bhjd->bhij", q, k)
+    S = np.where(visible, S, -np.inf)
+    m = S.max(axis=-1)
+    with np.errstate(divide="ignore"):
+        lse = m + np.log(np.exp(S - _finite_or_zero(m)[..., None]).sum(axis=-1))
+    lse = np.where(np.isneginf(m), -np.inf, lse)
+    P = np.exp(S - _finite_or_zero(lse)[..., None])
+    return S, lse, P
+
+
+def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None,
+                      seed: int = 0, offset: int = 0):
+    """(o, lse): o = dropout(softmax(spec.scale * q k^T, masked)) v, lse = logsumexp of the visible scores.
+
+    o is (B, H, Nq, d), lse is (B, H, Nq), both float64. Dropout (only when spec.dropout > 0) is keyed by
+    (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by 1/(1 - p). A row with no
+    visible key gives o = 0 and lse = -inf.
+    """
+    q, k, v = _prepare(q, k, v, spec)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
+    _, lse, P = _softmax_stats(q, k, spec, visible)
+    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk)
+    P_drop = P if scale is None else P * scale
+    return np.einsum("bhij,bhjd->bhid", P_drop, v), lse
+
+
+def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None,
+                       seed: int = 0, offset: int = 0):
+    """(dq, dk, dv): the exact gradients of sum(o * do) for `attention_forward` with the same arguments.
+
+    FlashAttention-1 Algorithm 4's maths on whole matrices: dV = P_drop^T dO, dP = (dO V^T) * Z/(1-p),
+    D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. Rows with no visible key
+    have P = 0 and so contribute nothing.
+    """
+    q, k, v = _prepare(q, k, v, spec)
+    do = np.asarray(do, dtype=np.float64)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if do.shape != (B, H, Nq, v.shape[3]):
+        raise ValueError(f"do must have the shape of o, {(B, H, Nq, v.shape[3])}, got {do.shape}")
+    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
+    _, _, P = _softmax_stats(q, k, spec, visible)
+    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk)
+    P_drop = P if scale is None else P * scale
+    o = np.einsum("bhij,bhjd->bhid", P_drop, v)
+    dv = np.einsum("bhij,bhid->bhjd", P_drop, do)
+    dP = np.einsum("bhid,bhjd->bhij", do, v)
+    if scale is not None:
+        dP = dP * scale
+    D = (do * o).sum(axis=-1)
+    dS = P * (dP - D[..., None])
+    dq = spec.scale * np.einsum("bhij,bhjd->bhid", dS, k)
+    dk = spec.scale * np.einsum("bhij,bhid->bhjd", dS, q)
+    return dq, dk, dv
+
+
+# ---- 4. tiled emulations ---------------------------------------------------------------------
+def _check_tiles(block_r, block_c) -> tuple[int, int]:
+    block_r, block_c = operator.index(block_r), operator.index(block_c)
+    if block_r < 1 or block_c < 1:
+        raise ValueError(f"tile sizes must be positive, got block_r={block_r}, block_c={block_c}")
+    return block_r, block_c
+
+
+def _tiles(n: int, size: int):
+    """(start, stop) of each tile; the last one may be partial."""
+    return [(start, min(start + size, n)) for start in range(0, n, size)]
+
+
+def _record(stats: Optional[dict], total: int, skipped: int) -> None:
+    if stats is not None:
+        stats["blocks_total"] = total
+        stats["blocks_skipped"] = skipped
+        stats["blocks_computed"] = total - skipped
+
+
+def tiled_forward(q, k, v, spec: "Spec", block_r: int, block_c: int, *, kv_lengths=None, block_mask=None,
+                  seed: int = 0, offset: int = 0, stats: Optional[dict] = None):
+    """(o, lse) computed tile by tile in spec.loop_order, equal to `attention_forward` up to rounding.
+
+    fa1: FlashAttention-1 Algorithm 1 (K/V column block outer, O, l, m read and written in "HBM" for every
+    tile). fa2: Q row block outer, O kept un-normalised and divided by l once. One (b, h) at a time, as a
+    kernel's grid would. A tile (i, j) with no visible element is skipped without touching K_j, V_j; pass
+    a dict as `stats` to get blocks_total / blocks_skipped / blocks_computed, counted over (b, h, i, j).
+    """
+    q, k, v = _prepare(q, k, v, spec)
+    block_r, block_c = _check_tiles(block_r, block_c)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    visible = np.broadcast_to(visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask), (B, H, Nq, Nk))
+    run = _forward_fa1 if spec.loop_order == "fa1" else _forward_fa2
+    o, lse, total, skipped = run(q, k, v, spec, visible, block_r, block_c, seed, offset)
+    _record(stats, total, skipped)
+    return o, lse
+
+
+def _tile_scores(spec, Q_i, K_j, visible_ij):
+    S = spec.scale * (Q_i @ K_j.T)
+    return np.where(visible_ij, S, -np.inf)
+
+
+def _forward_fa1(q, k, v, spec, visible, block_r, block_c, seed, offset):
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    O = np.zeros((B, H, Nq, v.shape[3]))       # "HBM": normalised O, rewritten after every tile
+    l = np.zeros((B, H, Nq))
+    m = np.full((B, H, Nq), -np.inf)
+    total = skipped = 0
+    for b in range(B):
+        for h in range(H):
+            for c0, c1 in _tiles(Nk, block_c):
+                K_j, V_j = k[b, h, c0:c1], v[b, h, c0:c1]
+                for r0, r1 in _tiles(Nq, block_r):
+                    total += 1
+                    visible_ij = visible[b, h, r0:r1, c0:c1]
+                    if not visible_ij.any():
+                        skipped += 1
+                        continue
+                    Q_i, O_i = q[b, h, r0:r1], O[b, h, r0:r1]
+                    l_i, m_i = l[b, h, r0:r1], m[b, h, r0:r1]
+                    S = _tile_scores(spec, Q_i, K_j, visible_ij)
+                    m_tile = S.max(axis=1)
+                    P_tile = np.exp(S - _finite_or_zero(m_tile)[:, None])
+                    l_tile = P_tile.sum(axis=1)
+                    m_new = np.maximum(m_i, m_tile)
+                    alpha = np.exp(m_i - _finite_or_zero(m_new))       # rescales the old statistics
+                    beta = np.exp(m_tile - _finite_or_zero(m_new))     # rescales this tile's
+                    l_new = alpha * l_i + beta * l_tile
+                    drop = _dropout_scale_block(spec, seed, offset, H, b, h,
+                                                np.arange(r0, r1), np.arange(c0, c1))
+                    PV = (P_tile if drop is None else P_tile * drop) @ V_j
+                    unnormalised = (l_i * alpha)[:, None] * O_i + beta[:, None] * PV
+                    O[b, h, r0:r1] = unnormalised / np.where(l_new > 0, l_new, 1.0)[:, None]
+                    l[b, h, r0:r1] = l_new
+                    m[b, h, r0:r1] = m_new
+    with np.errstate(divide="ignore"):
+        lse = np.where(l > 0, m + np.log(l), -np.inf)
+    return O, lse, total, skipped
+
+
+def _forward_fa2(q, k, v, spec, visible, block_r, block_c, seed, offset):
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    O = np.zeros((B, H, Nq, v.shape[3]))
+    lse = np.full((B, H, Nq), -np.inf)
+    total = skipped = 0
+    for b in range(B):
+        for h in range(H):
+            for r0, r1 in _tiles(Nq, block_r):
+                Q_i = q[b, h, r0:r1]
+                acc = np.zeros((r1 - r0, v.shape[3]))   # on chip, un-normalised
+                l_i = np.zeros(r1 - r0)
+                m_i = np.full(r1 - r0, -np.inf)
+                for c0, c1 in _tiles(Nk, block_c):
+                    total += 1
+                    visible_ij = visible[b, h, r0:r1, c0:c1]
+                    if not visible_ij.any():
+                        skipped += 1
+                        continue
+                    K_j, V_j = k[b, h, c0:c1], v[b, h, c0:c1]
+                    S = _tile_scores(spec, Q_i, K_j, visible_ij)
+                    m_new = np.maximum(m_i, S.max(axis=1))
+                    m_safe = _finite_or_zero(m_new)
+                    P_tile = np.exp(S - m_safe[:, None])
+                    alpha = np.exp(m_i - m_safe)
+                    l_i = alpha * l_i + P_tile.sum(axis=1)
+                    drop = _dropout_scale_block(spec, seed, offset, H, b, h,
+                                                np.arange(r0, r1), np.arange(c0, c1))
+                    acc = alpha[:, None] * acc + (P_tile if drop is None else P_tile * drop) @ V_j
+                    m_i = m_new
+                seen = l_i > 0
+                O[b, h, r0:r1] = acc / np.where(seen, l_i, 1.0)[:, None]
+                with np.errstate(divide="ignore"):
+                    lse[b, h, r0:r1] = np.where(seen, m_i + np.log(l_i), -np.inf)
+    return O, lse, total, skipped
+
+
+def tiled_backward(q, k, v, o, lse, do, spec: "Spec", block_r: int, block_c: int, *, kv_lengths=None,
+                   block_mask=None, seed: int = 0, offset: int = 0, stats: Optional[dict] = None):
+    """(dq, dk, dv) by FlashAttention-1 Algorithm 4, tile by tile (whatever spec.loop_order says).
+
+    K/V column block j outer, Q row block i inner; P is recomputed from the saved lse, the dropout mask
+    is regenerated from (seed, offset) and the element indices, D_i = rowsum(dO_i * O_i), dK_j and dV_j
+    accumulate on chip, dQ accumulates in "HBM" across column blocks. Tiles with no visible element are
+    skipped; `stats` as in `tiled_forward`.
+    """
+    q, k, v = _prepare(q, k, v, spec)
+    block_r, block_c = _check_tiles(block_r, block_c)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    o, lse, do = (np.asarray(x, dtype=np.float64) for x in (o, lse, do))
+    if o.shape != (B, H, Nq, v.shape[3]) or do.shape != o.shape or lse.shape != (B, H, Nq):
+        raise ValueError(f"o and do must be {(B, H, Nq, v.shape[3])} and lse {(B, H, Nq)}, "
+                         f"got {o.shape}, {do.shape}, {lse.shape}")
+    visible = np.broadcast_to(visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask), (B, H, Nq, Nk))
+    dq = np.zeros_like(q)                  # "HBM", accumulated across column blocks
+    dk = np.zeros_like(k)
+    dv = np.zeros_like(v)
+    total = skipped = 0
+    for b in range(B):
+        for h in range(H):
+            for c0, c1 in _tiles(Nk, block_c):
+                K_j, V_j = k[b, h, c0:c1], v[b, h, c0:c1]
+                dK_j = np.zeros_like(K_j)
+                dV_j = np.zeros_like(V_j)
+                for r0, r1 in _tiles(Nq, block_r):
+                    total += 1
+                    visible_ij = visible[b, h, r0:r1, c0:c1]
+                    if not visible_ij.any():
+                        skipped += 1
+                        continue
+                    Q_i, O_i, dO_i = q[b, h, r0:r1], o[b, h, r0:r1], do[b, h, r0:r1]
+                    S = _tile_scores(spec, Q_i, K_j, visible_ij)
+                    P = np.exp(S - _finite_or_zero(lse[b, h, r0:r1])[:, None])
+                    drop = _dropout_scale_block(spec, seed, offset, H, b, h,
+                                                np.arange(r0, r1), np.arange(c0, c1))
+                    dV_j += (P if drop is None else P * drop).T @ dO_i
+                    dP = dO_i @ V_j.T
+                    if drop is not None:
+                        dP = dP * drop
+                    D_i = (dO_i * O_i).sum(axis=1)
+                    dS = P * (dP - D_i[:, None])
+                    dq[b, h, r0:r1] += spec.scale * (dS @ K_j)
+                    dK_j += spec.scale * (dS.T @ Q_i)
+                dk[b, h, c0:c1] = dK_j
+                dv[b, h, c0:c1] = dV_j
+    _record(stats, total, skipped)
+    return dq, dk, dv

@@ -1,0 +1,260 @@
+"""Stage 2: the tile solver (sympy).
+
+Symbols Br, Bc (query rows and key columns of a tile), d (head dim) and W (warps per block).
+Every template family declares its own footprint as sympy expressions over those symbols: the shared
+memory it allocates and the registers one thread needs. The solver substitutes the spec, enumerates
+the tile sizes the family can realise, keeps the ones that satisfy every constraint (footprint <=
+budget, registers <= the target's ceiling, the family's multiples, block-sparse granularity) and ranks
+them by the HBM traffic the loop order implies, ties broken by resident warps per multiprocessor.
+
+The FlashAttention-1 paper's constraint Br*d + 2*Bc*d + 2*Br*Bc <= M (M in elements of the dtype)
+is always evaluated and reported, and `tile_policy: paper` uses its closed form verbatim.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Optional
+
+import sympy as sp
+
+from fagen.spec import Spec, SpecError
+from fagen.target import Target, target_for
+
+Br, Bc, d, W, E = sp.symbols("Br Bc d W E", positive=True, integer=True)
+M = sp.Symbol("M", positive=True, integer=True)
+
+#: The paper's SRAM constraint: Q_i, K_j, V_j and S, P of one (i, j) step fit in M elements.
+PAPER_CONSTRAINT = sp.Le(Br * d + 2 * Bc * d + 2 * Br * Bc, M)
+
+#: Sequence length at which traffic is compared (the ranking does not change with N for N >> tiles).
+RANKING_SEQ_LEN = 4096
+
+TILE_CHOICES = (16, 32, 64, 128)
+REGISTER_OVERHEAD = 40  # indices, pointers, loop state: measured against ptxas on the SIMT templates
+
+
+class InfeasibleSpec(SpecError):
+    """No tile plan satisfies the constraints; the message names the constraint and a budget that works."""
+
+
+@dataclass(frozen=True)
+class Family:
+    """A template family and the footprint it declares."""
+
+    name: str
+    template: str
+    passes: tuple[str, ...]
+    smem_bytes: sp.Expr              # over Br, Bc, d, W, E (element bytes)
+    registers: sp.Expr               # per thread
+    warps: tuple[int, ...]
+    stages: int = 1
+    tensor_cores: bool = False
+    br_multiple_of_warps: int = 0    # Br == this * W (one MMA row slab per warp), 0: free
+    dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
+    loop_orders: tuple[str, ...] = ("fa1", "fa2")
+    any_tile: bool = True            # handles any Br, Bc (needed by the paper policy)
+
+
+# Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
+# backward V) rows are padded by one 4-byte bank word, hence the 4*Bc terms.
+_forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, V_j, then S/P in fp32
+_forward_registers = sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD  # O_i accumulators
+
+FAMILIES: tuple[Family, ...] = (
+    # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
+    Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
+           smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
+           warps=(4, 8), loop_orders=("fa2",)),
+    # FlashAttention-1 Algorithm 1: O/l/m live in HBM between (i, j) steps; m~, l~ and two weights per row.
+    Family("forward_fa1_simt", "forward_fa1_simt.cu.j2", ("forward",),
+           smem_bytes=_forward_tiles + 4 * 4 * Br, registers=_forward_registers,
+           warps=(4, 8), loop_orders=("fa1",)),
+    # FlashAttention-1 Algorithm 4: Q_i, dO_i, K_j, V_j in the dtype, P and dS as fp32 tiles, LSE and D
+    # per row; dK_j, dV_j accumulate in registers (and dQ_i in the deterministic second pass).
+    Family("backward_simt", "backward_simt.cu.j2", ("backward",),
+           smem_bytes=E * (2 * Br * d + 2 * Bc * d) + 8 * Bc + 8 * Br * Bc + 2 * 4 * Br,
+           # ~5 registers per dK/dV accumulator pair: calibrated against ptxas (d=96, Bc=128, 8 warps: 242-247)
+           registers=sp.Max(5 * sp.ceiling(Bc * d / (32 * W)) + 16, sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD),
+           warps=(4, 8)),
+)
+
+
+@dataclass(frozen=True)
+class Plan:
+    family: str
+    template: str
+    block_r: int
+    block_c: int
+    warps: int
+    stages: int
+    threads: int
+    smem_bytes: int
+    registers_estimate: int
+    hbm_bytes: int
+    resident_warps: int
+
+    def rank_key(self) -> tuple:
+        """Lower is better: traffic, then occupancy, then bigger tiles (fewer barriers), then fewer warps."""
+        return (self.hbm_bytes, -self.resident_warps, -self.block_r * self.block_c, self.warps)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Solution:
+    spec: Spec
+    policy: str
+    target: Target
+    budget_bytes: int
+    plans: dict[str, Plan]
+    candidates: dict[str, tuple[Plan, ...]]
+    paper: dict = field(default_factory=dict)
+
+    @property
+    def primary(self) -> Plan:
+        return self.plans["forward"] if "forward" in self.plans else self.plans["backward"]
+
+    def to_dict(self) -> dict:
+        primary = self.primary
+        return {
+            "name": self.spec.variant_name,
+            "policy": self.policy,
+            "arch": self.target.arch,
+            "budget_bytes": self.budget_bytes,
+            "template": primary.template,
+            "block_r": primary.block_r,
+            "block_c": primary.block_c,
+            "warps": primary.warps,
+            "stages": primary.stages,
+            "smem_bytes": primary.smem_bytes,
+            "constraint": self.paper,
+            "candidates": [c.to_dict() for c in self.candidates[_primary_pass(self.plans)][:8]],
+            "passes": {name: {**plan.to_dict(), "candidates": [c.to_dict() for c in self.candidates[name][:8]]}
+                       for name, plan in self.plans.items()},
+        }
+
+
+def _primary_pass(plans: dict) -> str:
+    return "forward" if "forward" in plans else "backward"
+
+
+# ---- the paper ------------------------------------------------------------------------------
+def paper_tiles(head_dim: int, m_elements: int) -> tuple[int, int]:
+    """FlashAttention-1's closed form: Bc = ceil(M / 4d), Br = min(ceil(M / 4d), d)."""
+    block_c = math.ceil(m_elements / (4 * head_dim))
+    return min(block_c, head_dim), block_c
+
+
+def paper_report(head_dim: int, m_elements: int, block_r: int, block_c: int) -> dict:
+    lhs_expr = PAPER_CONSTRAINT.lhs
+    lhs = int(lhs_expr.subs({Br: block_r, Bc: block_c, d: head_dim}))
+    holds = bool(PAPER_CONSTRAINT.subs({Br: block_r, Bc: block_c, d: head_dim, M: m_elements}))
+    return {"expression": str(PAPER_CONSTRAINT), "lhs": lhs, "rhs": m_elements, "holds": holds,
+            "block_r": block_r, "block_c": block_c}
+
+
+# ---- traffic models -------------------------------------------------------------------------
+def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = RANKING_SEQ_LEN) -> int:
+    """Bytes the loop order moves through HBM for one (batch, head) at Nq = Nk = n (design.md)."""
+    e, hd = spec.element_bytes, spec.head_dim
+    row_blocks, col_blocks = math.ceil(n / block_r), math.ceil(n / block_c)
+    if pass_name == "forward" and spec.loop_order == "fa2":
+        # Q read and O, LSE written once; K and V read once per Q row block.
+        return e * n * hd * 2 + 4 * n + row_blocks * 2 * e * n * hd
+    if pass_name == "forward":
+        # K, V read once; per column block, Q read and O (fp32), l, m read and written.
+        return 2 * e * n * hd + col_blocks * (e * n * hd + 2 * 4 * n * hd + 4 * 4 * n) + e * n * hd + 4 * n
+    # Algorithm 4: K, V read, dK, dV written once; per column block Q, dO, LSE, D read, dQ (fp32) read+written.
+    return 4 * e * n * hd + col_blocks * (2 * e * n * hd + 2 * 4 * n + 2 * 4 * n * hd)
+
+
+# ---- the solve ------------------------------------------------------------------------------
+def families_for(spec: Spec, pass_name: str) -> list[Family]:
+    return [f for f in FAMILIES
+            if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders]
+
+
+def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
+             block_r: int, block_c: int, warps: int) -> tuple[Plan, list[str]]:
+    """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
+    values = {Br: block_r, Bc: block_c, d: spec.head_dim, W: warps, E: spec.element_bytes}
+    smem = int(family.smem_bytes.subs(values))
+    regs = int(family.registers.subs(values))
+    threads = 32 * warps
+    broken = []
+    if regs > target.registers_per_thread:
+        broken.append(f"registers {family.registers} = {regs} <= {target.registers_per_thread}")
+    if family.br_multiple_of_warps and block_r != family.br_multiple_of_warps * warps:
+        broken.append(f"Br = {family.br_multiple_of_warps}*W")
+    if not family.any_tile and (block_r % 16 or block_c % 16):
+        broken.append("Br, Bc multiples of 16 (tensor-core tiles)")
+    if spec.mask == "block_sparse" and (spec.block_size % block_r or spec.block_size % block_c):
+        broken.append(f"Br and Bc divide block_size {spec.block_size}")
+    blocks_by_smem = target.smem_per_sm // max(smem, 1)
+    blocks_by_regs = target.registers_per_sm // max(regs * threads, 1)
+    blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
+    plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
+                hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps)
+    return plan, broken
+
+
+def _budget(spec: Spec, target: Target) -> int:
+    return min(spec.sram_budget, target.smem_per_block) if spec.sram_budget else target.smem_per_block
+
+
+def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = None) -> Solution:
+    target = target or target_for(spec.arch)
+    policy = policy or spec.tile_policy
+    if policy not in ("paper", "auto"):
+        raise SpecError(f"policy {policy!r} is not allowed: paper or auto")
+    budget = _budget(spec, target)
+    m_elements = (spec.sram_budget or target.smem_per_block) // spec.element_bytes
+    paper_r, paper_c = paper_tiles(spec.head_dim, m_elements)
+    plans, candidates = {}, {}
+    for pass_name in spec.passes:
+        ranked = []
+        failures = []
+        for family in families_for(spec, pass_name):
+            for warps in family.warps:
+                tiles = [(paper_r, paper_c)] if policy == "paper" else \
+                    [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
+                for block_r, block_c in tiles:
+                    plan, broken = evaluate(family, spec, target, pass_name, block_r, block_c, warps)
+                    # The paper policy fixes the tiles from M; the template must still fit the hardware.
+                    limit = target.smem_per_block if policy == "paper" else budget
+                    if plan.smem_bytes > limit:
+                        broken.append(f"shared memory {family.smem_bytes} = {plan.smem_bytes} <= {limit}")
+                    if broken:
+                        failures.append((plan, broken))
+                    else:
+                        ranked.append(plan)
+            if ranked:
+                break  # families are listed fastest first; the first that can realise the spec wins
+        if not ranked:
+            raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
+        ranked.sort(key=Plan.rank_key)
+        plans[pass_name] = ranked[0]
+        candidates[pass_name] = tuple(ranked)
+    paper = paper_report(spec.head_dim, m_elements, paper_r, paper_c)
+    return Solution(spec, policy, target, budget, plans, candidates, paper)
+
+
+def _infeasible_message(spec, target, pass_name, policy, budget, failures) -> str:
+    if not failures:
+        return f"{spec.variant_name}: no template implements the {pass_name} pass for this spec"
+    smem_only = [f for f in failures if all(b.startswith("shared memory") for b in f[1])]
+    smallest = min(smem_only or failures, key=lambda f: f[0].smem_bytes)
+    non_smem = [] if smem_only else [b for b in smallest[1] if not b.startswith("shared memory")]
+    if policy == "paper":
+        plan = smallest[0]
+        return (f"{spec.variant_name}: the paper's tiles Br={plan.block_r}, Bc={plan.block_c} break "
+                f"{'; '.join(smallest[1])} in {plan.family}; use a smaller sram_budget or tile_policy: auto")
+    if non_smem:
+        return f"{spec.variant_name}: {pass_name}: no tile plan satisfies {non_smem[0]}"
+    need = smallest[0].smem_bytes
+    return (f"{spec.variant_name}: sram_budget {budget} bytes is too small for the {pass_name} pass: "
+            f"{smallest[0].family} needs shared memory {need} bytes at its smallest tiles "
+            f"(Br={smallest[0].block_r}, Bc={smallest[0].block_c}); the smallest budget that works is {need} bytes"
+            + ("" if need <= target.smem_per_block else f", above the {target.arch} limit {target.smem_per_block}"))

@@ -1,0 +1,271 @@
+"""Stage 1: the attention spec.
+
+A `Spec` is the algorithm written once (Halide's split: the schedule, Br/Bc, is the solver's job).
+It is frozen, validated by pydantic, loadable from YAML (one spec or a list of variants), and has a
+canonical name that is a pure function of every field.
+"""
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+DTYPES = ("fp16", "bf16", "fp32")
+MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
+LOOP_ORDERS = ("fa1", "fa2")
+ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
+PASSES = ("forward", "backward")
+TILE_POLICIES = ("paper", "auto")
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?i?[bB]?)\s*$")
+
+
+class SpecError(ValueError):
+    """A spec that cannot be built; the message is one line naming file, field, value and what is allowed."""
+
+
+def parse_bytes(value: Union[int, str]) -> int:
+    """`49152`, `"48KiB"`, `"48 KB"` -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("must be a number of bytes or a size such as '48KiB'")
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    match = _SIZE_RE.match(str(value))
+    if not match or match.group(2).lower() not in _SIZE_UNITS:
+        raise ValueError(f"{value!r} is not a size: write bytes (49152) or a size such as '48KiB' or '96KB'")
+    number, unit = match.groups()
+    return int(float(number) * _SIZE_UNITS[unit.lower()])
+
+
+class Spec(BaseModel):
+    """One attention variant. Field docs become the JSON Schema's descriptions (`fagen schema`)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+
+    name: Optional[str] = Field(None, description="Variant name; default derived from every other field.")
+    head_dim: int = Field(..., description="Head dimension d: 32..256, a multiple of 8.")
+    dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
+    mask: Literal["none", "causal", "sliding_window", "padding", "block_sparse"] = Field(
+        "none", description="Which (query, key) pairs are visible.")
+    window: Optional[int] = Field(
+        None, description="sliding_window only: each query sees itself and the window-1 keys before it.")
+    block_size: Optional[int] = Field(
+        None, description="block_sparse only: granularity of the run-time block layout (16..256, power of 2).")
+    dropout: float = Field(0.0, description="Dropout probability on the attention weights, in [0, 1).")
+    softmax_scale: Optional[float] = Field(None, description="Scale tau applied to Q.K^T; default 1/sqrt(head_dim).")
+    loop_order: Literal["fa1", "fa2"] = Field(
+        "fa2", description="fa1: K/V blocks outer, O/l/m in HBM (FlashAttention-1). fa2: Q blocks outer.")
+    sram_budget: Optional[Union[int, str]] = Field(
+        None, description="Shared memory per block in bytes or as '48KiB'; default: the target's per-block limit.")
+    tile_policy: Literal["paper", "auto"] = Field(
+        "auto", description="paper: the FlashAttention-1 closed form; auto: the template's own footprint.")
+    arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = Field("sm_90", description="GPU architecture to build for.")
+    passes: tuple[Literal["forward", "backward"], ...] = Field(
+        ("forward", "backward"), description="Which kernels to generate.")
+    deterministic: bool = Field(False, description="Backward without atomics: bitwise-reproducible dq.")
+
+    @field_validator("head_dim")
+    @classmethod
+    def _head_dim(cls, value: int) -> int:
+        if not (32 <= value <= 256 and value % 8 == 0):
+            raise ValueError(f"{value} is not allowed: head_dim must be a multiple of 8 from 32 to 256")
+        return value
+
+    @field_validator("dropout")
+    @classmethod
+    def _dropout(cls, value: float) -> float:
+        if not (0.0 <= value < 1.0):
+            raise ValueError(f"{value} is not allowed: dropout is a probability in [0, 1)")
+        return float(value)
+
+    @field_validator("softmax_scale")
+    @classmethod
+    def _scale(cls, value: Optional[float]) -> Optional[float]:
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ValueError(f"{value} is not allowed: softmax_scale must be a positive finite number")
+        return value
+
+    @field_validator("sram_budget")
+    @classmethod
+    def _budget(cls, value: Union[int, str, None]) -> Optional[int]:
+        if value is None:
+            return None
+        nbytes = parse_bytes(value)
+        if nbytes <= 0:
+            raise ValueError(f"{value!r} is not allowed: sram_budget must be positive")
+        return nbytes
+
+    @field_validator("passes", mode="before")
+    @classmethod
+    def _passes(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            value = [value]
+        if isinstance(value, (list, tuple)):
+            if not value:
+                raise ValueError("at least one of forward, backward is needed")
+            if len(set(value)) != len(value):
+                raise ValueError(f"{list(value)} names a pass twice")
+            return tuple(sorted(value, key=lambda p: PASSES.index(p) if p in PASSES else 99))
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: Optional[str]) -> Optional[str]:
+        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,80}", value):
+            raise ValueError(f"{value!r} is not allowed: a name is a C identifier (letters, digits, _)")
+        return value
+
+    @model_validator(mode="after")
+    def _mask_parameters(self) -> "Spec":
+        if self.mask == "sliding_window":
+            if self.window is None or self.window < 1:
+                raise ValueError("mask sliding_window needs `window`, a positive number of keys")
+        elif self.window is not None:
+            raise ValueError(f"window is only for mask sliding_window, not {self.mask}")
+        if self.mask == "block_sparse":
+            size = self.block_size
+            if size is None or size < 16 or size > 256 or size & (size - 1):
+                raise ValueError(f"mask block_sparse needs `block_size`, a power of 2 from 16 to 256 (got {size})")
+        elif self.block_size is not None:
+            raise ValueError(f"block_size is only for mask block_sparse, not {self.mask}")
+        if self.deterministic and "backward" not in self.passes:
+            raise ValueError("deterministic only changes the backward pass, which passes does not include")
+        return self
+
+    # ---- derived values -------------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def element_bytes(self) -> int:
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def canonical_name(self) -> str:
+        """A readable identifier that is a pure function of every field except `name`."""
+        parts = [f"d{self.head_dim}", self.dtype, self.mask.replace("_", "")]
+        if self.window is not None:
+            parts[-1] += f"{self.window}"
+        if self.block_size is not None:
+            parts[-1] += f"{self.block_size}"
+        if self.dropout:
+            parts.append("drop" + _number_slug(self.dropout))
+        parts += [self.loop_order, self.arch.replace("_", "")]
+        if self.softmax_scale is not None:
+            parts.append("scale" + _number_slug(self.softmax_scale))
+        if self.sram_budget is not None:
+            parts.append(f"m{self.sram_budget}")
+        if self.tile_policy != "auto":
+            parts.append(self.tile_policy)
+        if self.passes != PASSES:
+            parts.append("".join(p[:3] for p in self.passes))
+        if self.deterministic:
+            parts.append("det")
+        return "_".join(parts)
+
+    @property
+    def variant_name(self) -> str:
+        return self.name or self.canonical_name
+
+    def to_dict(self) -> dict:
+        """Every field, defaults included, JSON-ready."""
+        data = self.model_dump(mode="json")
+        data["passes"] = list(self.passes)
+        return data
+
+    def canonical_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _number_slug(value: float) -> str:
+    return f"{value:g}".replace(".", "p").replace("-", "m").replace("+", "")
+
+
+# ---- loading -------------------------------------------------------------------------------
+def _field_names() -> list[str]:
+    return list(Spec.model_fields)
+
+
+def _format_error(error: dict, data: dict, where: str) -> str:
+    loc = ".".join(str(part) for part in error.get("loc", ())) or "spec"
+    kind = error.get("type", "")
+    if kind == "extra_forbidden":
+        guess = difflib.get_close_matches(str(error["loc"][-1]), _field_names(), n=1)
+        hint = f"; did you mean '{guess[0]}'?" if guess else f"; allowed fields: {', '.join(_field_names())}"
+        return f"{where}: unknown field '{loc}'{hint}"
+    if kind == "missing":
+        return f"{where}: field '{loc}' is required"
+    message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if kind == "literal_error":
+        given = error.get("input")
+        return f"{where}: {loc}: {given!r} is not allowed: {message}"
+    top = error["loc"][0] if error.get("loc") else None
+    if top in data and kind != "value_error":
+        return f"{where}: {loc}: {data[top]!r} is not allowed: {message}"
+    if top in data:
+        return f"{where}: {loc}: {message}"
+    return f"{where}: {message}"
+
+
+def spec_from_dict(data: Any, where: str = "spec") -> Spec:
+    """Validate one mapping; on failure raise SpecError with a one-line, located message."""
+    if isinstance(data, Spec):
+        return data
+    if not isinstance(data, dict):
+        raise SpecError(f"{where}: a spec is a mapping of fields, got {type(data).__name__}")
+    try:
+        return Spec(**data)
+    except ValidationError as err:
+        raise SpecError(_format_error(err.errors()[0], data, where)) from None
+    except TypeError as err:  # non-string keys
+        raise SpecError(f"{where}: {err}") from None
+
+
+def load_specs(path: Union[str, Path]) -> list[Spec]:
+    """A YAML file holding one spec (a mapping) or a list of variants."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise SpecError(f"{path}: cannot read spec file: {err.strerror or err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = f" line {mark.line + 1}" if mark else ""
+        raise SpecError(f"{path}:{line}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if isinstance(data, dict) and "variants" in data and len(data) == 1:
+        data = data["variants"]
+    items = data if isinstance(data, list) else [data]
+    if not items:
+        raise SpecError(f"{path}: holds no spec")
+    specs = [spec_from_dict(item, f"{path}: variant {n + 1}" if len(items) > 1 else str(path))
+             for n, item in enumerate(items)]
+    names = [s.variant_name for s in specs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise SpecError(f"{path}: two variants share the name {dupes[0]}; give each a distinct `name`")
+    return specs
+
+
+def json_schema() -> dict:
+    schema = Spec.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["title"] = "fagen attention spec"
+    single = dict(schema)
+    defs = single.pop("$defs", None)
+    out = {"$schema": schema["$schema"], "title": schema["title"],
+           "oneOf": [{"$ref": "#/$defs/Spec"}, {"type": "array", "items": {"$ref": "#/$defs/Spec"}, "minItems": 1}],
+           "$defs": {**(defs or {}), "Spec": {k: v for k, v in single.items() if k not in ("$schema",)}}}
+    return out

@@ -1,0 +1,60 @@
+"""Stage 1b: the GPU's limits as plain data (tinygrad's habit: hardware is a table, not code).
+
+The solver reads only this. When a GPU is present, `Target.from_device()` reads the same numbers off
+it through PyCUDA (imported lazily so that the CPU pipeline never needs it).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(frozen=True)
+class Target:
+    arch: str                    # "sm_90"
+    smem_per_block: int          # bytes a block may opt in to (cudaDevAttrMaxSharedMemoryPerBlockOptin)
+    smem_per_sm: int             # bytes of shared memory per multiprocessor
+    registers_per_thread: int    # hard ceiling the compiler can give one thread
+    registers_per_sm: int
+    max_threads_per_sm: int
+    sm_count: int
+    name: str = "table"
+
+    def with_sm_count(self, sm_count: int) -> "Target":
+        return replace(self, sm_count=sm_count)
+
+
+# Numbers from the CUDA programming guide's per-compute-capability table; sm_count is a typical
+# part (A100, A10/3090, L4/4090, H100 SXM) and only sizes launch grids, never correctness.
+TARGETS: dict[str, Target] = {
+    "sm_80": Target("sm_80", 166912, 167936, 255, 65536, 2048, 108, "A100 (table)"),
+    "sm_86": Target("sm_86", 101376, 102400, 255, 65536, 1536, 84, "GA10x (table)"),
+    "sm_89": Target("sm_89", 101376, 102400, 255, 65536, 1536, 128, "AD10x (table)"),
+    "sm_90": Target("sm_90", 232448, 233472, 255, 65536, 2048, 132, "H100 (table)"),
+}
+
+
+def target_for(arch: str) -> Target:
+    try:
+        return TARGETS[arch]
+    except KeyError:
+        raise ValueError(f"unknown arch {arch!r}: allowed {', '.join(TARGETS)}") from None
+
+
+def from_device(device_index: int = 0) -> Target:
+    """Read the limits off a live GPU (needs pycuda and a CUDA context-capable device)."""
+    import pycuda.driver as cuda  # lazy: the CPU pipeline never imports pycuda
+
+    cuda.init()
+    dev = cuda.Device(device_index)
+    attr = cuda.device_attribute
+    major, minor = dev.compute_capability()
+    return Target(
+        arch=f"sm_{major}{minor}",
+        smem_per_block=dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
+        smem_per_sm=dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        registers_per_thread=255,
+        registers_per_sm=dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR),
+        max_threads_per_sm=dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR),
+        sm_count=dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
+        name=dev.name(),
+    )

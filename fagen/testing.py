@@ -1,0 +1,160 @@
+"""Property testing for users' variants (and fagen's own GPU tests): hypothesis strategies for a spec's
+shapes, inputs and run-time arguments, and `assert_matches_reference`, which runs a compiled kernel
+on fresh random inputs with NaN-poisoned outputs and compares it with the float64 reference.
+
+    from hypothesis import given
+    from fagen.testing import cases, assert_matches_reference
+
+    @given(case=cases(my_spec))
+    def test_my_variant(case):
+        assert_matches_reference(my_spec, case, backward=True)
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+import numpy as np
+from hypothesis import strategies as st
+
+from fagen import reference
+from fagen.spec import Spec
+
+#: ||out - ref||_F / ||ref||_F allowed per dtype (design.md); fp32 runs on CUDA cores, no tf32.
+TOLERANCES = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2}
+HEAD_DIMS = (32, 64, 96, 128, 256)
+
+
+@dataclass(frozen=True)
+class Case:
+    """One drawn test case; everything needed to replay it is in its repr."""
+
+    batch: int
+    heads: int
+    seq_q: int
+    seq_k: int
+    layout: str                       # "bhnd" (contiguous) or "bnhd" (strided, transposed view)
+    data_seed: int                    # seeds the inputs (numpy generator)
+    seed: int                         # dropout seed
+    offset: int                       # dropout offset
+    kv_lengths: Optional[tuple] = None
+    block_mask: Optional[tuple] = field(default=None, repr=True)
+
+    def runtime_args(self) -> dict:
+        args = {"seed": self.seed, "offset": self.offset}
+        if self.kv_lengths is not None:
+            args["kv_lengths"] = np.array(self.kv_lengths, dtype=np.int32)
+        if self.block_mask is not None:
+            args["block_mask"] = np.array(self.block_mask, dtype=np.uint8)
+        return args
+
+
+@st.composite
+def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: int = 3) -> Case:
+    """Shapes (including 1 and non-multiples of any tile), layouts and run-time arguments for `spec`."""
+    seq = st.one_of(st.sampled_from([1, 2, 17, 63, 64, 65, 128, 129]), st.integers(1, max_seq))
+    batch, heads = draw(st.integers(1, max_batch)), draw(st.integers(1, max_heads))
+    seq_q, seq_k = draw(seq), draw(seq)
+    if draw(st.booleans()):
+        seq_k = seq_q
+    kv_lengths = block_mask = None
+    if spec.mask == "padding":
+        kv_lengths = tuple(draw(st.lists(st.integers(0, seq_k), min_size=batch, max_size=batch)))
+    if spec.mask == "block_sparse":
+        blocks = (math.ceil(seq_q / spec.block_size), math.ceil(seq_k / spec.block_size))
+        per_head = draw(st.booleans())
+        shape = (batch, heads, *blocks) if per_head else blocks
+        flat = draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
+        block_mask = tuple(np.array(flat, dtype=np.uint8).reshape(shape).tolist())
+    return Case(batch, heads, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
+                draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
+                kv_lengths, block_mask)
+
+
+def specs(dtypes=("fp16", "bf16", "fp32"), head_dims=HEAD_DIMS, loop_orders=("fa1", "fa2"), dropout=True):
+    """Random specs over every mask kind."""
+    @st.composite
+    def build(draw):
+        mask = draw(st.sampled_from(["none", "causal", "sliding_window", "padding", "block_sparse"]))
+        fields = {"head_dim": draw(st.sampled_from(head_dims)), "dtype": draw(st.sampled_from(dtypes)),
+                  "mask": mask, "loop_order": draw(st.sampled_from(loop_orders)),
+                  "dropout": draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])) if dropout else 0.0}
+        if mask == "sliding_window":
+            fields["window"] = draw(st.integers(1, 200))
+        if mask == "block_sparse":
+            fields["block_size"] = draw(st.sampled_from([32, 64, 128]))
+        return Spec(**fields)
+    return build()
+
+
+def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
+    """Fresh random torch tensors (never zeros) in the spec's dtype and the case's layout."""
+    import torch
+
+    rng = np.random.default_rng(case.data_seed)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    tensors = []
+    for name in names:
+        rows = case.seq_q if name in ("q", "do", "o") else case.seq_k
+        data = rng.standard_normal((case.batch, rows, case.heads, spec.head_dim)).astype(np.float32)
+        tensor = torch.from_numpy(data).to(device=device, dtype=dtype)      # (b, n, h, d) in memory
+        tensor = tensor.permute(0, 2, 1, 3)                                    # strided (b, h, n, d) view
+        tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)
+    return tensors
+
+
+def relative_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """||out - ref||_F / ||ref||_F, NaN or inf anywhere -> inf (never passes)."""
+    if not np.all(np.isfinite(out)):
+        return math.inf
+    denominator = np.linalg.norm(ref)
+    diff = np.linalg.norm(out - ref)
+    return float(diff / denominator) if denominator > 0 else float(diff)
+
+
+def _lse_error(out: np.ndarray, ref: np.ndarray) -> float:
+    """LSE: -inf exactly where the reference is -inf (rows with no visible key), else relative error."""
+    if np.isnan(out).any() or not np.array_equal(np.isneginf(out), np.isneginf(ref)):
+        return math.inf
+    finite = np.isfinite(ref)
+    return relative_error(out[finite], ref[finite]) if finite.any() else 0.0
+
+
+def _to_numpy(tensor) -> np.ndarray:
+    return tensor.detach().float().cpu().numpy().astype(np.float64)
+
+
+def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False) -> dict:
+    """Run forward (and backward) on fresh inputs with NaN-poisoned outputs; compare with reference.
+
+    Returns {name: relative error}; raises AssertionError naming the worst output and the case."""
+    import torch
+
+    from fagen.runtime import Kernel, compile as compile_spec
+
+    kernel = spec_or_kernel if isinstance(spec_or_kernel, Kernel) else compile_spec(spec_or_kernel)
+    spec = kernel.spec
+    q, k, v = make_inputs(spec, case)
+    runtime = case.runtime_args()
+    o = torch.full_like(q.contiguous(), float("nan"))
+    lse = torch.full((case.batch, case.heads, case.seq_q), float("nan"), device=q.device)
+    kernel.forward(q, k, v, out=(o, lse), **runtime)
+    ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
+                "seed": case.seed, "offset": case.offset}
+    qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
+    ref_o, ref_lse = reference.attention_forward(qn, kn, vn, spec, **ref_args)
+    errors = {"o": relative_error(_to_numpy(o), ref_o), "lse": _lse_error(_to_numpy(lse), ref_lse)}
+    if backward:
+        (do,) = make_inputs(spec, Case(**{**case.__dict__, "data_seed": case.data_seed + 1}), names=("do",))
+        grads = tuple(torch.full_like(t.contiguous(), float("nan")) for t in (q, k, v))
+        kernel.backward(q, k, v, o, lse, do, out=grads, **runtime)
+        ref_grads = reference.attention_backward(qn, kn, vn, _to_numpy(do), spec, **ref_args)
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            errors[name] = relative_error(_to_numpy(got), ref)
+    tolerance = TOLERANCES[spec.dtype]
+    worst = max(errors, key=errors.get)
+    assert errors[worst] <= tolerance, (
+        f"{spec.variant_name}: {worst} relative error {errors[worst]:.3g} > {tolerance:g} "
+        f"(all: { {k: float(f'{v:.3g}') for k, v in errors.items()} }) for {case!r}")
+    return errors

@@ -1,0 +1,169 @@
+// fagen: device helpers shared by every attention template (templates/attention_common.cuh).
+// Named after the maths so that kernel bodies read like the FlashAttention pseudocode.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+namespace fagen {
+
+// ---- the launch arguments ------------------------------------------------------------------
+// One struct for every kernel, passed by value. Every field is 8 bytes so that the host side
+// (numpy structured dtype in fagen/runtime.py) and this layout agree without padding rules.
+struct AttentionArgs {
+  const void* q;
+  const void* k;
+  const void* v;
+  void* o;
+  float* lse;            // (batch, heads, seq_q), natural log, -inf for rows with no visible key
+  const void* d_o;       // backward only
+  void* dq;
+  void* dk;
+  void* dv;
+  float* dq_accum;       // fp32 (batch, heads, seq_q, head_dim), zeroed by the host; atomics target
+  float* delta;          // D_i = rowsum(dO_i * O_i), (batch, heads, seq_q)
+  float* o_accum;        // fa1: O in HBM between (i, j) steps, fp32 (batch, heads, seq_q, head_dim)
+  float* row_max;        // fa1: m in HBM, log2 domain
+  float* row_sum;        // fa1: l in HBM
+  long long q_stride[3];  // batch, head, row strides in elements (the last dim is contiguous)
+  long long k_stride[3];
+  long long v_stride[3];
+  long long o_stride[3];
+  long long do_stride[3];
+  long long dq_stride[3];
+  long long dk_stride[3];
+  long long dv_stride[3];
+  long long batch, heads, seq_q, seq_k;
+  const int* kv_lengths;              // padding: keys visible per batch entry
+  const unsigned char* block_mask;    // block_sparse: layout over (q block, k block), nonzero = visible
+  long long block_mask_stride[4];     // batch, head, q block, k block (0 = broadcast)
+  unsigned long long seed, offset;    // dropout: Philox key and counter word
+  long long row_groups;               // fa1: blocks sharing one (batch, head)
+};
+
+enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_SLIDING_WINDOW = 2, MASK_PADDING = 3, MASK_BLOCK_SPARSE = 4 };
+
+// ---- element conversion --------------------------------------------------------------------
+__device__ __forceinline__ float to_float(float x) { return x; }
+__device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T> __device__ __forceinline__ T from_float(float x);
+template <> __device__ __forceinline__ float from_float<float>(float x) { return x; }
+template <> __device__ __forceinline__ __half from_float<__half>(float x) { return __float2half_rn(x); }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
+
+// ---- reductions across a warp ----------------------------------------------------------------
+__device__ __forceinline__ float warp_max(float x) {
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
+  return x;
+}
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
+  return x;
+}
+
+// exp2 of (x - m) where m may still be -inf for a row that has seen no visible key:
+// FlashAttention's convention, so that such rows give 0 instead of NaN.
+__device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
+
+// ---- dropout: counter-based Philox4x32-10 ----------------------------------------------------
+// The mask of element (b, h, row, col) depends only on (seed, offset) and those indices, never on
+// the tiling or the loop order, so the backward regenerates it and fagen/reference.py matches it.
+__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+#pragma unroll
+  for (int round = 0; round < 10; ++round) {
+    if (round > 0) {
+      key.x += 0x9E3779B9u;
+      key.y += 0xBB67AE85u;
+    }
+    const unsigned hi0 = __umulhi(0xD2511F53u, counter.x), lo0 = 0xD2511F53u * counter.x;
+    const unsigned hi1 = __umulhi(0xCD9E8D57u, counter.z), lo1 = 0xCD9E8D57u * counter.z;
+    counter = make_uint4(hi1 ^ counter.y ^ key.x, lo1, hi0 ^ counter.w ^ key.y, lo0);
+  }
+  return counter;
+}
+
+// Kept iff the element's 32-bit draw is >= threshold = floor(p * 2^32).
+__device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long long bh, int row, int col,
+                                             unsigned threshold) {
+  const uint4 counter = make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset);
+  const uint2 key = make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32));
+  const uint4 draw = philox4x32_10(counter, key);
+  const unsigned word = (col & 3) == 0 ? draw.x : (col & 3) == 1 ? draw.y : (col & 3) == 2 ? draw.z : draw.w;
+  return word >= threshold;
+}
+
+// ---- masks ---------------------------------------------------------------------------------
+// Which keys a query sees, for one (batch, head). Queries and keys are aligned bottom-right
+// (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
+template <int MASK, int WINDOW, int GRAIN>
+struct Visibility {
+  int shift;
+  int key_count;  // keys that exist (padding: this batch entry's length)
+  const unsigned char* layout;
+  long long layout_q_stride, layout_k_stride;
+
+  __device__ Visibility(const AttentionArgs& args, long long b, long long h) {
+    shift = (int)(args.seq_k - args.seq_q);
+    key_count = (int)args.seq_k;
+    if (MASK == MASK_PADDING) key_count = min(key_count, max(args.kv_lengths[b], 0));
+    layout = nullptr;
+    layout_q_stride = layout_k_stride = 0;
+    if (MASK == MASK_BLOCK_SPARSE) {
+      layout = args.block_mask + b * args.block_mask_stride[0] + h * args.block_mask_stride[1];
+      layout_q_stride = args.block_mask_stride[2];
+      layout_k_stride = args.block_mask_stride[3];
+    }
+  }
+
+  __device__ __forceinline__ bool visible(int row, int col) const {
+    if (col >= key_count) return false;
+    if (MASK == MASK_CAUSAL) return col <= row + shift;
+    if (MASK == MASK_SLIDING_WINDOW) {
+      const int distance = row + shift - col;
+      return distance >= 0 && distance < WINDOW;
+    }
+    if (MASK == MASK_BLOCK_SPARSE) return layout[(row / GRAIN) * layout_q_stride + (col / GRAIN) * layout_k_stride] != 0;
+    return true;
+  }
+
+  // Does the tile rows [row0, row0 + rows) x cols [col0, col0 + cols) hold any visible element?
+  // A tile that holds none is skipped without loading K_j / V_j (block sparsity).
+  __device__ bool tile_has_visible(int row0, int rows, int col0, int cols) const {
+    if (rows <= 0 || cols <= 0 || col0 >= key_count) return false;
+    const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
+    if (MASK == MASK_CAUSAL) return col0 <= last_row + shift;
+    if (MASK == MASK_SLIDING_WINDOW) return last_row + shift - col0 >= 0 && row0 + shift - last_col < WINDOW;
+    if (MASK == MASK_BLOCK_SPARSE) {
+      for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
+        for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)
+          if (layout[qb * layout_q_stride + kb * layout_k_stride] != 0) return true;
+      return false;
+    }
+    return true;
+  }
+};
+
+// ---- tile movement -------------------------------------------------------------------------
+// Copy rows [row0, row0 + ROWS) of one (batch, head) slice into shared memory with a row pitch;
+// rows past `valid_rows` are zero so that padded lanes contribute nothing.
+template <int ROWS, int HEAD_DIM, int PITCH, int THREADS, typename T>
+__device__ __forceinline__ void load_tile(T* tile, const T* slice, long long row_stride, int row0, int valid_rows) {
+  for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
+    const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+    tile[r * PITCH + c] = r < valid_rows ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
+  }
+}
+
+template <int HEAD_DIM, typename A, typename B>
+__device__ __forceinline__ float dot_row(const A* a, const B* b) {
+  float acc = 0.f;
+#pragma unroll 8
+  for (int e = 0; e < HEAD_DIM; ++e) acc = fmaf(to_float(a[e]), to_float(b[e]), acc);
+  return acc;
+}
+
+}  // namespace fagen

@@ -1,0 +1,36 @@
+"""Hypothesis profiles: `ci` (derandomized, small fixed budget, never flaky) and `gpu` (more examples).
+
+Pick one with FAGEN_HYPOTHESIS_PROFILE (default `ci`) or hypothesis's own `--hypothesis-profile`.
+"""
+import os
+
+from hypothesis import settings
+
+settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True)
+settings.register_profile("gpu", max_examples=200, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("FAGEN_HYPOTHESIS_PROFILE", "ci"))
+
+
+def gpu_unavailable_reason():
+    """None when PyCUDA, PyTorch and a CUDA GPU are all present; otherwise why GPU tests skip."""
+    try:
+        import pycuda.driver  # noqa: F401
+    except ImportError:
+        return "PyCUDA is not installed (pip install -e '.[gpu]')"
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    import pytest
+
+    gpu_items = [item for item in items if "gpu" in item.keywords]
+    reason = gpu_unavailable_reason() if gpu_items else None
+    if reason:
+        for item in gpu_items:
+            item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))

@@ -1,0 +1,192 @@
+"""`fagen.build`: the files a build writes, the write-only-when-changed rule, the compile cache, failures."""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import re
+import types
+from pathlib import Path
+
+import pytest
+
+from fagen.build import build_all, build_variant, prepare, write_if_changed
+from fagen.render import render
+from fagen.solver import solve
+from fagen.spec import Spec, SpecError
+
+nvcc_stage = importlib.import_module("fagen.compile")
+needs_nvcc = pytest.mark.skipif(not nvcc_stage.nvcc_available(),
+                                reason="nvcc is not on PATH, so no .cubin can be built (install the CUDA toolkit)")
+
+# Forward only and small: the quickest kernel to compile.
+SMALL = Spec(head_dim=32, dtype="fp16", mask="causal", passes=("forward",))
+OLD = 1_000_000_000  # an mtime (2001) that a rewrite would replace
+
+
+def mtimes(paths) -> list[int]:
+    return [Path(p).stat().st_mtime_ns for p in paths]
+
+
+def age(paths) -> None:
+    for path in paths:
+        os.utime(path, (OLD, OLD))
+
+
+# ---- a real compile with nvcc -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """One real nvcc build shared by the tests below (compiling is the slow part)."""
+    if not nvcc_stage.nvcc_available():
+        pytest.skip("nvcc is not on PATH, so no .cubin can be built (install the CUDA toolkit)")
+    out = tmp_path_factory.mktemp("build")
+    return out, build_variant(SMALL, out)
+
+
+@needs_nvcc
+def test_build_writes_cu_json_and_cubin(built):
+    out, result = built
+    name = SMALL.variant_name
+    assert result.ok and result.compiled and not result.cached
+    assert result.files == {"cu": out / f"{name}.cu", "json": out / f"{name}.json", "cubin": out / f"{name}.cubin"}
+    assert sorted(p.name for p in out.iterdir()) == sorted(f"{name}{ext}" for ext in (".cu", ".cubin", ".json"))
+    assert (out / f"{name}.cu").read_text() == render(SMALL, solve(SMALL)).text
+    assert (out / f"{name}.cubin").read_bytes()[:4] == b"\x7fELF", "a cubin is an ELF image"
+
+    report = json.loads((out / f"{name}.json").read_text())
+    assert report["name"] == name and report["spec"] == SMALL.to_dict()
+    plan = solve(SMALL).primary
+    assert (report["solution"]["block_r"], report["solution"]["block_c"]) == (plan.block_r, plan.block_c)
+    assert report["template"] == plan.template
+    assert {"expression", "lhs", "rhs", "holds"} <= set(report["paper_constraint"])
+    compiled = report["compile"]
+    assert compiled["arch"] == "sm_90" and compiled["cubin"] == f"{name}.cubin"
+    assert compiled["command"] and compiled["seconds"] > 0
+    kernels = result.rendered.kernels["forward"]
+    assert set(kernels) <= set(compiled["resources"]), "ptxas reports every kernel of the variant"
+    for kernel in kernels:
+        usage = compiled["resources"][kernel]
+        assert 0 < usage["registers"] <= 255
+        assert {"smem_bytes", "spill_stores", "spill_loads"} <= set(usage)
+
+
+@needs_nvcc
+def test_second_build_rewrites_nothing_and_skips_nvcc(built, monkeypatch):
+    out, first = built
+    files = list(first.files.values())
+    age(files)
+    monkeypatch.setattr(nvcc_stage, "compile_cubin", lambda *a, **k: pytest.fail("nvcc ran for unchanged inputs"))
+    again = build_variant(SMALL, out)
+    assert again.written == [] and again.cached and again.compiled
+    assert mtimes(files) == [OLD * 10**9] * len(files)
+
+
+# ---- without nvcc: --no-compile and a stand-in compiler ----------------------------------------
+def test_no_compile_writes_no_cubin(tmp_path, monkeypatch):
+    monkeypatch.setattr(nvcc_stage, "compile_cubin", lambda *a, **k: pytest.fail("--no-compile ran nvcc"))
+    result = build_variant(SMALL, tmp_path, compile=False)
+    name = SMALL.variant_name
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f"{name}.cu", f"{name}.json"]
+    assert not result.compiled and result.skipped_reason == "--no-compile"
+    report = json.loads((tmp_path / f"{name}.json").read_text())
+    assert "compile" not in report and report["spec"] == SMALL.to_dict()
+
+    age(result.files.values())
+    again = build_variant(SMALL, tmp_path, compile=False)
+    assert again.written == [] and mtimes(again.files.values()) == [OLD * 10**9] * 2
+
+
+def fake_compiler(calls: list, fail_when: str = "\0"):
+    """A stand-in for compile_cubin: records calls, reports every fagen kernel in the source."""
+
+    def compile_cubin(source_text, arch, include_dir, out_path=None):
+        calls.append(arch)
+        if fail_when in source_text:
+            raise nvcc_stage.CompileError(f"ptxas error: out of registers in {fail_when}")
+        kernels = sorted(set(re.findall(r"\bfagen_(?:fwd|bwd)_\w+", source_text)))
+        usage = {"registers": 96, "smem_bytes": 0, "spill_stores": 8, "spill_loads": 4, "stack_bytes": 0}
+        return types.SimpleNamespace(cubin=b"\x7fELF" + source_text.encode()[:64],
+                                     resources={k: dict(usage) for k in kernels},
+                                     command=["nvcc", "-cubin", f"-arch={arch}"], seconds=0.25)
+
+    return compile_cubin
+
+
+@pytest.fixture
+def fake_nvcc(monkeypatch):
+    calls: list = []
+    monkeypatch.setattr(nvcc_stage, "nvcc_available", lambda: True)
+    monkeypatch.setattr(nvcc_stage, "compile_cubin", fake_compiler(calls))
+    return calls
+
+
+def test_report_records_what_ptxas_said(tmp_path, fake_nvcc):
+    result = build_variant(SMALL, tmp_path)
+    report = json.loads(result.files["json"].read_text())
+    assert report["compile"]["command"] == ["nvcc", "-cubin", "-arch=sm_90"]
+    assert report["compile"]["seconds"] == 0.25
+    for kernel in result.rendered.kernels["forward"]:
+        assert report["compile"]["resources"][kernel]["spill_stores"] == 8
+    assert result.resources == report["compile"]["resources"]
+    assert fake_nvcc == ["sm_90"]
+
+
+def test_cache_is_keyed_on_the_cubin_too(tmp_path, fake_nvcc):
+    result = build_variant(SMALL, tmp_path)
+    build_variant(SMALL, tmp_path)
+    assert len(fake_nvcc) == 1, "unchanged inputs: nvcc skipped"
+    result.files["cubin"].write_bytes(b"corrupt")
+    repaired = build_variant(SMALL, tmp_path)
+    assert len(fake_nvcc) == 2 and not repaired.cached
+    assert result.files["cubin"].read_bytes().startswith(b"\x7fELF")
+
+
+def test_stale_cubin_is_removed(tmp_path, fake_nvcc):
+    result = build_variant(SMALL, tmp_path)
+    report = json.loads(result.files["json"].read_text())
+    report["compile"]["inputs_key"] = "from an older template"
+    result.files["json"].write_text(json.dumps(report))
+    build_variant(SMALL, tmp_path, compile=False)
+    assert not result.files["cubin"].exists(), "a cubin of other inputs must not sit beside the new source"
+
+
+def test_arch_override(tmp_path, fake_nvcc):
+    result = build_variant(SMALL, tmp_path, arch="sm_80")
+    assert result.spec.arch == "sm_80" and result.name == SMALL.model_copy(update={"arch": "sm_80"}).canonical_name
+    assert json.loads(result.files["json"].read_text())["spec"]["arch"] == "sm_80"
+    assert fake_nvcc == ["sm_80"]
+
+
+def test_build_all_isolates_compile_failures(tmp_path, monkeypatch):
+    specs = [SMALL, Spec(head_dim=64, dtype="bf16", passes=("forward",)), Spec(head_dim=32, dtype="fp32")]
+    bad = prepare(specs[1]).rendered.kernels["forward"][0]
+    calls: list = []
+    monkeypatch.setattr(nvcc_stage, "nvcc_available", lambda: True)
+    monkeypatch.setattr(nvcc_stage, "compile_cubin", fake_compiler(calls, fail_when=bad))
+    finished = []
+    results = build_all(specs, tmp_path, jobs=3, progress=finished.append)
+    assert [r.spec for r in results] == specs, "results come back in the order of the specs"
+    assert sorted(id(r) for r in finished) == sorted(id(r) for r in results)
+    assert [r.ok for r in results] == [True, False, True]
+    assert "out of registers" in results[1].error
+    assert not (tmp_path / f"{specs[1].variant_name}.cubin").exists()
+    assert (tmp_path / f"{specs[1].variant_name}.cu").exists(), "the source is kept to look at"
+    with pytest.raises(nvcc_stage.CompileError, match="out of registers"):
+        build_variant(specs[1], tmp_path)
+
+
+def test_build_all_rejects_infeasible_specs_before_compiling(tmp_path, fake_nvcc):
+    with pytest.raises(SpecError, match="sram_budget"):
+        build_all([SMALL, Spec(head_dim=64, sram_budget="1KiB")], tmp_path)
+    assert fake_nvcc == [] and not any(tmp_path.iterdir())
+
+
+# ---- write_if_changed --------------------------------------------------------------------------
+def test_write_if_changed(tmp_path):
+    path = tmp_path / "sub" / "file.txt"
+    assert write_if_changed(path, b"one")
+    age([path])
+    assert not write_if_changed(path, b"one")
+    assert mtimes([path]) == [OLD * 10**9]
+    assert write_if_changed(path, b"two") and path.read_bytes() == b"two"
+    assert [p.name for p in path.parent.iterdir()] == ["file.txt"], "no temporary file left behind"

@@ -1,0 +1,522 @@
+"""The float64 reference: Philox, dropout, masks, dense attention and its gradients, tiled emulations.
+
+CPU only. Property tests draw a whole `Case` (shapes, mask, dropout, seeds, tiles); its repr is what
+hypothesis prints for a failure, and every array is regenerated from `data_seed`, so a failure is
+replayable from the printed line alone.
+"""
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import pytest
+from hypothesis import given, strategies as st
+
+from fagen.reference import (
+    attention_backward,
+    attention_forward,
+    dropout_bits,
+    dropout_keep_mask,
+    dropout_threshold,
+    philox4x32_10,
+    tiled_backward,
+    tiled_forward,
+    visible_mask,
+)
+from fagen.spec import Spec
+
+MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+def rel_err(out: np.ndarray, ref: np.ndarray, floor: float = 1.0) -> float:
+    """‖out − ref‖ / max(‖ref‖, floor) over the finite entries, after checking the -inf entries coincide.
+
+    Inputs are O(1), so the floor makes this an absolute error only where the result is small through
+    cancellation (dq when Nk = 1 is zero in exact arithmetic: the softmax of one key is constant), which
+    would otherwise turn float64 rounding noise into a relative error of 1.
+    """
+    assert not np.isnan(out).any(), "NaN in result"
+    assert np.array_equal(np.isneginf(out), np.isneginf(ref)), "-inf entries differ"
+    finite = np.isfinite(ref)
+    return np.linalg.norm(out[finite] - ref[finite]) / max(np.linalg.norm(ref[finite]), floor)
+
+
+def random_qkv(rng, B, H, Nq, Nk, d):
+    return (rng.standard_normal((B, H, Nq, d)), rng.standard_normal((B, H, Nk, d)),
+            rng.standard_normal((B, H, Nk, d)))
+
+
+def spec_for(mask: str, *, d: int = 32, dropout: float = 0.0, window: Optional[int] = None,
+             block_size: Optional[int] = None, loop_order: str = "fa2",
+             softmax_scale: Optional[float] = None) -> Spec:
+    return Spec(head_dim=d, dtype="fp32", mask=mask, dropout=dropout, loop_order=loop_order,
+                softmax_scale=softmax_scale,
+                window=window if mask == "sliding_window" else None,
+                block_size=block_size if mask == "block_sparse" else None)
+
+
+# ---- Philox ----------------------------------------------------------------------------------
+# Random123's kat_vectors for philox4x32 with 10 rounds.
+PHILOX_KAT = [
+    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
+]
+
+
+@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
+def test_philox_known_answers(counter, key, expected):
+    out = philox4x32_10(np.array(counter, dtype=np.uint32), np.array(key, dtype=np.uint32))
+    assert out.dtype == np.uint32
+    assert out.tolist() == list(expected)
+
+
+def test_philox_vectorises_and_broadcasts_the_key():
+    counters = np.array([c for c, _, _ in PHILOX_KAT], dtype=np.uint32)
+    keys = np.array([k for _, k, _ in PHILOX_KAT], dtype=np.uint32)
+    assert philox4x32_10(counters, keys).tolist() == [list(e) for _, _, e in PHILOX_KAT]
+    grid = np.random.default_rng(0).integers(0, 2**32, size=(3, 5, 4), dtype=np.uint64)
+    key = np.array([7, 2**32 - 3], dtype=np.uint32)
+    batched = philox4x32_10(grid, key)
+    assert batched.shape == (3, 5, 4)
+    for index in np.ndindex(3, 5):
+        assert batched[index].tolist() == philox4x32_10(grid[index], key).tolist()
+
+
+def test_philox_rejects_words_that_are_not_uint32():
+    with pytest.raises(ValueError, match="uint32"):
+        philox4x32_10(np.array([0, 0, 0, 2**32]), np.array([0, 0]))
+    with pytest.raises(ValueError, match="shape"):
+        philox4x32_10(np.array([0, 0, 0]), np.array([0, 0]))
+    with pytest.raises(ValueError, match="integers"):
+        philox4x32_10(np.zeros(4), np.array([0, 0]))
+
+
+# ---- dropout ---------------------------------------------------------------------------------
+def test_dropout_threshold():
+    assert dropout_threshold(0.0) == 0
+    assert dropout_threshold(0.5) == 2**31
+    assert dropout_threshold(0.1) == int(0.1 * 2**32) == 429496729
+    for bad in (1.0, -0.01, 1.5):
+        with pytest.raises(ValueError):
+            dropout_threshold(bad)
+
+
+def test_dropout_bits_follow_the_counter_layout():
+    """Element (b, h, i, j): counter (j//4, i, b*H + h, offset), key (seed lo, seed hi), lane j % 4."""
+    seed, offset, H = 0x0123456789ABCDEF, 2**32 + 5, 3
+    b, h, i, j = 1, 2, 7, 10
+    lanes = philox4x32_10(np.array([j // 4, i, b * H + h, offset % 2**32], dtype=np.uint32),
+                          np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32))
+    assert dropout_bits(seed, offset, H, b, h, i, j) == lanes[j % 4]
+    mask = dropout_keep_mask(seed, offset, 2, H, 8, 12, 0.37)
+    assert mask[b, h, i, j] == (lanes[j % 4] >= dropout_threshold(0.37))
+
+
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
+def test_dropout_keep_rate(p):
+    keep = dropout_keep_mask(seed=1234, offset=7, B=2, H=4, Nq=128, Nk=130, p=p)
+    assert keep.dtype == bool and keep.shape == (2, 4, 128, 130)
+    n = keep.size
+    sigma = math.sqrt(p * (1 - p) / n)
+    assert abs(keep.mean() - (1 - p)) < 6 * sigma
+    # no structure by column lane or by row: each quarter of the columns and rows keeps ~1-p too
+    for lane in range(4):
+        assert abs(keep[..., lane::4].mean() - (1 - p)) < 6 * 2 * sigma
+    assert abs(keep[:, :, ::2].mean() - keep[:, :, 1::2].mean()) < 6 * 2 * sigma
+
+
+def test_dropout_mask_is_all_kept_without_dropout():
+    assert dropout_keep_mask(3, 4, 1, 2, 5, 6, 0.0).all()
+
+
+@given(seed=st.integers(0, 2**64 - 1), offset=st.integers(0, 2**33), p=st.sampled_from([0.05, 0.5, 0.8]),
+       B=st.integers(1, 3), H=st.integers(1, 3), Nq=st.integers(1, 40), Nk=st.integers(1, 40),
+       tile_r=st.integers(1, 17), tile_c=st.integers(1, 17))
+def test_dropout_mask_is_independent_of_slicing(seed, offset, p, B, H, Nq, Nk, tile_r, tile_c):
+    full = dropout_keep_mask(seed, offset, B, H, Nq, Nk, p)
+    # a prefix of the problem is a prefix of the mask (only H is part of the counter)
+    assert np.array_equal(full[:1, :, : max(1, Nq // 2), : max(1, Nk // 3)],
+                          dropout_keep_mask(seed, offset, 1, H, max(1, Nq // 2), max(1, Nk // 3), p))
+    # tile by tile from absolute indices, as a kernel regenerates it, for any tile shape
+    threshold = dropout_threshold(p)
+    tiled = np.zeros_like(full)
+    for b in range(B):
+        for h in range(H):
+            for r0 in range(0, Nq, tile_r):
+                for c0 in range(0, Nk, tile_c):
+                    rows = np.arange(r0, min(r0 + tile_r, Nq))[:, None]
+                    cols = np.arange(c0, min(c0 + tile_c, Nk))[None, :]
+                    tiled[b, h, rows, cols] = dropout_bits(seed, offset, H, b, h, rows, cols) >= threshold
+    assert np.array_equal(tiled, full)
+    # offset is taken mod 2**32
+    assert np.array_equal(full, dropout_keep_mask(seed, offset + 2**32, B, H, Nq, Nk, p))
+
+
+def test_dropout_mask_depends_on_every_key_and_counter_word():
+    base = dropout_keep_mask(5, 9, 2, 2, 32, 32, 0.5)
+    assert not np.array_equal(base, dropout_keep_mask(5 + 2**32, 9, 2, 2, 32, 32, 0.5))  # seed high word
+    assert not np.array_equal(base, dropout_keep_mask(6, 9, 2, 2, 32, 32, 0.5))           # seed low word
+    assert not np.array_equal(base, dropout_keep_mask(5, 10, 2, 2, 32, 32, 0.5))          # offset
+    assert not np.array_equal(base[0, 0], base[0, 1]) and not np.array_equal(base[0, 0], base[1, 0])
+
+
+# ---- masks -----------------------------------------------------------------------------------
+def _mask(spec, B, H, Nq, Nk, **kw):
+    return np.broadcast_to(visible_mask(spec, B, H, Nq, Nk, **kw), (B, H, Nq, Nk))
+
+
+def test_causal_mask_is_bottom_right_aligned():
+    spec = spec_for("causal")
+    assert _mask(spec, 1, 1, 2, 4)[0, 0].astype(int).tolist() == [[1, 1, 1, 0], [1, 1, 1, 1]]
+    assert _mask(spec, 1, 1, 4, 2)[0, 0].astype(int).tolist() == [[0, 0], [0, 0], [1, 0], [1, 1]]
+    assert _mask(spec, 1, 1, 3, 3)[0, 0].astype(int).tolist() == [[1, 0, 0], [1, 1, 0], [1, 1, 1]]
+
+
+def test_sliding_window_mask():
+    spec = spec_for("sliding_window", window=2)
+    assert _mask(spec, 1, 1, 4, 4)[0, 0].astype(int).tolist() == [
+        [1, 0, 0, 0], [1, 1, 0, 0], [0, 1, 1, 0], [0, 0, 1, 1]]
+    assert _mask(spec, 1, 1, 2, 5)[0, 0].astype(int).tolist() == [[0, 0, 1, 1, 0], [0, 0, 0, 1, 1]]
+    wide = spec_for("sliding_window", window=100)
+    assert np.array_equal(_mask(wide, 1, 1, 3, 5), _mask(spec_for("causal"), 1, 1, 3, 5))
+
+
+def test_padding_mask():
+    spec = spec_for("padding")
+    mask = _mask(spec, 2, 2, 2, 4, kv_lengths=np.array([1, 3]))
+    assert mask[0, 1].astype(int).tolist() == [[1, 0, 0, 0]] * 2
+    assert mask[1, 0].astype(int).tolist() == [[1, 1, 1, 0]] * 2
+    assert not _mask(spec, 1, 1, 2, 4, kv_lengths=[0]).any()
+    assert _mask(spec, 1, 1, 2, 4, kv_lengths=[9]).all()
+    with pytest.raises(ValueError, match="kv_lengths"):
+        visible_mask(spec, 2, 1, 2, 4)
+    with pytest.raises(ValueError, match=r"shape \(B,\)"):
+        visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1, 2, 3])
+    with pytest.raises(ValueError, match="integers"):
+        visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1.0, 2.0])
+    with pytest.raises(ValueError, match="negative"):
+        visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1, -2])
+
+
+def test_block_sparse_mask():
+    spec = spec_for("block_sparse", block_size=16)
+    layout = np.array([[1, 0, 1], [0, 1, 0]], dtype=bool)  # ceil(20/16) = 2 by ceil(40/16) = 3
+    mask = _mask(spec, 1, 1, 20, 40, block_mask=layout)
+    assert mask[0, 0, :16, :16].all() and not mask[0, 0, :16, 16:32].any() and mask[0, 0, :16, 32:].all()
+    assert not mask[0, 0, 16:, :16].any() and mask[0, 0, 16:, 16:32].all() and not mask[0, 0, 16:, 32:].any()
+    per_head = np.stack([layout, ~layout])[None].astype(np.int32)  # (1, 2, 2, 3), ints
+    mask = _mask(spec, 3, 2, 20, 40, block_mask=per_head)
+    assert np.array_equal(mask[2, 0], _mask(spec, 1, 1, 20, 40, block_mask=layout)[0, 0])
+    assert np.array_equal(mask[1, 1], ~mask[1, 0])
+    with pytest.raises(ValueError, match="block_mask"):
+        visible_mask(spec, 1, 1, 20, 40)
+    with pytest.raises(ValueError, match="shape"):
+        visible_mask(spec, 1, 1, 20, 40, block_mask=np.ones((2, 2)))
+    with pytest.raises(ValueError, match="shape"):
+        visible_mask(spec, 1, 1, 20, 40, block_mask=np.ones((2, 1, 2, 3)))
+
+
+def test_masks_of_another_kind_are_not_applied():
+    q, k, v = random_qkv(np.random.default_rng(1), 1, 1, 5, 6, 32)
+    for mask in ("none", "causal"):
+        spec = spec_for(mask)
+        plain = attention_forward(q, k, v, spec)
+        other = attention_forward(q, k, v, spec, kv_lengths=np.array([0]), block_mask=np.zeros((1, 1)))
+        assert np.array_equal(plain[0], other[0]) and np.array_equal(plain[1], other[1])
+
+
+# ---- dense forward ---------------------------------------------------------------------------
+def visible_by_definition(spec, b, h, i, j, Nq, Nk, kv_lengths=None, block_mask=None) -> bool:
+    """The mask contract for one element, written out literally."""
+    shift = Nk - Nq
+    if spec.mask == "causal":
+        return j <= i + shift
+    if spec.mask == "sliding_window":
+        return 0 <= i + shift - j < spec.window
+    if spec.mask == "padding":
+        return j < kv_lengths[b]
+    if spec.mask == "block_sparse":
+        layout = np.asarray(block_mask)
+        if layout.ndim == 2:
+            layout = layout[None, None]
+        G = spec.block_size
+        return bool(layout[b % layout.shape[0], h % layout.shape[1], i // G, j // G])
+    return True
+
+
+def naive_attention(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+    """Row by row with Python floats: the textbook softmax, independent of the vectorised code."""
+    B, H, Nq, d = q.shape
+    Nk = k.shape[2]
+    o = np.zeros((B, H, Nq, d))
+    lse = np.full((B, H, Nq), -np.inf)
+    threshold = dropout_threshold(spec.dropout)
+    for b in range(B):
+        for h in range(H):
+            keep = dropout_bits(seed, offset, H, b, h, np.arange(Nq)[:, None], np.arange(Nk)[None, :]) >= threshold
+            for i in range(Nq):
+                cols = [j for j in range(Nk)
+                        if visible_by_definition(spec, b, h, i, j, Nq, Nk, kv_lengths, block_mask)]
+                if not cols:
+                    continue
+                scores = [spec.scale * float(np.dot(q[b, h, i], k[b, h, j])) for j in cols]
+                top = max(scores)
+                weights = [math.exp(s - top) for s in scores]
+                total = sum(weights)
+                lse[b, h, i] = top + math.log(total)
+                for j, w in zip(cols, weights):
+                    factor = (keep[i, j] / (1 - spec.dropout)) if spec.dropout else 1.0
+                    o[b, h, i] += (w / total) * factor * v[b, h, j]
+    return o, lse
+
+
+# ---- the drawn case (shapes, mask, dropout, seeds, tiles), shared by the property tests -------
+@dataclass(frozen=True)
+class Case:
+    B: int
+    H: int
+    Nq: int
+    Nk: int
+    d: int
+    mask: str
+    window: Optional[int]
+    block_size: Optional[int]
+    block_layout: Optional[str]    # "2d" or "4d"
+    kv_lengths: Optional[tuple]
+    dropout: float
+    softmax_scale: Optional[float]
+    seed: int
+    offset: int
+    data_seed: int
+    loop_order: str
+    block_r: int
+    block_c: int
+
+    def spec(self) -> Spec:
+        return spec_for(self.mask, d=self.d, dropout=self.dropout, window=self.window,
+                        block_size=self.block_size, loop_order=self.loop_order,
+                        softmax_scale=self.softmax_scale)
+
+    def arrays(self):
+        """q, k, v, do and the mask keywords, all from data_seed."""
+        rng = np.random.default_rng(self.data_seed)
+        q, k, v = random_qkv(rng, self.B, self.H, self.Nq, self.Nk, self.d)
+        do = rng.standard_normal(q.shape)
+        kw = {"seed": self.seed, "offset": self.offset}
+        if self.kv_lengths is not None:
+            kw["kv_lengths"] = np.array(self.kv_lengths, dtype=np.int64)
+        if self.block_size is not None:
+            G = self.block_size
+            blocks = (-(-self.Nq // G), -(-self.Nk // G))
+            shape = blocks if self.block_layout == "2d" else (
+                int(rng.choice([1, self.B])), int(rng.choice([1, self.H]))) + blocks
+            kw["block_mask"] = rng.random(shape) < rng.choice([0.3, 0.7])
+        return q, k, v, do, kw
+
+
+@st.composite
+def cases(draw, mask: str, dropout: bool, loop_order: Optional[str] = None, max_n: int = 150,
+          max_bh: int = 2):
+    """One drawn problem for a given mask kind and dropout on/off (pytest parametrizes those, so every
+    combination gets its own example budget)."""
+    size = st.one_of(st.sampled_from([1, 15, 16, 17, 32, 33, 64, 65]), st.integers(1, max_n))
+    B, H = draw(st.integers(1, max_bh)), draw(st.integers(1, max_bh))
+    Nq, Nk = min(draw(size), max_n), min(draw(size), max_n)
+    window = draw(st.integers(1, Nk + 3)) if mask == "sliding_window" else None
+    block_size = draw(st.sampled_from([16, 32, 64])) if mask == "block_sparse" else None
+    block_layout = draw(st.sampled_from(["2d", "4d"])) if mask == "block_sparse" else None
+    kv_lengths = (tuple(draw(st.lists(st.integers(0, Nk), min_size=B, max_size=B)))
+                  if mask == "padding" else None)
+    return Case(
+        B=B, H=H, Nq=Nq, Nk=Nk, d=draw(st.sampled_from([32, 40, 64])), mask=mask, window=window,
+        block_size=block_size, block_layout=block_layout, kv_lengths=kv_lengths,
+        dropout=draw(st.sampled_from([0.1, 0.5, 0.9])) if dropout else 0.0,
+        softmax_scale=draw(st.sampled_from([None, 0.05, 1.5])),
+        seed=draw(st.integers(0, 2**64 - 1)), offset=draw(st.integers(0, 2**32 - 1)),
+        data_seed=draw(st.integers(0, 2**32 - 1)), loop_order=loop_order or draw(st.sampled_from(["fa1", "fa2"])),
+        block_r=draw(st.sampled_from([16, 32, 64])), block_c=draw(st.sampled_from([16, 32, 64])),
+    )
+
+
+@pytest.mark.parametrize("mask", MASKS)
+@given(data=st.data())
+def test_forward_matches_the_textbook_formula(mask, data):
+    case = data.draw(cases(mask, dropout=data.draw(st.booleans(), label="dropout on"), max_n=24), label="case")
+    q, k, v, _, kw = case.arrays()
+    spec = case.spec()
+    o, lse = attention_forward(q, k, v, spec, **kw)
+    o_ref, lse_ref = naive_attention(q, k, v, spec, **kw)
+    assert o.shape == q.shape and lse.shape == q.shape[:3] and o.dtype == lse.dtype == np.float64
+    assert rel_err(o, o_ref) < 1e-12
+    assert rel_err(lse, lse_ref) < 1e-12
+
+
+def test_forward_without_mask_or_dropout_is_softmax():
+    q, k, v = random_qkv(np.random.default_rng(2), 2, 3, 7, 9, 32)
+    spec = spec_for("none", softmax_scale=0.3)
+    S = 0.3 * q @ k.transpose(0, 1, 3, 2)
+    P = np.exp(S - S.max(-1, keepdims=True))
+    o, lse = attention_forward(q, k, v, spec)
+    np.testing.assert_allclose(o, (P / P.sum(-1, keepdims=True)) @ v, rtol=1e-13, atol=1e-13)
+    np.testing.assert_allclose(lse, np.log(np.exp(S).sum(-1)), rtol=1e-13)
+
+
+def test_forward_accepts_any_float_dtype():
+    q, k, v = random_qkv(np.random.default_rng(3), 1, 2, 5, 6, 32)
+    spec = spec_for("causal", dropout=0.25)
+    for dtype in (np.float16, np.float32):
+        low = [x.astype(dtype) for x in (q, k, v)]
+        o, lse = attention_forward(*low, spec, seed=9)
+        o64, lse64 = attention_forward(*[x.astype(np.float64) for x in low], spec, seed=9)
+        assert o.dtype == np.float64 and np.array_equal(o, o64) and np.array_equal(lse, lse64)
+
+
+def test_forward_checks_shapes():
+    q, k, v = random_qkv(np.random.default_rng(4), 1, 1, 4, 4, 32)
+    with pytest.raises(ValueError, match="head_dim"):
+        attention_forward(q, k, v, spec_for("none", d=64))
+    with pytest.raises(ValueError, match=r"\(B, H, N, d\)"):
+        attention_forward(q[0], k[0], v[0], spec_for("none"))
+
+
+def _fully_masked_cases():
+    """(spec, Nq, Nk, mask keywords, rows that see nothing as an index into (B, H, Nq))."""
+    layout = np.array([[1, 1], [0, 0]])  # second row block (rows 16..) sees nothing
+    return [
+        (spec_for("causal"), 6, 3, {}, (slice(None), slice(None), slice(0, 3))),
+        (spec_for("sliding_window", window=2), 6, 2, {}, (slice(None), slice(None), slice(0, 4))),
+        (spec_for("padding"), 4, 5, {"kv_lengths": np.array([3, 0])}, (1,)),
+        (spec_for("block_sparse", block_size=16), 20, 20, {"block_mask": layout},
+         (slice(None), slice(None), slice(16, 20))),
+    ]
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("index", range(4))
+def test_rows_without_visible_keys_give_zero_and_minus_inf(index, dropout):
+    spec, Nq, Nk, kw, dead = _fully_masked_cases()[index]
+    spec = spec.model_copy(update={"dropout": dropout})
+    q, k, v = random_qkv(np.random.default_rng(5), 2, 2, Nq, Nk, 32)
+    do = np.random.default_rng(6).standard_normal(q.shape)
+    o, lse = attention_forward(q, k, v, spec, seed=11, **kw)
+    assert not np.isnan(o).any() and not np.isnan(lse).any()
+    assert (o[dead] == 0).all() and np.isneginf(lse[dead]).all()
+    assert np.isfinite(lse).sum() == lse.size - lse[dead].size
+    dq, dk, dv = attention_backward(q, k, v, do, spec, seed=11, **kw)
+    assert all(np.isfinite(g).all() for g in (dq, dk, dv))
+    assert (dq[dead] == 0).all()
+    for loop_order in ("fa1", "fa2"):
+        tiled = spec.model_copy(update={"loop_order": loop_order})
+        o_t, lse_t = tiled_forward(q, k, v, tiled, 16, 16, seed=11, **kw)
+        assert rel_err(o_t, o) < 1e-12 and rel_err(lse_t, lse) < 1e-12
+        assert (o_t[dead] == 0).all()
+    grads_t = tiled_backward(q, k, v, o, lse, do, spec, 16, 16, seed=11, **kw)
+    for g_t, g in zip(grads_t, (dq, dk, dv)):
+        assert rel_err(g_t, g) < 1e-12
+
+
+# ---- backward vs finite differences ------------------------------------------------------------
+FD_CASES = {
+    "none": (spec_for("none", softmax_scale=0.4), (1, 2, 3, 4), {}),
+    "causal_tall": (spec_for("causal"), (1, 1, 5, 3), {}),
+    "causal_wide": (spec_for("causal"), (1, 1, 3, 5), {}),
+    "sliding_window": (spec_for("sliding_window", window=2), (1, 1, 4, 6), {}),
+    "padding": (spec_for("padding"), (2, 1, 3, 4), {"kv_lengths": np.array([2, 0])}),
+    "block_sparse": (spec_for("block_sparse", block_size=16), (1, 1, 18, 20),
+                     {"block_mask": np.array([[0, 1], [1, 0]])}),
+}
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("name", sorted(FD_CASES))
+def test_backward_matches_finite_differences(name, dropout):
+    spec, (B, H, Nq, Nk), kw = FD_CASES[name]
+    spec = spec.model_copy(update={"dropout": dropout})
+    kw = {**kw, "seed": 2**40 + 17, "offset": 3}
+    rng = np.random.default_rng(zlib.crc32(name.encode()))
+    q, k, v = random_qkv(rng, B, H, Nq, Nk, 32)
+    do = rng.standard_normal(q.shape)
+    grads = attention_backward(q, k, v, do, spec, **kw)
+
+    def loss(q_, k_, v_):
+        return float((attention_forward(q_, k_, v_, spec, **kw)[0] * do).sum())
+
+    eps = 1e-6
+    inputs = [q, k, v]
+    for which, grad in enumerate(grads):
+        numeric = np.zeros_like(grad)
+        for index in np.ndindex(grad.shape):
+            plus = [x.copy() for x in inputs]
+            minus = [x.copy() for x in inputs]
+            plus[which][index] += eps
+            minus[which][index] -= eps
+            numeric[index] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg="dq dk dv".split()[which])
+
+
+# ---- tiled emulations ------------------------------------------------------------------------
+@pytest.mark.parametrize("dropout", [False, True], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("loop_order", ["fa1", "fa2"])
+@pytest.mark.parametrize("mask", MASKS)
+@given(data=st.data())
+def test_tiled_forward_equals_dense_forward(mask, loop_order, dropout, data):
+    case = data.draw(cases(mask, dropout, loop_order), label="case")
+    q, k, v, _, kw = case.arrays()
+    spec = case.spec()
+    o_ref, lse_ref = attention_forward(q, k, v, spec, **kw)
+    stats: dict = {}
+    o, lse = tiled_forward(q, k, v, spec, case.block_r, case.block_c, stats=stats, **kw)
+    assert rel_err(o, o_ref) < 1e-10
+    assert rel_err(lse, lse_ref) < 1e-10
+    tiles = case.B * case.H * -(-case.Nq // case.block_r) * -(-case.Nk // case.block_c)
+    assert stats["blocks_total"] == tiles
+    assert stats["blocks_skipped"] + stats["blocks_computed"] == tiles
+    if case.mask == "none":
+        assert stats["blocks_skipped"] == 0
+
+
+@pytest.mark.parametrize("dropout", [False, True], ids=["no_dropout", "dropout"])
+@pytest.mark.parametrize("mask", MASKS)
+@given(data=st.data())
+def test_tiled_backward_equals_dense_backward(mask, dropout, data):
+    case = data.draw(cases(mask, dropout), label="case")
+    q, k, v, do, kw = case.arrays()
+    spec = case.spec()
+    o, lse = attention_forward(q, k, v, spec, **kw)
+    ref = attention_backward(q, k, v, do, spec, **kw)
+    stats: dict = {}
+    grads = tiled_backward(q, k, v, o, lse, do, spec, case.block_r, case.block_c, stats=stats, **kw)
+    for name, g, g_ref in zip(("dq", "dk", "dv"), grads, ref):
+        assert rel_err(g, g_ref) < 1e-10, name
+    assert stats["blocks_total"] == case.B * case.H * -(-case.Nq // case.block_r) * -(-case.Nk // case.block_c)
+
+
+@pytest.mark.parametrize("loop_order", ["fa1", "fa2"])
+def test_tiled_forward_skips_invisible_blocks(loop_order):
+    rng = np.random.default_rng(7)
+    # causal, square: 4x4 tiles of 32, the 6 strictly above the diagonal are skipped
+    q, k, v = random_qkv(rng, 2, 1, 128, 128, 32)
+    stats: dict = {}
+    tiled_forward(q, k, v, spec_for("causal", loop_order=loop_order), 32, 32, stats=stats)
+    assert stats == {"blocks_total": 32, "blocks_skipped": 12, "blocks_computed": 20}
+    # causal, Nq=64 < Nk=128 (shift 64): only rows 0..31 x keys 96..127 is invisible
+    q, k, v = random_qkv(rng, 1, 1, 64, 128, 32)
+    tiled_forward(q, k, v, spec_for("causal", loop_order=loop_order), 32, 32, stats=stats)
+    assert stats["blocks_skipped"] == 1
+    # block sparse, G = 32: tiles of 16 skip 4 per zero block, tiles of 64 only wholly zero 2x2 groups
+    layout = np.array([[1, 0, 0, 0], [0, 1, 0, 0], [0, 0, 1, 1], [0, 0, 1, 1]])
+    spec = spec_for("block_sparse", block_size=32, loop_order=loop_order)
+    q, k, v = random_qkv(rng, 1, 1, 128, 128, 32)
+    tiled_forward(q, k, v, spec, 16, 16, block_mask=layout, stats=stats)
+    assert stats["blocks_skipped"] == 4 * int((layout == 0).sum())
+    tiled_forward(q, k, v, spec, 64, 64, block_mask=layout, stats=stats)
+    assert stats["blocks_skipped"] == 2
+    tiled_backward(q, k, v, *attention_forward(q, k, v, spec, block_mask=layout),
+                   rng.standard_normal(q.shape), spec, 64, 64, block_mask=layout, stats=stats)
+    assert stats["blocks_skipped"] == 2

@@ -1,0 +1,276 @@
+"""The spec: YAML loading, located validation messages, sizes, the canonical name and the JSON Schema."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import jsonschema
+import pytest
+import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fagen.spec import (ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
+                        load_specs, parse_bytes)
+
+EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
+
+
+def write(tmp_path: Path, text: str, name: str = "spec.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+def error_of(tmp_path: Path, text: str) -> str:
+    path = write(tmp_path, text)
+    with pytest.raises(SpecError) as info:
+        load_specs(path)
+    message = str(info.value)
+    assert "\n" not in message, "a spec error is one line"
+    assert message.startswith(str(path)), "a spec error names the file"
+    return message
+
+
+# ---- loading --------------------------------------------------------------------------------
+def test_single_mapping_is_one_variant(tmp_path):
+    (spec,) = load_specs(write(tmp_path, "head_dim: 64\ndtype: bf16\nmask: causal\n"))
+    assert (spec.head_dim, spec.dtype, spec.mask) == (64, "bf16", "causal")
+    # Defaults are filled in and documented in the README.
+    assert (spec.loop_order, spec.tile_policy, spec.arch, spec.passes) == ("fa2", "auto", "sm_90", PASSES)
+    assert spec.dropout == 0.0 and spec.softmax_scale is None and spec.sram_budget is None
+    assert spec.scale == pytest.approx(1 / 8)
+
+
+def test_list_is_variants_in_order(tmp_path):
+    specs = load_specs(write(tmp_path, """
+- head_dim: 64
+- head_dim: 128
+  dtype: fp32
+  mask: sliding_window
+  window: 256
+- name: sparse
+  head_dim: 32
+  mask: block_sparse
+  block_size: 64
+  dropout: 0.1
+  loop_order: fa1
+  passes: [forward]
+"""))
+    assert [s.head_dim for s in specs] == [64, 128, 32]
+    assert specs[1].window == 256 and specs[2].block_size == 64
+    assert specs[2].variant_name == "sparse" and specs[2].passes == ("forward",)
+    assert specs[0].variant_name == specs[0].canonical_name
+
+
+def test_spec_is_frozen():
+    spec = Spec(head_dim=64)
+    with pytest.raises(Exception):
+        spec.head_dim = 128  # type: ignore[misc]
+
+
+def test_duplicate_variant_names_rejected(tmp_path):
+    message = error_of(tmp_path, "- {head_dim: 64, name: a}\n- {head_dim: 128, name: a}\n")
+    assert "name" in message and "a" in message
+
+
+# ---- one clear message per bad field ------------------------------------------------------------
+BAD_FIELDS = [
+    # (yaml, field named, words that must appear: the value and what is allowed)
+    ("head_dim: 7", "head_dim", ["7", "multiple of 8", "32", "256"]),
+    ("head_dim: 264", "head_dim", ["264", "multiple of 8"]),
+    ("head_dim: 64\ndtype: fp8", "dtype", ["fp8", *DTYPES]),
+    ("head_dim: 64\nmask: diagonal", "mask", ["diagonal", *MASKS]),
+    ("head_dim: 64\nloop_order: fa3", "loop_order", ["fa3", *LOOP_ORDERS]),
+    ("head_dim: 64\narch: sm_70", "arch", ["sm_70", *ARCHS]),
+    ("head_dim: 64\ntile_policy: greedy", "tile_policy", ["greedy", *TILE_POLICIES]),
+    ("head_dim: 64\npasses: [fwd]", "passes", ["fwd", *PASSES]),
+    ("head_dim: 64\ndropout: 1.0", "dropout", ["1.0", "[0, 1)"]),
+    ("head_dim: 64\ndropout: -0.5", "dropout", ["-0.5", "[0, 1)"]),
+    ("head_dim: 64\nsoftmax_scale: -1", "softmax_scale", ["-1", "positive"]),
+    ("head_dim: 64\nsram_budget: lots", "sram_budget", ["lots", "48KiB"]),
+    ("head_dim: 64\nname: 1bad", "name", ["1bad", "identifier"]),
+    ("head_dim: 64\nmask: sliding_window", "window", ["sliding_window"]),
+    ("head_dim: 64\nmask: sliding_window\nwindow: 0", "window", ["positive"]),
+    ("head_dim: 64\nwindow: 128", "window", ["sliding_window"]),
+    ("head_dim: 64\nmask: block_sparse\nblock_size: 48", "block_size", ["48", "power of 2", "16", "256"]),
+    ("head_dim: 64\nblock_size: 64", "block_size", ["block_sparse"]),
+    ("dtype: bf16", "head_dim", ["required"]),
+]
+
+
+@pytest.mark.parametrize("text, field, words", BAD_FIELDS, ids=[f"{f}:{t.splitlines()[-1]}" for t, f, _ in BAD_FIELDS])
+def test_bad_field_names_file_field_value_and_allowed(tmp_path, text, field, words):
+    message = error_of(tmp_path, text + "\n")
+    assert field in message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_bad_field_in_a_list_names_the_variant(tmp_path):
+    message = error_of(tmp_path, "- head_dim: 64\n- head_dim: 7\n")
+    assert "variant 2" in message and "head_dim" in message and "7" in message
+
+
+def test_unknown_key_did_you_mean(tmp_path):
+    message = error_of(tmp_path, "head_dim: 64\ndtyp: bf16\n")
+    assert "unknown field 'dtyp'" in message and "did you mean 'dtype'" in message
+
+
+def test_unknown_key_without_close_match_lists_fields(tmp_path):
+    message = error_of(tmp_path, "head_dim: 64\ncolour: blue\n")
+    assert "colour" in message and "head_dim" in message and "loop_order" in message
+
+
+@pytest.mark.xfail(strict=True, reason="spec.py reports the first pydantic error, 'head_dim is required', before the "
+                                       "misspelt key that caused it; remove this marker once unknown keys come first")
+def test_misspelt_required_key_did_you_mean(tmp_path):
+    message = error_of(tmp_path, "head_dimm: 64\n")
+    assert "did you mean 'head_dim'" in message
+
+
+@pytest.mark.parametrize("text, words", [
+    ("head_dim: [64\n", ["not valid YAML", "line"]),
+    ("- 64\n- 128\n", ["mapping"]),
+    ("", ["mapping"]),
+])
+def test_malformed_files(tmp_path, text, words):
+    message = error_of(tmp_path, text)
+    for word in words:
+        assert word in message
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(SpecError, match="nope.yaml.*cannot read"):
+        load_specs(tmp_path / "nope.yaml")
+
+
+# ---- sizes ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("text, nbytes", [
+    ("48KiB", 48 * 1024), ("48 KiB", 48 * 1024), ("96KB", 96_000), ("64kib", 64 * 1024),
+    ("1MiB", 1 << 20), ("1.5KiB", 1536), ("49152", 49152), (49152, 49152),
+])
+def test_sizes(text, nbytes):
+    assert parse_bytes(text) == nbytes
+
+
+def test_size_in_yaml_is_normalised_to_bytes(tmp_path):
+    (spec,) = load_specs(write(tmp_path, "head_dim: 64\nsram_budget: 48KiB\n"))
+    assert spec.sram_budget == 49152
+    assert spec == Spec(head_dim=64, sram_budget=49152)
+    assert spec.canonical_name == Spec(head_dim=64, sram_budget="48 KiB").canonical_name
+
+
+@pytest.mark.parametrize("value", ["0KiB", "-5", "48 parsecs", "KiB"])
+def test_bad_sizes(value):
+    with pytest.raises(Exception):
+        Spec(head_dim=64, sram_budget=value)
+
+
+# ---- the canonical name: a pure, injective function of every field but `name` -------------------
+@st.composite
+def spec_fields(draw) -> dict:
+    fields = {
+        "head_dim": draw(st.sampled_from(range(32, 257, 8))),
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
+        "tile_policy": draw(st.sampled_from(TILE_POLICIES)),
+        "arch": draw(st.sampled_from(ARCHS)),
+        "dropout": draw(st.just(0.0) | st.sampled_from([0.1, 0.2, 0.5]) | st.floats(0, 1, exclude_max=True)),
+        "softmax_scale": draw(st.none() | st.floats(1e-3, 1e3)),
+        "sram_budget": draw(st.none() | st.integers(1, 1 << 18)),
+    }
+    fields.update(draw(mask_fields()))
+    fields.update(draw(pass_fields()))
+    return fields
+
+
+@st.composite
+def mask_fields(draw) -> dict:
+    mask = draw(st.sampled_from(MASKS))
+    out = {"mask": mask}
+    if mask == "sliding_window":
+        out["window"] = draw(st.integers(1, 1 << 16))
+    if mask == "block_sparse":
+        out["block_size"] = draw(st.sampled_from([16, 32, 64, 128, 256]))
+    return out
+
+
+@st.composite
+def pass_fields(draw) -> dict:
+    passes = draw(st.sampled_from([("forward", "backward"), ("forward",), ("backward",)]))
+    return {"passes": passes, "deterministic": "backward" in passes and draw(st.booleans())}
+
+
+# Fields that only make sense together are swapped as a group.
+GROUPS = [("head_dim",), ("dtype",), ("loop_order",), ("tile_policy",), ("arch",), ("dropout",), ("softmax_scale",),
+          ("sram_budget",), ("mask", "window", "block_size"), ("passes", "deterministic")]
+
+
+@settings(deadline=None)
+@given(a=spec_fields(), b=spec_fields(), take=st.lists(st.booleans(), min_size=len(GROUPS), max_size=len(GROUPS)),
+       name=st.none() | st.from_regex(r"[a-z_][a-z0-9_]{0,20}", fullmatch=True))
+def test_canonical_name_is_injective_pure_function_of_fields(a, b, take, name):
+    # b shares a random subset of a's field groups, so near-equal specs are drawn as often as distinct ones.
+    mixed = {}
+    for group, from_b in zip(GROUPS, take):
+        source = b if from_b else a
+        mixed.update({key: source[key] for key in group if key in source})
+    first, second = Spec(**a), Spec(**mixed, name=name)
+    same_fields = {k: v for k, v in first.to_dict().items() if k != "name"} == \
+                  {k: v for k, v in second.to_dict().items() if k != "name"}
+    assert (first.canonical_name == second.canonical_name) == same_fields
+    assert first.canonical_name == Spec(**a).canonical_name  # pure: same fields, same name
+    assert second.canonical_name == Spec(**mixed).canonical_name  # `name` does not enter it
+    assert re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", first.canonical_name), "the name is a C identifier"
+    assert second.variant_name == (name or second.canonical_name)
+
+
+@pytest.mark.xfail(strict=True, reason="canonical_name formats floats with {:g} (6 significant digits), so "
+                                       "dropout 0.1234567 and 0.1234568 share a name; repr(float) would not. "
+                                       "Remove this marker once spec.py is fixed")
+@pytest.mark.parametrize("field", ["dropout", "softmax_scale"])
+def test_canonical_name_separates_close_floats(field):
+    first, second = Spec(head_dim=64, **{field: 0.1234567}), Spec(head_dim=64, **{field: 0.1234568})
+    assert first != second
+    assert first.canonical_name != second.canonical_name
+
+
+def test_canonical_name_is_readable():
+    spec = Spec(head_dim=64, dtype="bf16", mask="causal", loop_order="fa2", arch="sm_90")
+    assert spec.canonical_name == "d64_bf16_causal_fa2_sm90"
+
+
+# ---- the JSON Schema ------------------------------------------------------------------------------
+def test_schema_is_a_valid_json_schema():
+    jsonschema.Draft202012Validator.check_schema(json_schema())
+
+
+def test_examples_exist_and_cover_the_spec():
+    specs = [spec for path in EXAMPLES for spec in load_specs(path)]
+    assert 12 <= len(specs) <= 16
+    assert {s.mask for s in specs} == set(MASKS)
+    assert {s.dtype for s in specs} == set(DTYPES)
+    assert {s.loop_order for s in specs} == set(LOOP_ORDERS)
+    assert {32, 64, 96, 128, 256} <= {s.head_dim for s in specs}
+    assert any(s.dropout > 0 for s in specs)
+    assert any(len(load_specs(path)) > 1 for path in EXAMPLES), "one example file holds a list of variants"
+    names = [s.variant_name for s in specs]
+    assert len(names) == len(set(names)), "example variants share a name (generated/ would clash)"
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])
+def test_schema_validates_the_examples(path):
+    jsonschema.validate(yaml.safe_load(path.read_text()), json_schema())
+
+
+@pytest.mark.parametrize("document", [
+    {"head_dim": 64, "dtyp": "bf16"},
+    {"head_dim": 64, "dtype": "fp8"},
+    {"head_dim": 64, "mask": "diagonal"},
+    {"dtype": "bf16"},
+    [],
+])
+def test_schema_rejects_what_the_loader_rejects(document):
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(document, json_schema())
