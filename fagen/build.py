@@ -29,9 +29,9 @@ PathLike = Union[str, Path]
 
 
 def _nvcc():
-    """The compile stage (`fagen/compile.py`), imported on first use: solving and rendering never need it,
+    """The compile stage (`fagen/compiler.py`), imported on first use: solving and rendering never need it,
     and looking it up at call time lets tests stub `compile_cubin`."""
-    return import_module("fagen.compile")
+    return import_module("fagen.compiler")
 
 
 @dataclass
@@ -84,7 +84,7 @@ def prepare(spec: Spec, arch: Optional[str] = None) -> Prepared:
 
 
 def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, compile: bool = True) -> BuildResult:
-    """Build one variant into out_dir. A compile failure raises `fagen.compile.CompileError`."""
+    """Build one variant into out_dir. A compile failure raises `fagen.compiler.CompileError`."""
     result = _build(prepare(spec, arch), Path(out_dir), compile)
     if result.error is not None:
         raise _nvcc().CompileError(result.error)
@@ -186,6 +186,7 @@ def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rende
         "paper_constraint": solved.get("constraint"),
         "source": {
             "file": rendered.filename,
+            "templates": list(getattr(rendered, "templates", [])),
             "sha256": hashlib.sha256(rendered.text.encode()).hexdigest(),
             "kernels": rendered.kernels,
         },

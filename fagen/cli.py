@@ -122,7 +122,7 @@ def build(spec_file: Path, out_dir: Path, arch: Optional[str], no_compile: bool,
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
     from fagen import build as builder
-    from fagen import compile as nvcc
+    from fagen import compiler as nvcc
 
     specs = load_specs(spec_file)
     prepared = _each(spec_file, specs, lambda spec: builder.prepare(spec, arch))

@@ -262,12 +262,17 @@ def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None
 
 
 def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                       seed: int = 0, offset: int = 0):
+                       seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None):
     """(dq, dk, dv): the exact gradients of sum(o * do) for `attention_forward` with the same arguments.
 
     FlashAttention-1 Algorithm 4's maths on whole matrices: dV = P_drop^T dO, dP = (dO V^T) * Z/(1-p),
     D = rowsum(dO * O), dS = P * (dP - D), dQ = scale dS K, dK = scale dS^T Q. Rows with no visible key
     have P = 0 and so contribute nothing.
+
+    `o`: take D = rowsum(dO * o) from this forward output (as a kernel's backward does from the o it
+    is given) instead of the exact one. `magnitudes`: a dict that receives, for dq and dk, the norm of
+    the gradient computed with |P * dP| + |P * D| in place of P * (dP - D): the size of the terms that
+    cancel, a scale for judging errors where the exact gradient is ~0 (e.g. Nk = 1, softmax constant).
     """
     q, k, v = _prepare(q, k, v, spec)
     do = np.asarray(do, dtype=np.float64)
@@ -279,7 +284,7 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     _, _, P = _softmax_stats(q, k, spec, visible)
     scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk)
     P_drop = P if scale is None else P * scale
-    o = np.einsum("bhij,bhjd->bhid", P_drop, v)
+    o = np.einsum("bhij,bhjd->bhid", P_drop, v) if o is None else np.asarray(o, dtype=np.float64)
     dv = np.einsum("bhij,bhid->bhjd", P_drop, do)
     dP = np.einsum("bhid,bhjd->bhij", do, v)
     if scale is not None:
@@ -288,6 +293,10 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     dS = P * (dP - D[..., None])
     dq = spec.scale * np.einsum("bhij,bhjd->bhid", dS, k)
     dk = spec.scale * np.einsum("bhij,bhid->bhjd", dS, q)
+    if magnitudes is not None:
+        dS_abs = np.abs(P * dP) + np.abs(P * D[..., None])
+        magnitudes["dq"] = float(np.linalg.norm(spec.scale * np.einsum("bhij,bhjd->bhid", dS_abs, np.abs(k))))
+        magnitudes["dk"] = float(np.linalg.norm(spec.scale * np.einsum("bhij,bhid->bhjd", dS_abs, np.abs(q))))
     return dq, dk, dv
 
 

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import numpy as np
 
 from fagen import solver as solver_stage
-from fagen.compile import load_module
+from fagen.compiler import load_module
 from fagen.render import render
 from fagen.spec import Spec, spec_from_dict
 from fagen.target import Target, from_device
@@ -60,6 +60,9 @@ def ensure_context(device_index: Optional[int] = None):
                 pass
         _context = cuda.Device(device_index or 0).retain_primary_context()
         _context.push()
+        import atexit
+
+        atexit.register(_context.pop)  # PyCUDA aborts at exit if a pushed context is left on the stack
     return _context
 
 
@@ -401,7 +404,7 @@ def precompile(specs, jobs: int = 8) -> None:
     so that later `compile(spec)` calls only load."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fagen.compile import compile_to_cache
+    from fagen.compiler import compile_to_cache
 
     ensure_context()
     target = from_device()

@@ -98,6 +98,8 @@ class Spec(BaseModel):
     @field_validator("sram_budget")
     @classmethod
     def _budget(cls, value: Union[int, str, None]) -> Optional[int]:
+        if isinstance(value, bool):
+            raise ValueError(f"{value!r} is not a size: write bytes (49152) or a size such as '48KiB'")
         if value is None:
             return None
         nbytes = parse_bytes(value)
@@ -189,7 +191,7 @@ class Spec(BaseModel):
 
 
 def _number_slug(value: float) -> str:
-    return f"{value:g}".replace(".", "p").replace("-", "m").replace("+", "")
+    return repr(float(value)).replace(".", "p").replace("-", "m").replace("+", "")
 
 
 # ---- loading -------------------------------------------------------------------------------
@@ -227,7 +229,9 @@ def spec_from_dict(data: Any, where: str = "spec") -> Spec:
     try:
         return Spec(**data)
     except ValidationError as err:
-        raise SpecError(_format_error(err.errors()[0], data, where)) from None
+        # An unknown key usually explains a "missing" one (a typo), so it is reported first.
+        errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+        raise SpecError(_format_error(errors[0], data, where)) from None
     except TypeError as err:  # non-string keys
         raise SpecError(f"{where}: {err}") from None
 
@@ -245,6 +249,8 @@ def load_specs(path: Union[str, Path]) -> list[Spec]:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
         raise SpecError(f"{path}:{line}: not valid YAML: {getattr(err, 'problem', err)}") from None
+    if data is None:
+        raise SpecError(f"{path}: holds no spec (the file is empty)")
     if isinstance(data, dict) and "variants" in data and len(data) == 1:
         data = data["variants"]
     items = data if isinstance(data, list) else [data]

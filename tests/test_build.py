@@ -15,7 +15,7 @@ from fagen.render import render
 from fagen.solver import solve
 from fagen.spec import Spec, SpecError
 
-nvcc_stage = importlib.import_module("fagen.compile")
+nvcc_stage = importlib.import_module("fagen.compiler")
 needs_nvcc = pytest.mark.skipif(not nvcc_stage.nvcc_available(),
                                 reason="nvcc is not on PATH, so no .cubin can be built (install the CUDA toolkit)")
 
