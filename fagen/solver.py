@@ -258,3 +258,11 @@ def _infeasible_message(spec, target, pass_name, policy, budget, failures) -> st
             f"{smallest[0].family} needs shared memory {need} bytes at its smallest tiles "
             f"(Br={smallest[0].block_r}, Bc={smallest[0].block_c}); the smallest budget that works is {need} bytes"
             + ("" if need <= target.smem_per_block else f", above the {target.arch} limit {target.smem_per_block}"))
+
+
+def with_plan(solution: Solution, pass_name: str, plan: Plan) -> Solution:
+    """The same solution with one pass's plan replaced by a ranked candidate (autotuning's choice)."""
+    if plan not in solution.candidates[pass_name]:
+        raise ValueError(f"{plan} is not a feasible candidate for the {pass_name} pass")
+    return Solution(solution.spec, solution.policy, solution.target, solution.budget_bytes,
+                    {**solution.plans, pass_name: plan}, solution.candidates, solution.paper)

@@ -167,3 +167,46 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
         f"{spec.variant_name}: {worst} relative error {errors[worst]:.3g} > {tolerance:g} "
         f"(all: { {k: float(f'{v:.3g}') for k, v in errors.items()} }) for {case!r}")
     return errors
+
+
+def check_specs(specs, examples: int = 50, backward: Optional[bool] = None, print_table: bool = True) -> bool:
+    """`fagen check`: the hypothesis property suite for each variant on this GPU; a table of
+    variant, cases run, pass/fail and worst relative error. A failure shows hypothesis's shrunk case
+    (shapes, seeds), which `assert_matches_reference(spec, case)` replays. True when all pass."""
+    from hypothesis import HealthCheck, given, settings
+    from rich.console import Console
+    from rich.table import Table
+
+    from fagen.runtime import precompile
+
+    precompile(specs)
+    rows, failures = [], []
+    for spec in specs:
+        with_backward = ("backward" in spec.passes) if backward is None else backward
+        stats = {"cases": 0, "worst": 0.0}
+
+        @settings(max_examples=examples, deadline=None, derandomize=False, database=None,
+                  suppress_health_check=list(HealthCheck), print_blob=True)
+        @given(case=cases(spec, max_seq=256))
+        def run(case):
+            stats["cases"] += 1
+            errors = assert_matches_reference(spec, case, backward=with_backward)
+            stats["worst"] = max(stats["worst"], max(errors.values()))
+
+        try:
+            run()
+            rows.append((spec.variant_name, stats["cases"], "pass", stats["worst"]))
+        except AssertionError as failure:
+            rows.append((spec.variant_name, stats["cases"], "FAIL", math.inf))
+            failures.append((spec.variant_name, str(failure)))
+    if print_table:
+        console = Console()
+        table = Table(title=f"fagen check ({examples} examples per variant)")
+        for column in ("variant", "cases", "result", "worst rel. error"):
+            table.add_column(column)
+        for name, count, result, worst in rows:
+            table.add_row(name, str(count), result, "-" if math.isinf(worst) else f"{worst:.2e}")
+        console.print(table)
+        for name, message in failures:
+            console.print(f"[red]{name}[/red]: shrunk failing case: {message}")
+    return not failures

@@ -1,0 +1,29 @@
+"""One small forward + backward per mask kind (and fa1), for compute-sanitizer memcheck / racecheck:
+    compute-sanitizer --tool memcheck python tools/sanitize.py
+    compute-sanitizer --tool racecheck python tools/sanitize.py
+Shapes are small and not multiples of the tiles, so the edge paths run."""
+import sys
+
+from fagen.spec import Spec
+from fagen.testing import Case, assert_matches_reference
+
+SPECS = [
+    Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1),
+    Spec(head_dim=64, dtype="bf16", mask="causal"),
+    Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=40),
+    Spec(head_dim=64, dtype="fp32", mask="padding"),
+    Spec(head_dim=64, dtype="fp16", mask="block_sparse", block_size=64),
+    Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", dropout=0.2),
+    Spec(head_dim=64, dtype="fp16", mask="causal", deterministic=True),
+]
+CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
+
+for spec in SPECS:
+    extra = {}
+    if spec.mask == "padding":
+        extra["kv_lengths"] = (133, 70)
+    if spec.mask == "block_sparse":
+        extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
+    errors = assert_matches_reference(spec, Case(**CASE, **extra), backward=True)
+    print(spec.variant_name, {k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
+print("sanitize run complete", file=sys.stderr)
