@@ -395,7 +395,12 @@ def compile(spec, *, policy: Optional[str] = None) -> Kernel:
     spec = spec.model_copy(update={"arch": target.arch}) if target.arch in ("sm_80", "sm_86", "sm_89", "sm_90") else spec
     key = (spec.canonical_json(), policy, target)
     if key not in _kernel_cache:
-        _kernel_cache[key] = Kernel(spec, target, solver_stage.solve(spec, target, policy))
+        solution = solver_stage.solve(spec, target, policy)
+        if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
+            from fagen import autotune
+
+            solution = autotune.apply(solution, autotune.lookup(spec, target.name))
+        _kernel_cache[key] = Kernel(spec, target, solution)
     return _kernel_cache[key]
 
 

@@ -7,7 +7,7 @@ import os
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True)
-settings.register_profile("gpu", max_examples=200, deadline=None, print_blob=True)
+settings.register_profile("gpu", max_examples=100, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("FAGEN_HYPOTHESIS_PROFILE", "ci"))
 
 

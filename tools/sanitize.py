@@ -3,6 +3,9 @@
     compute-sanitizer --tool racecheck python tools/sanitize.py
 Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
+import os
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from fagen.spec import Spec
 from fagen.testing import Case, assert_matches_reference

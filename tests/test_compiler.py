@@ -1,0 +1,255 @@
+"""The compile stage: ptxas's resource report, nvcc on every example for sm_80 and sm_90, nvcc's errors.
+
+Every variant of `examples/*.yaml` is solved and rendered for each arch exactly as `fagen build --arch`
+does (`fagen.build.prepare`) and compiled by `fagen.compiler.compile_cubin`. Compiling is the slow
+part, so one session fixture compiles every (variant, arch) the selected tests need, two at a time,
+longest first; `-k sm_90` or `-k causal` compiles only those.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from fagen.build import prepare
+from fagen.compiler import CompileError, compile_cubin, nvcc_available, parse_ptxas_report
+from fagen.render import TEMPLATE_DIR
+from fagen.spec import load_specs
+
+ROOT = Path(__file__).resolve().parents[1]
+ARCHS = ("sm_80", "sm_90")
+NO_NVCC = "nvcc is not on PATH (nor under $CUDA_HOME/bin): install the CUDA toolkit to compile the examples"
+needs_nvcc = pytest.mark.skipif(not nvcc_available(), reason=NO_NVCC)
+
+# ---- ptxas -v, as nvcc 13.0 (V13.0.88) printed it --------------------------------------------------
+# `nvcc -cubin -arch=sm_90 -O3 -std=c++17 --use_fast_math -Xptxas -v generated/d64_bf16_causal_fa2_sm90.cu`
+PTXAS_SAMPLE = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_dq_convert' for 'sm_90'
+ptxas info    : Function properties for fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_dq_convert
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 30 registers, used 0 barriers
+ptxas info    : Compile time = 12.041 ms
+ptxas info    : Compiling entry function 'fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_dq' for 'sm_90'
+ptxas info    : Function properties for fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_dq
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers
+ptxas info    : Compile time = 227.308 ms
+ptxas info    : Compiling entry function 'fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8' for 'sm_90'
+ptxas info    : Function properties for fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 166 registers, used 1 barriers
+ptxas info    : Compile time = 290.163 ms
+ptxas info    : Compiling entry function 'fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_delta' for 'sm_90'
+ptxas info    : Function properties for fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8_delta
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 28 registers, used 0 barriers
+ptxas info    : Compile time = 11.021 ms
+ptxas info    : Compiling entry function 'fagen_fwd_d64_bf16_causal_fa2_sm90_br128_bc64_w8' for 'sm_90'
+ptxas info    : Function properties for fagen_fwd_d64_bf16_causal_fa2_sm90_br128_bc64_w8
+    8 bytes stack frame, 4 bytes spill stores, 4 bytes spill loads
+ptxas info    : Used 128 registers, used 1 barriers, 8 bytes cumulative stack size
+ptxas info    : Compile time = 739.139 ms
+"""
+
+# A kernel with static shared memory, then a non-entry (__noinline__) device function, for sm_80.
+PTXAS_STATIC_SMEM_AND_HELPER = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'second' for 'sm_80'
+ptxas info    : Function properties for second
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 8 registers, used 0 barriers, 360 bytes cmem[0]
+ptxas info    : Compile time = 1.412 ms
+ptxas info    : Compiling entry function 'first' for 'sm_80'
+ptxas info    : Function properties for first
+    256 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+ptxas info    : Used 40 registers, used 1 barriers, 256 bytes cumulative stack size, 384 bytes smem, 360 bytes cmem[0]
+ptxas info    : Compile time = 4.404 ms
+ptxas info    : Function properties for _Z6helperPfi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+# An entry that spills (launch bounds 1024 x 2 cap it at 32 registers), then its __noinline__ callee.
+PTXAS_SPILLING_ENTRY_AND_HELPER = """\
+ptxas info    : 0 bytes gmem
+ptxas info    : Compiling entry function 'crowded' for 'sm_80'
+ptxas info    : Function properties for crowded
+    192 bytes stack frame, 348 bytes spill stores, 352 bytes spill loads
+ptxas info    : Used 32 registers, used 0 barriers, 192 bytes cumulative stack size, 372 bytes cmem[0]
+ptxas info    : Compile time = 12.008 ms
+ptxas info    : Function properties for _Z6helperPKfi
+    0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+"""
+
+
+def resources(registers, spill_stores=0, spill_loads=0, stack_bytes=0, smem_bytes=0) -> dict:
+    return {"registers": registers, "smem_bytes": smem_bytes, "spill_stores": spill_stores,
+            "spill_loads": spill_loads, "stack_bytes": stack_bytes}
+
+
+def test_parse_ptxas_report_of_a_generated_kernel():
+    name = "fagen_bwd_d64_bf16_causal_fa2_sm90_br128_bc128_w8"
+    assert parse_ptxas_report(PTXAS_SAMPLE) == {
+        f"{name}_dq_convert": resources(30),
+        f"{name}_dq": resources(128),
+        name: resources(166),
+        f"{name}_delta": resources(28),
+        "fagen_fwd_d64_bf16_causal_fa2_sm90_br128_bc64_w8": resources(128, 4, 4, 8),
+    }
+
+
+def test_parse_ptxas_report_reads_static_shared_memory():
+    report = parse_ptxas_report(PTXAS_STATIC_SMEM_AND_HELPER)
+    assert set(report) == {"first", "second"}, "only entry functions are kernels"
+    assert report["second"] == resources(8)
+    assert (report["first"]["registers"], report["first"]["smem_bytes"]) == (40, 384)
+
+
+def test_parse_ptxas_report_of_nothing():
+    assert parse_ptxas_report("") == {}
+    assert parse_ptxas_report("ptxas info    : 0 bytes gmem\n") == {}
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "parse_ptxas_report bug: a 'Function properties for <non-entry function>' block after an entry "
+    "overwrites that entry's stack/spill numbers, so 'crowded' (348 B spill stores) reads as 0"))
+def test_parse_ptxas_report_keeps_an_entrys_spills_after_a_noinline_callee():
+    assert parse_ptxas_report(PTXAS_SPILLING_ENTRY_AND_HELPER)["crowded"] == resources(32, 348, 352, 192)
+
+
+# ---- nvcc on every example ---------------------------------------------------------------------------
+def _cases() -> list[tuple[str, str, object]]:
+    """(variant, arch, Prepared); a variant that cannot be prepared is carried as its error."""
+    cases = []
+    for path in sorted((ROOT / "examples").glob("*.yaml")):
+        for spec in load_specs(path):
+            for arch in ARCHS:
+                try:
+                    cases.append((spec.variant_name, arch, prepare(spec, arch)))
+                except Exception as err:  # reported by the test, not at collection
+                    cases.append((spec.variant_name, arch, err))
+    return cases
+
+
+CASES = _cases()
+
+
+def role(pass_name: str, main: str, symbol: str) -> str:
+    """`forward`, `backward`, `backward_delta`, `backward_dq`, `backward_dq_convert`: the kernel's job."""
+    return pass_name + symbol[len(main):]
+
+
+def kernel_cases() -> list:
+    params = []
+    for variant, arch, prepared in CASES:
+        if isinstance(prepared, Exception):
+            continue
+        for pass_name, symbols in prepared.rendered.kernels.items():
+            for symbol in symbols:
+                kernel_role = role(pass_name, symbols[0], symbol)
+                marks = []
+                if (variant, arch, kernel_role) in KNOWN_SPILLS:
+                    marks.append(pytest.mark.xfail(strict=True, reason=(
+                        f"ptxas spills today ({KNOWN_SPILLS[variant, arch, kernel_role]}); remove this entry "
+                        "from KNOWN_SPILLS once the template no longer spills")))
+                params.append(pytest.param(variant, arch, symbol, id=f"{variant}-{arch}-{kernel_role}", marks=marks))
+    return params
+
+
+# Kernels that ptxas (nvcc 13.0) reports spilling today, as spill stores / loads in bytes. These are
+# findings, not expectations: each is an xfail(strict) so the entry must go when the spill does.
+KNOWN_SPILLS = {
+    ("d64_bf16_blocksparse64_fa2_sm90", "sm_80", "forward"): "4 / 4 B",
+    ("d64_bf16_causal_fa2_sm90", "sm_90", "forward"): "4 / 4 B",
+    ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_80", "forward"): "8 / 8 B",
+    ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_90", "forward"): "32 / 32 B",
+    ("causal_bf16_d256_forward", "sm_80", "forward"): "1196 / 1196 B at 255 registers",
+    ("causal_bf16_d256_forward", "sm_90", "forward"): "1200 / 1200 B at 255 registers",
+    ("d32_fp32_padding_fa1_sm80", "sm_80", "forward"): "8 / 8 B",
+    ("plain_fp16_d64_fa2", "sm_90", "forward"): "8 / 8 B",
+    ("plain_fp16_d64_fa1", "sm_80", "forward"): "16 / 16 B",
+    ("causal_dropout_bf16_d128", "sm_80", "forward"): "24 / 24 B at 255 registers",
+    ("block_sparse_dropout_fp16_d128_fa1", "sm_80", "forward"): "44 / 48 B",
+    ("block_sparse_dropout_fp16_d128_fa1", "sm_90", "forward"): "112 / 116 B",
+}
+
+
+def _cost(case) -> int:
+    """A rough guess of nvcc's time, to start the slowest compiles first (ptxas dominates: big unrolled tiles)."""
+    prepared = case[2]
+    spec = prepared.spec
+    return spec.head_dim ** 2 * (2 if spec.dropout else 1) * len(spec.passes)
+
+
+@pytest.fixture(scope="session")
+def compiled(request):
+    """(variant, arch) -> CompileResult or CompileError, for every case the selected tests use."""
+    if not nvcc_available():
+        pytest.skip(NO_NVCC)
+    wanted = {(item.callspec.params["variant"], item.callspec.params["arch"])
+              for item in request.session.items
+              if item.module.__name__ == __name__ and hasattr(item, "callspec")
+              and {"variant", "arch"} <= set(item.callspec.params)}
+    todo = sorted((c for c in CASES if (c[0], c[1]) in wanted and not isinstance(c[2], Exception)),
+                  key=_cost, reverse=True)
+
+    def one(case):
+        variant, arch, prepared = case
+        try:
+            return (variant, arch), compile_cubin(prepared.rendered.text, arch, prepared.rendered.include_dir)
+        except CompileError as err:
+            return (variant, arch), err
+
+    with ThreadPoolExecutor(2, thread_name_prefix="nvcc") as pool:
+        return dict(pool.map(one, todo))
+
+
+def result_for(compiled, variant, arch):
+    prepared = next(c[2] for c in CASES if (c[0], c[1]) == (variant, arch))
+    if isinstance(prepared, Exception):
+        pytest.fail(f"{variant} cannot be solved/rendered for {arch}: {prepared}")
+    result = compiled[variant, arch]
+    if isinstance(result, CompileError):
+        pytest.fail(f"nvcc rejected {variant} for {arch}:\n{result}")
+    return prepared, result
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant, arch", [(c[0], c[1]) for c in CASES], ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_example_compiles(compiled, variant, arch):
+    prepared, result = result_for(compiled, variant, arch)
+    assert result.cubin[:4] == b"\x7fELF", "a cubin is an ELF image"
+    assert f"-arch={arch}" in result.command
+    assert result.resources == parse_ptxas_report(result.log)
+    symbols = [s for names in prepared.rendered.kernels.values() for s in names]
+    missing = [s for s in symbols if s not in result.resources]
+    assert not missing, f"ptxas reported no resources for {missing}; it compiled {sorted(result.resources)}"
+    for symbol in symbols:
+        assert 0 < result.resources[symbol]["registers"] <= 255
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant, arch, symbol", kernel_cases())
+def test_kernel_does_not_spill(compiled, variant, arch, symbol):
+    _, result = result_for(compiled, variant, arch)
+    report = result.resources[symbol]
+    assert (report["spill_stores"], report["spill_loads"]) == (0, 0), \
+        f"{symbol} spills {report['spill_stores']} B / loads {report['spill_loads']} B at {report['registers']} registers"
+
+
+# ---- nvcc's errors -----------------------------------------------------------------------------------
+@needs_nvcc
+def test_bad_source_raises_compile_error_with_nvccs_message():
+    source = '#include "attention_common.cuh"\nextern "C" __global__ void broken(float* out) { out[0] = not_declared; }\n'
+    with pytest.raises(CompileError) as info:
+        compile_cubin(source, "sm_80", TEMPLATE_DIR)
+    message = str(info.value)
+    assert 'identifier "not_declared" is undefined' in message
+    assert "error" in message
+
+
+@needs_nvcc
+def test_missing_include_raises_compile_error():
+    with pytest.raises(CompileError, match="no_such_header.cuh"):
+        compile_cubin('#include "no_such_header.cuh"\n', "sm_90", TEMPLATE_DIR)
