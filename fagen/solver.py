@@ -253,11 +253,25 @@ def _infeasible_message(spec, target, pass_name, policy, budget, failures) -> st
                 f"{'; '.join(smallest[1])} in {plan.family}; use a smaller sram_budget or tile_policy: auto")
     if non_smem:
         return f"{spec.variant_name}: {pass_name}: no tile plan satisfies {non_smem[0]}"
-    need = smallest[0].smem_bytes
+    # The budget must also hold every other pass's smallest feasible plan.
+    need = max([smallest[0].smem_bytes] + [_smallest_smem(spec, target, other) for other in spec.passes])
     return (f"{spec.variant_name}: sram_budget {budget} bytes is too small for the {pass_name} pass: "
             f"{smallest[0].family} needs shared memory {need} bytes at its smallest tiles "
             f"(Br={smallest[0].block_r}, Bc={smallest[0].block_c}); the smallest budget that works is {need} bytes"
             + ("" if need <= target.smem_per_block else f", above the {target.arch} limit {target.smem_per_block}"))
+
+
+def _smallest_smem(spec: Spec, target: Target, pass_name: str) -> int:
+    """Shared memory of the pass's smallest plan that breaks nothing but the budget."""
+    sizes = []
+    for family in families_for(spec, pass_name):
+        for warps in family.warps:
+            for block_r in TILE_CHOICES:
+                for block_c in TILE_CHOICES:
+                    plan, broken = evaluate(family, spec, target, pass_name, block_r, block_c, warps)
+                    if not broken:
+                        sizes.append(plan.smem_bytes)
+    return min(sizes, default=0)
 
 
 def with_plan(solution: Solution, pass_name: str, plan: Plan) -> Solution:

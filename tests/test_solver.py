@@ -248,9 +248,6 @@ def test_one_kib_is_infeasible():
     assert solve(spec.model_copy(update={"sram_budget": smallest_budget(str(info.value))})).plans
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "solver bug: with passes [forward, backward] the 'smallest budget that works' is the forward pass's "
-    "alone (7424 B); re-solving with it fails on the backward pass, which needs 10496 B"))
 def test_smallest_budget_covers_every_pass():
     spec = Spec(head_dim=64, sram_budget="1KiB")  # forward and backward
     with pytest.raises(InfeasibleSpec) as info:
