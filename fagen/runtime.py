@@ -255,6 +255,18 @@ class Kernel:
         return gpuarray.to_gpu(np.ascontiguousarray(array.astype(dtype)))
 
     @staticmethod
+    def _aligned(tensor: DeviceTensor, alignment: int):
+        """The tensor itself if every row starts on an `alignment`-byte boundary; else an aligned copy
+        (torch) or a clear error."""
+        items = alignment // 2
+        if tensor.pointer % alignment == 0 and all(stride % items == 0 for stride in tensor.strides[:3]):
+            return tensor.owner
+        if tensor.is_torch:
+            return tensor.owner.clone(memory_format=__import__("torch").contiguous_format)
+        raise ArgumentError(f"{tensor.name}: the tensor-core kernel needs rows aligned to {alignment} bytes "
+                            f"(pointer and strides); got pointer {tensor.pointer:#x}, strides {tensor.strides}")
+
+    @staticmethod
     def _set_strides(args: np.ndarray, key: str, tensor: DeviceTensor):
         args[f"{key}_stride"] = tensor.strides[:3]
 
@@ -280,6 +292,10 @@ class Kernel:
         ensure_context()
         tensors, shape = self._check_qkv(q, k, v, {})
         batch, heads, seq_q, seq_k = shape
+        plan = self.solution.plans["forward"]
+        if plan.stages > 1:  # cp.async moves 16-byte chunks: rows must start on 16-byte boundaries
+            q, k, v = (self._aligned(tensors[name], 16) for name in ("q", "k", "v"))
+            tensors, shape = self._check_qkv(q, k, v, {})
         if out is None:
             o = _allocate(tensors["q"], (batch, heads, seq_q, self.spec.head_dim), self.spec.dtype)
             lse = _allocate(tensors["q"], (batch, heads, seq_q), "fp32")
@@ -293,8 +309,9 @@ class Kernel:
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
         self._set_strides(args, "o", ot)
+        if ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3]):
+            raise ArgumentError("out o: rows must start on 4-byte boundaries (even strides, aligned pointer)")
         keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
-        plan = self.solution.plans["forward"]
         symbol = self.rendered.kernels["forward"][0]
         row_blocks = math.ceil(seq_q / plan.block_r)
         if self.spec.loop_order == "fa1":

@@ -54,6 +54,7 @@ class Family:
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
     loop_orders: tuple[str, ...] = ("fa1", "fa2")
     any_tile: bool = True            # handles any Br, Bc (needed by the paper policy)
+    head_dim_multiple: int = 8
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -62,6 +63,13 @@ _forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, 
 _forward_registers = sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD  # O_i accumulators
 
 FAMILIES: tuple[Family, ...] = (
+    # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
+    # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
+    Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
+           smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
+           registers=d / 4 + d / 2 + Bc / 2 + REGISTER_OVERHEAD,  # Q fragments, O and S accumulators
+           warps=(4, 8), stages=2, tensor_cores=True, br_multiple_of_warps=16,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
@@ -171,9 +179,12 @@ def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = R
 
 
 # ---- the solve ------------------------------------------------------------------------------
-def families_for(spec: Spec, pass_name: str) -> list[Family]:
+def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
+    """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
+    integers, so that policy needs a family that takes any tile."""
     return [f for f in FAMILIES
-            if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders]
+            if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders
+            and spec.head_dim % f.head_dim_multiple == 0 and (policy == "auto" or f.any_tile)]
 
 
 def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
@@ -216,7 +227,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
     for pass_name in spec.passes:
         ranked = []
         failures = []
-        for family in families_for(spec, pass_name):
+        for family in families_for(spec, pass_name, policy):
             for warps in family.warps:
                 tiles = [(paper_r, paper_c)] if policy == "paper" else \
                     [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]

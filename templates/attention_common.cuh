@@ -145,6 +145,20 @@ struct Visibility {
     }
     return true;
   }
+
+  // Is every element of the tile visible? Such interior tiles skip the per-element mask test.
+  __device__ bool tile_all_visible(int row0, int rows, int col0, int cols) const {
+    const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
+    if (last_col >= key_count) return false;
+    if (MASK == MASK_CAUSAL) return last_col <= row0 + shift;
+    if (MASK == MASK_SLIDING_WINDOW) return row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW;
+    if (MASK == MASK_BLOCK_SPARSE) {
+      for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
+        for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)
+          if (layout[qb * layout_q_stride + kb * layout_k_stride] == 0) return false;
+    }
+    return true;
+  }
 };
 
 // ---- tile movement -------------------------------------------------------------------------
