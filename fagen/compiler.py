@@ -55,6 +55,7 @@ def cache_dir() -> Path:
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_PROPERTIES_FOR = re.compile(r"Function properties for (\S+)")
 _PROPS = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
 _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 
@@ -62,12 +63,14 @@ _USED = re.compile(r"Used (\d+) registers(?:.*?(\d+) bytes smem)?")
 def parse_ptxas_report(log: str) -> dict[str, dict]:
     """ptxas -v output -> {kernel: {registers, smem_bytes (static), spill_stores, spill_loads, stack_bytes}}."""
     report: dict[str, dict] = {}
-    current = None
+    current = properties_of = None
     for line in log.splitlines():
         if (m := _ENTRY.search(line)):
             current = m.group(1)
             report[current] = {"registers": 0, "smem_bytes": 0, "spill_stores": 0, "spill_loads": 0, "stack_bytes": 0}
-        elif current and (m := _PROPS.search(line)):
+        elif (m := _PROPERTIES_FOR.search(line)):
+            properties_of = m.group(1)  # may name a non-entry (__noinline__) function: not a kernel's numbers
+        elif current and properties_of == current and (m := _PROPS.search(line)):
             report[current].update(stack_bytes=int(m.group(1)), spill_stores=int(m.group(2)), spill_loads=int(m.group(3)))
         elif current and (m := _USED.search(line)):
             report[current]["registers"] = int(m.group(1))

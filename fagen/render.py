@@ -85,6 +85,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "dropout_threshold": f"{dropout_threshold(spec.dropout)}u",
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
+        "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "is_bf16": "true" if spec.dtype == "bf16" else "false",
     }
 

@@ -50,7 +50,11 @@ class Family:
     warps: tuple[int, ...]
     stages: int = 1
     tensor_cores: bool = False
-    br_multiple_of_warps: int = 0    # Br == this * W (one MMA row slab per warp), 0: free
+    m_tiles: tuple[int, ...] = ()    # Br == 16 * W * m for m in these (MMA row slabs per warp); (): free
+    smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
+    dropout_registers: int = 0       # the Philox state when dropout is on (calibrated against ptxas)
+    min_block_c: int = 1             # smaller Bc pays two barriers per few keys
+    max_block_c: int = 128           # larger Bc needs more registers than the estimate can promise
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
     loop_orders: tuple[str, ...] = ("fa1", "fa2")
     any_tile: bool = True            # handles any Br, Bc (needed by the paper policy)
@@ -60,15 +64,19 @@ class Family:
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
 # backward V) rows are padded by one 4-byte bank word, hence the 4*Bc terms.
 _forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, V_j, then S/P in fp32
-_forward_registers = sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD  # O_i accumulators
+# O_i accumulators, about twice over once ptxas unrolls the P V loop (d=256, Br=128: 255 and spills)
+_forward_registers = 2 * sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD
 
 FAMILIES: tuple[Family, ...] = (
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
-           registers=d / 4 + d / 2 + Bc / 2 + REGISTER_OVERHEAD,  # Q fragments, O and S accumulators
-           warps=(4, 8), stages=2, tensor_cores=True, br_multiple_of_warps=16,
+           # Q fragments (bf16 pairs), O and S accumulators of the warp's Br/W rows, spread over 32 lanes
+           registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
+           # every warp reads all of K_j and V_j from shared memory: bytes per (query row, key) pair
+           smem_reads=2 * 2 * d * W / Br,
+           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=64,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
@@ -101,10 +109,12 @@ class Plan:
     registers_estimate: int
     hbm_bytes: int
     resident_warps: int
+    smem_reads: int = 0
+
 
     def rank_key(self) -> tuple:
-        """Lower is better: traffic, then occupancy, then bigger tiles (fewer barriers), then fewer warps."""
-        return (self.hbm_bytes, -self.resident_warps, -self.block_r * self.block_c, self.warps)
+        """Lower is better: HBM traffic, shared-memory reads per row, occupancy, bigger tiles, fewer warps."""
+        return (self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c, self.warps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -192,13 +202,15 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
     values = {Br: block_r, Bc: block_c, d: spec.head_dim, W: warps, E: spec.element_bytes}
     smem = int(family.smem_bytes.subs(values))
-    regs = int(family.registers.subs(values))
+    regs = int(sp.ceiling(family.registers.subs(values))) + (family.dropout_registers if spec.dropout > 0 else 0)
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:
         broken.append(f"registers {family.registers} = {regs} <= {target.registers_per_thread}")
-    if family.br_multiple_of_warps and block_r != family.br_multiple_of_warps * warps:
-        broken.append(f"Br = {family.br_multiple_of_warps}*W")
+    if family.m_tiles and block_r not in [16 * warps * m for m in family.m_tiles]:
+        broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
+    if not family.min_block_c <= block_c <= family.max_block_c:
+        broken.append(f"{family.min_block_c} <= Bc <= {family.max_block_c}")
     if not family.any_tile and (block_r % 16 or block_c % 16):
         broken.append("Br, Bc multiples of 16 (tensor-core tiles)")
     if spec.mask == "block_sparse" and (spec.block_size % block_r or spec.block_size % block_c):
@@ -207,7 +219,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     blocks_by_regs = target.registers_per_sm // max(regs * threads, 1)
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
-                hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps)
+                hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps,
+                int(sp.ceiling(family.smem_reads.subs(values))))
     return plan, broken
 
 

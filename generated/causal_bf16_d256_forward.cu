@@ -5,13 +5,15 @@
 #include "attention_common.cuh"
 // ---- fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc32_w8: made by templates/forward_fa2_mma.cu.j2 ----
 // FlashAttention-2 forward on tensor cores (mma.sync m16n8k16, fp32 accumulation). Q row block
-// outer, K/V column blocks inner. Each warp owns 16 query rows: Q_w in registers, S = Q_w K_j^T and
-// P~ never leave registers, O_w accumulates un-normalised in registers and is divided by l once.
+// outer, K/V column blocks inner. Each warp owns M_TILES slabs of 16 query rows: Q_w in registers,
+// S = Q_w K_j^T and P~ never leave registers, O_w accumulates un-normalised in registers and is
+// divided by l once. Every K/V fragment read from shared memory feeds M_TILES MMAs.
 // K_j / V_j arrive by cp.async into two shared-memory stages, so block j+1 loads while j computes.
 namespace fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc32_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 256;
-constexpr int BLOCK_R = 128;              // Br = 16 rows per warp
+constexpr int BLOCK_R = 128;              // Br = 16 * M_TILES rows per warp
+constexpr int M_TILES = 1;              // 16-row MMA slabs per warp
 constexpr int BLOCK_C = 32;              // Bc
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
@@ -29,7 +31,7 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 constexpr bool IS_BF16 = true;
-static_assert(BLOCK_R == 16 * WARPS, "one 16-row MMA slab per warp");
+static_assert(BLOCK_R == 16 * M_TILES * WARPS, "M_TILES 16-row MMA slabs per warp");
 static_assert(BLOCK_C % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
@@ -121,14 +123,18 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   if (j < col_blocks) load_kv(j, 0);
   cp_async_commit();
 
-  unsigned q_frag[K_STEPS][4];
-  float o_acc[O_TILES][4];
-  float row_max[2] = {-INFINITY, -INFINITY};   // rows group and group + 8, raw score units
-  float row_sum[2] = {0.f, 0.f};               // this thread's partial l (reduced across the quad at the end)
+  unsigned q_frag[M_TILES][K_STEPS][4];
+  float o_acc[M_TILES][O_TILES][4];
+  float row_max[M_TILES][2], row_sum[M_TILES][2];  // rows group, group + 8 of each slab; l partial per thread
 #pragma unroll
-  for (int t = 0; t < O_TILES; ++t) o_acc[t][0] = o_acc[t][1] = o_acc[t][2] = o_acc[t][3] = 0.f;
+  for (int m = 0; m < M_TILES; ++m) {
+    row_max[m][0] = row_max[m][1] = -INFINITY;   // raw score units
+    row_sum[m][0] = row_sum[m][1] = 0.f;         // reduced across the quad at the end
+#pragma unroll
+    for (int t = 0; t < O_TILES; ++t) o_acc[m][t][0] = o_acc[m][t][1] = o_acc[m][t][2] = o_acc[m][t][3] = 0.f;
+  }
 
-  const int warp_row0 = row0 + warp * 16;
+  const int warp_row0 = row0 + warp * 16 * M_TILES;
   bool q_loaded = false;
   int stage = 0;
   while (j < col_blocks) {
@@ -143,8 +149,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
     __syncthreads();
     if (!q_loaded) {
 #pragma unroll
-      for (int kk = 0; kk < K_STEPS; ++kk)
-        ldmatrix_x4(q_frag[kk], q_tile + (warp * 16 + (lane % 16)) * PITCH + kk * 16 + (lane / 16) * 8);
+      for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+        for (int kk = 0; kk < K_STEPS; ++kk)
+          ldmatrix_x4(q_frag[m][kk], q_tile + ((warp * M_TILES + m) * 16 + (lane % 16)) * PITCH + kk * 16 + (lane / 16) * 8);
       q_loaded = true;
     }
     const elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
@@ -152,56 +160,65 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
     const int col0 = j * BLOCK_C;
 
     // S = Q_w K_j^T (raw scores; tau is folded into the exponent below)
-    float s_acc[S_TILES][4];
+    float s_acc[M_TILES][S_TILES][4];
 #pragma unroll
-    for (int t = 0; t < S_TILES; ++t) s_acc[t][0] = s_acc[t][1] = s_acc[t][2] = s_acc[t][3] = 0.f;
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
+      for (int t = 0; t < S_TILES; ++t) s_acc[m][t][0] = s_acc[m][t][1] = s_acc[m][t][2] = s_acc[m][t][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
 #pragma unroll
       for (int pair = 0; pair < S_TILES / 2; ++pair) {
         unsigned kf[4];
         ldmatrix_x4(kf, k_tile + (pair * 16 + (lane / 16) * 8 + (lane % 8)) * PITCH + kk * 16 + ((lane / 8) % 2) * 8);
-        mma_16x8x16(s_acc[2 * pair], q_frag[kk], kf[0], kf[1]);
-        mma_16x8x16(s_acc[2 * pair + 1], q_frag[kk], kf[2], kf[3]);
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+          mma_16x8x16(s_acc[m][2 * pair], q_frag[m][kk], kf[0], kf[1]);
+          mma_16x8x16(s_acc[m][2 * pair + 1], q_frag[m][kk], kf[2], kf[3]);
+        }
       }
     }
 
     // mask: only tiles that cross a mask edge or the end of the keys pay for the per-element test
-    const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
+    const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16 * M_TILES, col0, BLOCK_C);
     if (!interior) {
 #pragma unroll
-      for (int t = 0; t < S_TILES; ++t)
+      for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          if (col >= seq_k || !visibility.visible(row, col)) s_acc[t][e] = -INFINITY;
-        }
+        for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = warp_row0 + m * 16 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
+            if (col >= seq_k || !visibility.visible(row, col)) s_acc[m][t][e] = -INFINITY;
+          }
     }
 
     // online softmax per row: m_new = max(m_old, rowmax S); O and l rescaled by e^(tau (m_old - m_new))
 #pragma unroll
+    for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
     for (int half = 0; half < 2; ++half) {
       float tile_max = -INFINITY;
 #pragma unroll
-      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[t][2 * half], s_acc[t][2 * half + 1]));
+      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[m][t][2 * half], s_acc[m][t][2 * half + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_max[half], tile_max);
+      const float m_new = fmaxf(row_max[m][half], tile_max);
       const float m_scaled = safe_max(m_new) * SCALE_LOG2;
-      const float rescale = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
-      row_max[half] = m_new;
-      row_sum[half] *= rescale;
+      const float rescale = exp2f(row_max[m][half] * SCALE_LOG2 - m_scaled);
+      row_max[m][half] = m_new;
+      row_sum[m][half] *= rescale;
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t) {
-        o_acc[t][2 * half] *= rescale;
-        o_acc[t][2 * half + 1] *= rescale;
+        o_acc[m][t][2 * half] *= rescale;
+        o_acc[m][t][2 * half + 1] *= rescale;
       }
-      const int row = warp_row0 + group + half * 8;
+      const int row = warp_row0 + m * 16 + group + half * 8;
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
-        row_sum[half] += p0 + p1;
+        float p0 = exp2f(fmaf(s_acc[m][t][2 * half], SCALE_LOG2, -m_scaled));
+        float p1 = exp2f(fmaf(s_acc[m][t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        row_sum[m][half] += p0 + p1;
         if (HAS_DROPOUT) {
           const int col = col0 + t * 8 + quad * 2;
           const uint4 draw = philox4x32_10(make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset),
@@ -210,22 +227,31 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
           p0 = w0 >= DROPOUT_THRESHOLD ? p0 * KEEP_SCALE : 0.f;
           p1 = w1 >= DROPOUT_THRESHOLD ? p1 * KEEP_SCALE : 0.f;
         }
-        s_acc[t][2 * half] = p0;
-        s_acc[t][2 * half + 1] = p1;
+        s_acc[m][t][2 * half] = p0;
+        s_acc[m][t][2 * half + 1] = p1;
       }
     }
 
     // O_w += dropout(P~) V_j: P~'s accumulator layout is already the A-operand layout of the next MMA
 #pragma unroll
     for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
-      unsigned p_frag[4] = {pack_pair(s_acc[2 * kk][0], s_acc[2 * kk][1]), pack_pair(s_acc[2 * kk][2], s_acc[2 * kk][3]),
-                            pack_pair(s_acc[2 * kk + 1][0], s_acc[2 * kk + 1][1]), pack_pair(s_acc[2 * kk + 1][2], s_acc[2 * kk + 1][3])};
+      unsigned p_frag[M_TILES][4];
+#pragma unroll
+      for (int m = 0; m < M_TILES; ++m) {
+        p_frag[m][0] = pack_pair(s_acc[m][2 * kk][0], s_acc[m][2 * kk][1]);
+        p_frag[m][1] = pack_pair(s_acc[m][2 * kk][2], s_acc[m][2 * kk][3]);
+        p_frag[m][2] = pack_pair(s_acc[m][2 * kk + 1][0], s_acc[m][2 * kk + 1][1]);
+        p_frag[m][3] = pack_pair(s_acc[m][2 * kk + 1][2], s_acc[m][2 * kk + 1][3]);
+      }
 #pragma unroll
       for (int pair = 0; pair < O_TILES / 2; ++pair) {
         unsigned vf[4];
         ldmatrix_x4_trans(vf, v_tile + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * PITCH + pair * 16 + (lane / 16) * 8);
-        mma_16x8x16(o_acc[2 * pair], p_frag, vf[0], vf[1]);
-        mma_16x8x16(o_acc[2 * pair + 1], p_frag, vf[2], vf[3]);
+#pragma unroll
+        for (int m = 0; m < M_TILES; ++m) {
+          mma_16x8x16(o_acc[m][2 * pair], p_frag[m], vf[0], vf[1]);
+          mma_16x8x16(o_acc[m][2 * pair + 1], p_frag[m], vf[2], vf[3]);
+        }
       }
     }
     __syncthreads();  // every warp is done with this stage before it is refilled
@@ -236,19 +262,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
 
   // O = diag(l)^-1 O, written once; LSE = tau m + log l. Rows that saw no key: O = 0, LSE = -inf.
 #pragma unroll
+  for (int m = 0; m < M_TILES; ++m)
+#pragma unroll
   for (int half = 0; half < 2; ++half) {
-    float l = row_sum[half];
+    float l = row_sum[m][half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    const int row = warp_row0 + group + half * 8;
+    const int row = warp_row0 + m * 16 + group + half * 8;
     if (row >= seq_q) continue;
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
     elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
-      const unsigned packed = pack_pair(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
+      const unsigned packed = pack_pair(o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
       *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
-    if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
+    if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
   }
 }

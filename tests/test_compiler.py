@@ -160,19 +160,21 @@ def kernel_cases() -> list:
 # Kernels that ptxas (nvcc 13.0) reports spilling today, as spill stores / loads in bytes. These are
 # findings, not expectations: each is an xfail(strict) so the entry must go when the spill does.
 KNOWN_SPILLS = {
-    ("d64_bf16_blocksparse64_fa2_sm90", "sm_80", "forward"): "4 / 4 B",
-    ("d64_bf16_causal_fa2_sm90", "sm_90", "forward"): "4 / 4 B",
+    # forward_fa1_simt spills at 64-128 registers although 255 are allowed
     ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_80", "forward"): "8 / 8 B",
     ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_90", "forward"): "32 / 32 B",
-    ("causal_bf16_d256_forward", "sm_80", "forward"): "1196 / 1196 B at 255 registers",
-    ("causal_bf16_d256_forward", "sm_90", "forward"): "1200 / 1200 B at 255 registers",
     ("d32_fp32_padding_fa1_sm80", "sm_80", "forward"): "8 / 8 B",
-    ("plain_fp16_d64_fa2", "sm_90", "forward"): "8 / 8 B",
     ("plain_fp16_d64_fa1", "sm_80", "forward"): "16 / 16 B",
-    ("causal_dropout_bf16_d128", "sm_80", "forward"): "24 / 24 B at 255 registers",
     ("block_sparse_dropout_fp16_d128_fa1", "sm_80", "forward"): "44 / 48 B",
     ("block_sparse_dropout_fp16_d128_fa1", "sm_90", "forward"): "112 / 116 B",
+    # forward_fa2_mma, d=128 with dropout: the solver estimates 200 registers, ptxas needs more than 255
 }
+
+
+def test_known_spills_name_current_kernels():
+    """An entry whose kernel is gone (renamed variant, new plan) would silently stop checking anything."""
+    current = {tuple(p.values[:2]) + (p.id.rsplit("-", 1)[1],) for p in kernel_cases()}
+    assert not set(KNOWN_SPILLS) - current, f"stale KNOWN_SPILLS entries: {sorted(set(KNOWN_SPILLS) - current)}"
 
 
 def _cost(case) -> int:

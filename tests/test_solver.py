@@ -223,8 +223,7 @@ def smallest_budget(message: str) -> int:
     return int(found.group(1))
 
 
-@given(spec_fields(policy="auto", passes=("forward",)) | spec_fields(policy="auto", passes=("backward",)),
-       st.integers(1, 4096))
+@given(spec_fields(policy="auto"), st.integers(1, 4096))
 def test_infeasible_budget_names_the_constraint_and_the_smallest_budget(fields, budget):
     spec = Spec(**{**fields, "sram_budget": budget})
     with pytest.raises(InfeasibleSpec) as info:
@@ -234,9 +233,9 @@ def test_infeasible_budget_names_the_constraint_and_the_smallest_budget(fields, 
     assert "shared memory" in message and f"sram_budget {budget} bytes" in message
     need = smallest_budget(message)
     assert need > budget
-    # ... and that budget is the smallest that works: one byte less still fails.
+    # ... and that budget is the smallest that works (for every pass): one byte less still fails.
     solution = solve(spec.model_copy(update={"sram_budget": need}))
-    assert solution.primary.smem_bytes <= need
+    assert max(plan.smem_bytes for plan in solution.plans.values()) <= need
     with pytest.raises(InfeasibleSpec):
         solve(spec.model_copy(update={"sram_budget": need - 1}))
 
@@ -253,6 +252,22 @@ def test_smallest_budget_covers_every_pass():
     with pytest.raises(InfeasibleSpec) as info:
         solve(spec)
     solve(spec.model_copy(update={"sram_budget": smallest_budget(str(info.value))}))
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "solver bug: the infeasible message attributes the largest pass's need to the failing pass's family: "
+    "'forward_fa2_simt needs shared memory 10496 bytes at its smallest tiles (Br=16, Bc=16)' although "
+    "forward_fa2_simt needs 7424 B there; 10496 B is backward_simt's"))
+def test_infeasible_message_states_the_familys_own_footprint():
+    spec = Spec(head_dim=64, sram_budget="1KiB")  # forward and backward
+    with pytest.raises(InfeasibleSpec) as info:
+        solve(spec)
+    found = re.search(r"(\w+) needs shared memory (\d+) bytes at its smallest tiles \(Br=(\d+), Bc=(\d+)\)",
+                      str(info.value))
+    assert found, str(info.value)
+    family, nbytes, block_r, block_c = found.group(1), *map(int, found.groups()[1:])
+    footprint = family_named(family).smem_bytes.subs({Br: block_r, Bc: block_c, d: 64, solver.E: 2})
+    assert nbytes == int(footprint)
 
 
 def test_infeasible_is_a_spec_error():
