@@ -54,7 +54,7 @@ class Family:
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
     dropout_registers: int = 0       # the Philox state when dropout is on (calibrated against ptxas)
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
-    max_block_c: int = 128           # larger Bc needs more registers than the estimate can promise
+    max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
     loop_orders: tuple[str, ...] = ("fa1", "fa2")
     any_tile: bool = True            # handles any Br, Bc (needed by the paper policy)
@@ -278,10 +278,12 @@ def _infeasible_message(spec, target, pass_name, policy, budget, failures) -> st
     if non_smem:
         return f"{spec.variant_name}: {pass_name}: no tile plan satisfies {non_smem[0]}"
     # The budget must also hold every other pass's smallest feasible plan.
-    need = max([smallest[0].smem_bytes] + [_smallest_smem(spec, target, other) for other in spec.passes])
+    own = smallest[0].smem_bytes
+    need = max([own] + [_smallest_smem(spec, target, other) for other in spec.passes])
     return (f"{spec.variant_name}: sram_budget {budget} bytes is too small for the {pass_name} pass: "
-            f"{smallest[0].family} needs shared memory {need} bytes at its smallest tiles "
-            f"(Br={smallest[0].block_r}, Bc={smallest[0].block_c}); the smallest budget that works is {need} bytes"
+            f"{smallest[0].family} needs shared memory {own} bytes at its smallest tiles "
+            f"(Br={smallest[0].block_r}, Bc={smallest[0].block_c}); the smallest budget that works"
+            f"{' for every pass' if len(spec.passes) > 1 else ''} is {need} bytes"
             + ("" if need <= target.smem_per_block else f", above the {target.arch} limit {target.smem_per_block}"))
 
 
