@@ -262,7 +262,9 @@ class Kernel:
         if tensor.pointer % alignment == 0 and all(stride % items == 0 for stride in tensor.strides[:3]):
             return tensor.owner
         if tensor.is_torch:
-            return tensor.owner.clone(memory_format=__import__("torch").contiguous_format)
+            import torch
+
+            return tensor.owner.clone(memory_format=torch.contiguous_format)
         raise ArgumentError(f"{tensor.name}: the tensor-core kernel needs rows aligned to {alignment} bytes "
                             f"(pointer and strides); got pointer {tensor.pointer:#x}, strides {tensor.strides}")
 

@@ -72,22 +72,6 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
                 kv_lengths, block_mask)
 
 
-def specs(dtypes=("fp16", "bf16", "fp32"), head_dims=HEAD_DIMS, loop_orders=("fa1", "fa2"), dropout=True):
-    """Random specs over every mask kind."""
-    @st.composite
-    def build(draw):
-        mask = draw(st.sampled_from(["none", "causal", "sliding_window", "padding", "block_sparse"]))
-        fields = {"head_dim": draw(st.sampled_from(head_dims)), "dtype": draw(st.sampled_from(dtypes)),
-                  "mask": mask, "loop_order": draw(st.sampled_from(loop_orders)),
-                  "dropout": draw(st.sampled_from([0.0, 0.0, 0.1, 0.5])) if dropout else 0.0}
-        if mask == "sliding_window":
-            fields["window"] = draw(st.integers(1, 200))
-        if mask == "block_sparse":
-            fields["block_size"] = draw(st.sampled_from([32, 64, 128]))
-        return Spec(**fields)
-    return build()
-
-
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
     """Fresh random torch tensors (never zeros) in the spec's dtype and the case's layout."""
     import torch

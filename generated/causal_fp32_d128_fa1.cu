@@ -83,11 +83,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
       __syncthreads();
 
       // S_ij = tau * Q_i K_j^T, masked
-      for (int idx = tid; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
-        const int r = idx / BLOCK_C, c = idx % BLOCK_C;
-        const bool keep = r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c);
-        s_tile[idx] = keep ? dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH) * SCALE_LOG2 : -INFINITY;
-      }
+      masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
+                                                              col0, cols_here, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);

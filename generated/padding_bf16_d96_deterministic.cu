@@ -222,8 +222,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
         row_sum[m][half] += p0 + p1;
         if (HAS_DROPOUT) {
           const int col = col0 + t * 8 + quad * 2;
-          const uint4 draw = philox4x32_10(make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset),
-                                           make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32)));
+          const uint4 draw = dropout_draws(args, bh, row, col);  // one draw serves this thread's 2 columns
           const unsigned w0 = (col & 2) ? draw.z : draw.x, w1 = (col & 2) ? draw.w : draw.y;
           p0 = w0 >= DROPOUT_THRESHOLD ? p0 * KEEP_SCALE : 0.f;
           p1 = w1 >= DROPOUT_THRESHOLD ? p1 * KEEP_SCALE : 0.f;

@@ -86,12 +86,17 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
   return counter;
 }
 
+// The four 32-bit draws of columns (col & ~3) .. (col | 3) of one row: word (col & 3) is col's.
+__device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long long bh, int row, int col) {
+  const uint4 counter = make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset);
+  const uint2 key = make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32));
+  return philox4x32_10(counter, key);
+}
+
 // Kept iff the element's 32-bit draw is >= threshold = floor(p * 2^32).
 __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long long bh, int row, int col,
                                              unsigned threshold) {
-  const uint4 counter = make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset);
-  const uint2 key = make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32));
-  const uint4 draw = philox4x32_10(counter, key);
+  const uint4 draw = dropout_draws(args, bh, row, col);
   const unsigned word = (col & 3) == 0 ? draw.x : (col & 3) == 1 ? draw.y : (col & 3) == 2 ? draw.z : draw.w;
   return word >= threshold;
 }
@@ -178,6 +183,17 @@ __device__ __forceinline__ float dot_row(const A* a, const B* b) {
 #pragma unroll 8
   for (int e = 0; e < HEAD_DIM; ++e) acc = fmaf(to_float(a[e]), to_float(b[e]), acc);
   return acc;
+}
+
+// S = tau * Q_i K_j^T into a Br x Bc fp32 tile (log2 domain); masked and out-of-range entries -inf.
+template <int BLOCK_R, int BLOCK_C, int HEAD_DIM, int K_PITCH, int THREADS, typename T, typename Vis>
+__device__ __forceinline__ void masked_scores(float* s_tile, const T* q_tile, const T* k_tile, const Vis& visibility,
+                                              int row0, int rows_here, int col0, int cols_here, float scale_log2) {
+  for (int idx = threadIdx.x; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
+    const int r = idx / BLOCK_C, c = idx % BLOCK_C;
+    const bool keep = r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c);
+    s_tile[idx] = keep ? dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH) * scale_log2 : -INFINITY;
+  }
 }
 
 }  // namespace fagen
