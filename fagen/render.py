@@ -57,6 +57,8 @@ def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
 
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
     main = kernel_name(spec, pass_name, plan)
+    if pass_name == "backward" and plan.family == "backward_fa2_mma":  # dQ by atomics only
+        return [main, f"{main}_delta", f"{main}_dq_convert"]
     if pass_name == "backward":
         return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert"]
     return [main]
@@ -86,7 +88,6 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
-        "is_bf16": "true" if spec.dtype == "bf16" else "false",
     }
 
 

@@ -343,6 +343,10 @@ class Kernel:
         ensure_context()
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         batch, heads, seq_q, seq_k = shape
+        plan = self.solution.plans["backward"]
+        if plan.stages > 1:  # cp.async moves 16-byte chunks of Q, dO, K, V
+            q, k, v, do = (self._aligned(tensors[name], 16) for name in ("q", "k", "v", "d_o"))
+            tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         lt = as_device_tensor("lse", lse)
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or lt.strides != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"lse: expected the forward's contiguous fp32 lse of shape {(batch, heads, seq_q)}")
@@ -358,14 +362,16 @@ class Kernel:
             gt = as_device_tensor(key, grad)
             if gt.shape != tensors[like].shape or gt.dtype != self.spec.dtype or gt.strides[3] != 1:
                 raise ArgumentError(f"out {key}: expected {self.spec.dtype} of shape {tensors[like].shape}")
+            if plan.tensor_cores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
+                raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
             args[key] = gt.pointer
             self._set_strides(args, key, gt)
         keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
         delta = _allocate(tensors["q"], (batch, heads, seq_q), "fp32")
         keep.append(delta)
         args["delta"] = as_device_tensor("delta", delta).pointer
-        plan = self.solution.plans["backward"]
-        main, delta_kernel, dq_kernel, convert_kernel = self.rendered.kernels["backward"]
+        main = self.rendered.kernels["backward"][0]
+        delta_kernel, dq_kernel, convert_kernel = main + "_delta", main + "_dq", main + "_dq_convert"
         rows = batch * heads * seq_q
         self._launch(delta_kernel, args, (math.ceil(rows / 8), 1, 1), 256)
         if not self.spec.deterministic:

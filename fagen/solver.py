@@ -52,13 +52,16 @@ class Family:
     tensor_cores: bool = False
     m_tiles: tuple[int, ...] = ()    # Br == 16 * W * m for m in these (MMA row slabs per warp); (): free
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
-    dropout_registers: int = 0       # the Philox state when dropout is on (calibrated against ptxas)
+    dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
     loop_orders: tuple[str, ...] = ("fa1", "fa2")
     any_tile: bool = True            # handles any Br, Bc (needed by the paper policy)
     head_dim_multiple: int = 8
+    keys_per_warp: int = 0           # Bc == keys_per_warp * W (each warp owns its keys); 0: free
+    deterministic: bool = True       # can honour `deterministic: true` (no floating-point atomics)
+    rules: tuple = ()                # extra (description, predicate(Br, Bc, d, W)) tile rules of the template
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -78,6 +81,23 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=2 * 2 * d * W / Br,
            warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=64,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16),
+    # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
+    # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
+    # (fp32 atomics, hence no deterministic mode).
+    Family("backward_fa2_mma", "backward_fa2_mma.cu.j2", ("backward",),
+           smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + Bc * (Br + 8)),
+           # dK, dV (16 x d each) + S^T, dP^T (16 x Br each) over 32 lanes; the dQ tile reuses S^T's registers.
+           # The overhead (100) and the dropout term (Philox draws interleaved across the Br/2 scores a lane
+           # holds) are calibrated against ptxas on sm_90: d=64 Br=64 and d=128 Br=16 fit, d=128 Br=32 spills.
+           registers=d + sp.Max(Br, Br * d / (32 * W)) + 100,
+           # per step: every warp reads K_w, V_w once and Q_i, dO_i twice; the dQ product reads dS and K_j
+           smem_reads=E * (W * (32 * d + 4 * Br * d) + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16))
+           / (Br * Bc),
+           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16, keys_per_warp=16, deterministic=False,
+           rules=(("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
+                   lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
+                   else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0),)),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
@@ -110,7 +130,7 @@ class Plan:
     hbm_bytes: int
     resident_warps: int
     smem_reads: int = 0
-
+    tensor_cores: bool = False
 
     def rank_key(self) -> tuple:
         """Lower is better: HBM traffic, shared-memory reads per row, occupancy, bigger tiles, fewer warps."""
@@ -194,7 +214,8 @@ def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Famil
     integers, so that policy needs a family that takes any tile."""
     return [f for f in FAMILIES
             if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders
-            and spec.head_dim % f.head_dim_multiple == 0 and (policy == "auto" or f.any_tile)]
+            and spec.head_dim % f.head_dim_multiple == 0 and (policy == "auto" or f.any_tile)
+            and (f.deterministic or not spec.deterministic)]
 
 
 def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
@@ -202,13 +223,19 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
     values = {Br: block_r, Bc: block_c, d: spec.head_dim, W: warps, E: spec.element_bytes}
     smem = int(family.smem_bytes.subs(values))
-    regs = int(sp.ceiling(family.registers.subs(values))) + (family.dropout_registers if spec.dropout > 0 else 0)
+    dropout_regs = sp.sympify(family.dropout_registers).subs(values) if spec.dropout > 0 else 0
+    regs = int(sp.ceiling(family.registers.subs(values) + dropout_regs))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:
         broken.append(f"registers {family.registers} = {regs} <= {target.registers_per_thread}")
     if family.m_tiles and block_r not in [16 * warps * m for m in family.m_tiles]:
         broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
+    if family.keys_per_warp and block_c != family.keys_per_warp * warps:
+        broken.append(f"Bc = {family.keys_per_warp}*W")
+    for description, holds in family.rules:
+        if block_r % 16 == 0 and not holds(block_r, block_c, spec.head_dim, warps):
+            broken.append(description)
     if not family.min_block_c <= block_c <= family.max_block_c:
         broken.append(f"{family.min_block_c} <= Bc <= {family.max_block_c}")
     if not family.any_tile and (block_r % 16 or block_c % 16):
@@ -220,7 +247,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
                 hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps,
-                int(sp.ceiling(family.smem_reads.subs(values))))
+                int(sp.ceiling(family.smem_reads.subs(values))), family.tensor_cores)
     return plan, broken
 
 

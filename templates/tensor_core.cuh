@@ -1,0 +1,100 @@
+// fagen: tensor-core primitives shared by the mma.sync templates (templates/tensor_core.cuh).
+// mma.sync m16n8k16 with fp32 accumulators, ldmatrix fragment loads and cp.async copies, for
+// fp16 and bf16 (sm_80 and later). Fragment layouts follow the PTX ISA: lane = 4 * group + quad;
+// an accumulator tile holds rows group and group + 8, columns 2 * quad and 2 * quad + 1.
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+namespace fagen {
+namespace tc {
+
+__device__ __forceinline__ unsigned shared_address(const void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
+}
+
+// Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives it.
+// Addresses are 32-bit shared-window offsets: a lane's base plus a compile-time offset folds into
+// the instruction's immediate, where 64-bit generic pointers would each hold two registers.
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) { ldmatrix_x4(r, shared_address(p)); }
+// The same, each matrix transposed on the way: a row-major [k][n] tile becomes a "col" B operand.
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned address) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { ldmatrix_x4_trans(r, shared_address(p)); }
+
+// Lane offsets (in elements, rows of `pitch`) of the x4 loads that make each operand:
+//   A (16x16 of a row-major [m][k] tile):               rows lane % 16, columns 8 (lane / 16)
+//   B pair (two 16x8 "col" tiles of a row-major [n][k]): rows 8 (lane / 16) + lane % 8, columns 8 ((lane / 8) % 2)
+//   B pair, transposed (of a row-major [k][n] tile):    rows lane % 8 + 8 ((lane / 8) % 2), columns 8 (lane / 16)
+//   A, transposed (of a row-major [k][m] tile):          the same offsets as the B pair
+__device__ __forceinline__ int a_lane_offset(int lane, int pitch) { return (lane % 16) * pitch + (lane / 16) * 8; }
+__device__ __forceinline__ int b_pair_lane_offset(int lane, int pitch) { return ((lane / 16) * 8 + lane % 8) * pitch + ((lane / 8) % 2) * 8; }
+__device__ __forceinline__ int b_pair_trans_lane_offset(int lane, int pitch) { return (lane % 8 + ((lane / 8) % 2) * 8) * pitch + (lane / 16) * 8; }
+
+// D = A (16x16, row) * B (16x8, col) + D with fp32 accumulators.
+template <typename T>
+__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1);
+template <>
+__device__ __forceinline__ void mma_16x8x16<__nv_bfloat16>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <>
+__device__ __forceinline__ void mma_16x8x16<__half>(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
+  asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+               : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two floats rounded into one 32-bit register of the element type (low half first).
+template <typename T> __device__ __forceinline__ unsigned pack_pair(float lo, float hi);
+template <> __device__ __forceinline__ unsigned pack_pair<__nv_bfloat16>(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+template <> __device__ __forceinline__ unsigned pack_pair<__half>(float lo, float hi) {
+  __half2 v = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<unsigned*>(&v);
+}
+
+// Two accumulator n-tiles (keys 2kk*8 .. 2kk*8+15 of rows group, group + 8) as the A operand of
+// the next MMA: the accumulator layout of C is already the register layout of A.
+template <typename T>
+__device__ __forceinline__ void accumulators_to_a(unsigned (&a)[4], const float (&lo)[4], const float (&hi)[4]) {
+  a[0] = pack_pair<T>(lo[0], lo[1]);
+  a[1] = pack_pair<T>(lo[2], lo[3]);
+  a[2] = pack_pair<T>(hi[0], hi[1]);
+  a[3] = pack_pair<T>(hi[2], hi[3]);
+}
+
+// 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled.
+__device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+}
+// 4-byte variant for per-row statistics, whose rows need not be 16-byte aligned.
+__device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 4 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+
+// Rows [row0, row0 + ROWS) of one (batch, head) slice into a padded shared tile, 16 bytes per copy;
+// rows at or past valid_rows are zero so that they add nothing to any product.
+template <int ROWS, int HEAD_DIM, int PITCH, int THREADS, typename T>
+__device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long long row_stride, int row0, int valid_rows) {
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
+  constexpr int PER_CHUNK = 16 / sizeof(T);
+  for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
+    const int r = chunk / CHUNKS_PER_ROW, c = (chunk % CHUNKS_PER_ROW) * PER_CHUNK;
+    const bool valid = r < valid_rows;
+    cp_async_16(tile + r * PITCH + c, slice + (valid ? (long long)(row0 + r) * row_stride + c : 0), valid);
+  }
+}
+
+}  // namespace tc
+}  // namespace fagen
