@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from fagen.reference import dropout_threshold
-from fagen.solver import Plan, Solution
+from fagen.solver import Plan, Solution, family_named
 from fagen.spec import Spec
 
 PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"   # an installed wheel
@@ -52,7 +52,8 @@ def float_literal(value: float) -> str:
 
 
 def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
-    return f"fagen_{PASS_PREFIX[pass_name]}_{spec.canonical_name}_br{plan.block_r}_bc{plan.block_c}_w{plan.warps}"
+    tag = family_named(plan.family).tag
+    return f"fagen_{PASS_PREFIX[pass_name]}_{spec.canonical_name}_br{plan.block_r}_bc{plan.block_c}_w{plan.warps}{tag}"
 
 
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
@@ -68,6 +69,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
     threads = plan.threads
     pad_elements = 4 // spec.element_bytes  # one 4-byte bank word
     return {
+        **dict(family_named(plan.family).options),
         "kernel_name": kernel_name(spec, pass_name, plan),
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],

@@ -62,6 +62,8 @@ class Family:
     keys_per_warp: int = 0           # Bc == keys_per_warp * W (each warp owns its keys); 0: free
     deterministic: bool = True       # can honour `deterministic: true` (no floating-point atomics)
     rules: tuple = ()                # extra (description, predicate(Br, Bc, d, W)) tile rules of the template
+    options: tuple = ()              # (name, value) pairs the template reads: variants of one template
+    tag: str = ""                    # kernel-name suffix that tells such variants apart
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -79,8 +81,18 @@ FAMILIES: tuple[Family, ...] = (
            registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
            # every warp reads all of K_j and V_j from shared memory: bytes per (query row, key) pair
            smem_reads=2 * 2 * d * W / Br,
-           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=64,
-           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16),
+           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
+           options=(("q_in_registers", "true"),)),
+    # The same template with Q_w re-read from shared memory at every k-step: frees the Q registers so
+    # that large head dims can still run two 16-row slabs per warp (each K/V fragment feeds two MMAs).
+    Family("forward_fa2_mma_qsmem", "forward_fa2_mma.cu.j2", ("forward",),
+           smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
+           registers=Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
+           smem_reads=2 * 2 * d * W / Br + 2 * d / Bc,
+           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
+           options=(("q_in_registers", "false"),), tag="_qs"),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).
@@ -135,8 +147,9 @@ class Plan:
     tensor_cores: bool = False
 
     def rank_key(self) -> tuple:
-        """Lower is better: HBM traffic, shared-memory reads per row, occupancy, bigger tiles, fewer warps."""
-        return (self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c, self.warps)
+        """Lower is better: HBM traffic, shared-memory reads per row, bigger tiles (fewer barriers per key),
+        occupancy, fewer warps."""
+        return (self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c, -self.resident_warps, self.warps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -211,6 +224,10 @@ def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = R
 
 
 # ---- the solve ------------------------------------------------------------------------------
+def family_named(name: str) -> Family:
+    return next(f for f in FAMILIES if f.name == name)
+
+
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
     """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
     integers, so that policy needs a family that takes any tile."""
@@ -269,7 +286,11 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
     for pass_name in spec.passes:
         ranked = []
         failures = []
+        tier = None  # tensor-core families compete with each other; CUDA-core ones are the fallback
         for family in families_for(spec, pass_name, policy):
+            if ranked and family.tensor_cores != tier:
+                break
+            tier = family.tensor_cores
             for warps in family.warps:
                 tiles = [(paper_r, paper_c)] if policy == "paper" else \
                     [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
@@ -283,8 +304,6 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
                         failures.append((plan, broken))
                     else:
                         ranked.append(plan)
-            if ranked:
-                break  # families are listed fastest first; the first that can realise the spec wins
         if not ranked:
             raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
         ranked.sort(key=Plan.rank_key)
