@@ -9,11 +9,13 @@
 // S = Q_w K_j^T and P~ never leave registers, O_w accumulates un-normalised in registers and is
 // divided by l once. Every K/V fragment read from shared memory feeds M_TILES MMAs.
 // K_j / V_j arrive by cp.async into two shared-memory stages, so block j+1 loads while j computes.
+#include "tensor_core.cuh"
 namespace fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc32_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 256;
 constexpr int BLOCK_R = 128;              // Br = 16 * M_TILES rows per warp
 constexpr int M_TILES = 1;              // 16-row MMA slabs per warp
+constexpr bool Q_IN_REGISTERS = true;  // else Q_w is re-read from shared memory per k-step
 constexpr int BLOCK_C = 32;              // Bc
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
@@ -21,7 +23,6 @@ constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatr
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d for S = Q K^T
 constexpr int S_TILES = BLOCK_C / 8;                // n-tiles of S (8 keys each)
 constexpr int O_TILES = HEAD_DIM / 8;               // n-tiles of O (8 dims each)
-constexpr int CHUNKS_PER_ROW = HEAD_DIM / 8;        // 16-byte cp.async chunks per row
 constexpr float SCALE_LOG2 = 9.016844006e-02f;
 constexpr float SCALE = 6.250000000e-02f;
 constexpr int MASK = fagen::MASK_CAUSAL;
@@ -30,58 +31,9 @@ constexpr int GRAIN = 1;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
-constexpr bool IS_BF16 = true;
 static_assert(BLOCK_R == 16 * M_TILES * WARPS, "M_TILES 16-row MMA slabs per warp");
 static_assert(BLOCK_C % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
-
-// ---- tensor-core primitives ----
-
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const elem_t* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const elem_t* p) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(p));
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(a));
-}
-// D = A (16x16, row) * B (16x8, col) + D, fp32 accumulators
-__device__ __forceinline__ void mma_16x8x16(float (&d)[4], const unsigned (&a)[4], unsigned b0, unsigned b1) {
-  if (IS_BF16) {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                 : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]) : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-__device__ __forceinline__ unsigned pack_pair(float lo, float hi) {
-  if (IS_BF16) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  } else {
-    __half2 v = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<unsigned*>(&v);
-  }
-}
-// 16-byte global -> shared copy that bypasses registers; rows past the end are zero-filled.
-__device__ __forceinline__ void cp_async_16(elem_t* dst, const elem_t* src, bool valid) {
-  const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(a), "l"(src), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
-
-template <int ROWS>
-__device__ __forceinline__ void async_load_rows(elem_t* tile, const elem_t* slice, long long row_stride, int row0, int valid_rows) {
-  for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
-    const int r = chunk / CHUNKS_PER_ROW, c = (chunk % CHUNKS_PER_ROW) * 8;
-    const bool valid = r < valid_rows;
-    cp_async_16(tile + r * PITCH + c, slice + (valid ? (long long)(row0 + r) * row_stride + c : 0), valid);
-  }
-}
 }  // namespace fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc32_w8_config
 
 extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc32_w8(const fagen::AttentionArgs args) {
@@ -95,7 +47,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
   const long long bh = blockIdx.y, b = bh / args.heads, h = bh % args.heads;
   const int seq_q = (int)args.seq_q, seq_k = (int)args.seq_k;
-  const int row0 = blockIdx.x * BLOCK_R;
+  // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
+  const int row_block = MASK == MASK_CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
+  const int row0 = row_block * BLOCK_R;
   const int rows_here = min(BLOCK_R, seq_q - row0);
   const elem_t* q = static_cast<const elem_t*>(args.q) + b * args.q_stride[0] + h * args.q_stride[1];
   const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h * args.k_stride[1];
@@ -113,17 +67,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   auto load_kv = [&](int j, int stage) {
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
     const int col0 = j * BLOCK_C, cols = min(BLOCK_C, seq_k - col0);
-    async_load_rows<BLOCK_C>(k_tile, k, args.k_stride[2], col0, cols);
-    async_load_rows<BLOCK_C>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, cols);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols);
   };
 
   // Q_i and the first visible K_j, V_j in flight together.
-  async_load_rows<BLOCK_R>(q_tile, q, args.q_stride[2], row0, rows_here);
+  tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here);
   int j = next_visible(0);
   if (j < col_blocks) load_kv(j, 0);
-  cp_async_commit();
+  tc::cp_async_commit();
 
-  unsigned q_frag[M_TILES][K_STEPS][4];
+  unsigned q_frag[M_TILES][Q_IN_REGISTERS ? K_STEPS : 1][4];
   float o_acc[M_TILES][O_TILES][4];
   float row_max[M_TILES][2], row_sum[M_TILES][2];  // rows group, group + 8 of each slab; l partial per thread
 #pragma unroll
@@ -135,28 +89,32 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   }
 
   const int warp_row0 = row0 + warp * 16 * M_TILES;
+  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
+  constexpr int E = sizeof(elem_t);
+  const unsigned q_warp = tc::shared_address(q_tile) + (warp * M_TILES * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;
+  const unsigned kv_base = tc::shared_address(kv_tiles);
+  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E, b_pair_trans = tc::b_pair_trans_lane_offset(lane, PITCH) * E;
   bool q_loaded = false;
   int stage = 0;
   while (j < col_blocks) {
     const int j_next = next_visible(j + 1);
     if (j_next < col_blocks) {
       load_kv(j_next, stage ^ 1);   // prefetch the next visible block into the other stage
-      cp_async_commit();
-      cp_async_wait<1>();
+      tc::cp_async_commit();
+      tc::cp_async_wait<1>();
     } else {
-      cp_async_wait<0>();
+      tc::cp_async_wait<0>();
     }
     __syncthreads();
-    if (!q_loaded) {
+    if (Q_IN_REGISTERS && !q_loaded) {
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk)
-          ldmatrix_x4(q_frag[m][kk], q_tile + ((warp * M_TILES + m) * 16 + (lane % 16)) * PITCH + kk * 16 + (lane / 16) * 8);
+        for (int kk = 0; kk < K_STEPS; ++kk) tc::ldmatrix_x4(q_frag[m][kk % (Q_IN_REGISTERS ? K_STEPS : 1)], q_warp + (m * 16 * PITCH + kk * 16) * E);
       q_loaded = true;
     }
-    const elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
-    const elem_t* v_tile = k_tile + BLOCK_C * PITCH;
+    const unsigned k_tile = kv_base + stage * 2 * BLOCK_C * PITCH * E;
+    const unsigned v_tile = k_tile + BLOCK_C * PITCH * E;
     const int col0 = j * BLOCK_C;
 
     // S = Q_w K_j^T (raw scores; tau is folded into the exponent below)
@@ -167,14 +125,24 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
       for (int t = 0; t < S_TILES; ++t) s_acc[m][t][0] = s_acc[m][t][1] = s_acc[m][t][2] = s_acc[m][t][3] = 0.f;
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) {
+      unsigned q_step[M_TILES][4];
+#pragma unroll
+      for (int m = 0; m < M_TILES; ++m) {
+        if (Q_IN_REGISTERS) {
+#pragma unroll
+          for (int r = 0; r < 4; ++r) q_step[m][r] = q_frag[m][kk % (Q_IN_REGISTERS ? K_STEPS : 1)][r];
+        } else {
+          tc::ldmatrix_x4(q_step[m], q_warp + (m * 16 * PITCH + kk * 16) * E);
+        }
+      }
 #pragma unroll
       for (int pair = 0; pair < S_TILES / 2; ++pair) {
         unsigned kf[4];
-        ldmatrix_x4(kf, k_tile + (pair * 16 + (lane / 16) * 8 + (lane % 8)) * PITCH + kk * 16 + ((lane / 8) % 2) * 8);
+        tc::ldmatrix_x4(kf, k_tile + b_pair + (pair * 16 * PITCH + kk * 16) * E);
 #pragma unroll
         for (int m = 0; m < M_TILES; ++m) {
-          mma_16x8x16(s_acc[m][2 * pair], q_frag[m][kk], kf[0], kf[1]);
-          mma_16x8x16(s_acc[m][2 * pair + 1], q_frag[m][kk], kf[2], kf[3]);
+          tc::mma_16x8x16<elem_t>(s_acc[m][2 * pair], q_step[m], kf[0], kf[1]);
+          tc::mma_16x8x16<elem_t>(s_acc[m][2 * pair + 1], q_step[m], kf[2], kf[3]);
         }
       }
     }
@@ -237,19 +205,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
       unsigned p_frag[M_TILES][4];
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m) {
-        p_frag[m][0] = pack_pair(s_acc[m][2 * kk][0], s_acc[m][2 * kk][1]);
-        p_frag[m][1] = pack_pair(s_acc[m][2 * kk][2], s_acc[m][2 * kk][3]);
-        p_frag[m][2] = pack_pair(s_acc[m][2 * kk + 1][0], s_acc[m][2 * kk + 1][1]);
-        p_frag[m][3] = pack_pair(s_acc[m][2 * kk + 1][2], s_acc[m][2 * kk + 1][3]);
+        tc::accumulators_to_a<elem_t>(p_frag[m], s_acc[m][2 * kk], s_acc[m][2 * kk + 1]);
       }
 #pragma unroll
       for (int pair = 0; pair < O_TILES / 2; ++pair) {
         unsigned vf[4];
-        ldmatrix_x4_trans(vf, v_tile + (kk * 16 + (lane % 8) + ((lane / 8) % 2) * 8) * PITCH + pair * 16 + (lane / 16) * 8);
+        tc::ldmatrix_x4_trans(vf, v_tile + b_pair_trans + (kk * 16 * PITCH + pair * 16) * E);
 #pragma unroll
         for (int m = 0; m < M_TILES; ++m) {
-          mma_16x8x16(o_acc[m][2 * pair], p_frag[m], vf[0], vf[1]);
-          mma_16x8x16(o_acc[m][2 * pair + 1], p_frag[m], vf[2], vf[3]);
+          tc::mma_16x8x16<elem_t>(o_acc[m][2 * pair], p_frag[m], vf[0], vf[1]);
+          tc::mma_16x8x16<elem_t>(o_acc[m][2 * pair + 1], p_frag[m], vf[2], vf[3]);
         }
       }
     }
@@ -257,7 +222,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
     stage ^= 1;
     j = j_next;
   }
-  cp_async_wait<0>();
+  tc::cp_async_wait<0>();
 
   // O = diag(l)^-1 O, written once; LSE = tau m + log l. Rows that saw no key: O = 0, LSE = -inf.
 #pragma unroll
@@ -273,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
     elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
-      const unsigned packed = pack_pair(o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
+      const unsigned packed = tc::pack_pair<elem_t>(o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
       *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;

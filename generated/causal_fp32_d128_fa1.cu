@@ -228,22 +228,6 @@ __device__ __forceinline__ void load_row_stats(const Tiles& t, const fagen::Atte
 }
 }  // namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config
 
-// D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_delta(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config;
-  using namespace fagen;
-  const long long row = (long long)blockIdx.x * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= args.batch * args.heads * args.seq_q) return;
-  const long long bh = row / args.seq_q, n = row % args.seq_q, b = bh / args.heads, h = bh % args.heads;
-  const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
-  const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
-  float acc = 0.f;
-  for (int e = lane; e < HEAD_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
-  acc = warp_sum(acc);
-  if (lane == 0) args.delta[row] = acc;
-}
-
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config;
   using namespace fagen;
@@ -373,6 +357,24 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
       if (r < rows_here) dq[(long long)(row0 + r) * args.dq_stride[2] + e] = from_float<elem_t>(dq_acc[n] * SCALE);
     }
   }
+}
+
+// ---- fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_delta and _dq_convert: made by templates/backward_common.cu.j2 ----
+// The two small kernels every backward template launches around its main kernel.
+// D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_delta(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config;
+  using namespace fagen;
+  const long long row = (long long)blockIdx.x * 8 + threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  if (row >= args.batch * args.heads * args.seq_q) return;
+  const long long bh = row / args.seq_q, n = row % args.seq_q, b = bh / args.heads, h = bh % args.heads;
+  const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
+  const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
+  float acc = 0.f;
+  for (int e = lane; e < HEAD_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
+  acc = warp_sum(acc);
+  if (lane == 0) args.delta[row] = acc;
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.

@@ -1,11 +1,11 @@
 """The tile solver: every plan it returns keeps every constraint, nothing feasible ranks better, the paper's
 closed form, infeasible specs, the traffic model and the JSON report.
-
 Properties over random specs (hypothesis; the `ci` profile is derandomized). A failure prints the spec's
 fields, which `Spec(**fields)` replays. Everything here is CPU-only and needs no nvcc.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -85,17 +85,18 @@ def substitutions(spec: Spec, plan: Plan) -> dict:
 
 
 def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
-    """Every auto plan the first family able to realise the pass can run, found by enumerating its tile
-    choices through `solver.evaluate` and applying the budget here."""
+    """Every auto plan of the first tier (tensor-core families, then CUDA-core ones) able to realise the
+    pass, found by enumerating each family's tile choices through `solver.evaluate` and applying the
+    budget here."""
     target, budget = target_for(spec.arch), effective_budget(spec)
-    for family in solver.families_for(spec, pass_name):
+    families = solver.families_for(spec, pass_name)
+    for tier in (True, False):
         feasible = []
-        for warps in family.warps:
-            for block_r in solver.TILE_CHOICES:
-                for block_c in solver.TILE_CHOICES:
-                    plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps)
-                    if not broken and plan.smem_bytes <= budget:
-                        feasible.append(plan)
+        for family in (f for f in families if f.tensor_cores == tier):
+            for warps, block_r, block_c in itertools.product(family.warps, solver.TILE_CHOICES, solver.TILE_CHOICES):
+                plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps)
+                if not broken and plan.smem_bytes <= budget:
+                    feasible.append(plan)
         if feasible:
             return feasible
     return []
