@@ -17,6 +17,7 @@ constexpr int HEAD_DIM = 96;
 constexpr int BLOCK_R = 128;              // Br = 16 * M_TILES rows per warp
 constexpr int M_TILES = 2;              // 16-row MMA slabs per warp
 constexpr bool Q_IN_REGISTERS = true;  // else Q_w is re-read from shared memory per k-step
+constexpr int Q_REG_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q_w held in registers
 constexpr int BLOCK_C = 64;              // Bc
 constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
@@ -78,7 +79,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
   if (j < col_blocks) load_kv(j, 0);
   tc::cp_async_commit();
 
-  unsigned q_frag[M_TILES][Q_IN_REGISTERS ? K_STEPS : 1][4];
+  unsigned q_frag[M_TILES][Q_REG_STEPS][4];
   float o_acc[M_TILES][O_TILES][4];
   float row_max[M_TILES][2], row_sum[M_TILES][2];  // rows group, group + 8 of each slab; l partial per thread
 #pragma unroll
@@ -111,7 +112,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
-        for (int kk = 0; kk < K_STEPS; ++kk) tc::ldmatrix_x4(q_frag[m][kk % (Q_IN_REGISTERS ? K_STEPS : 1)], q_warp + (m * 16 * PITCH + kk * 16) * E);
+        for (int kk = 0; kk < K_STEPS; ++kk) tc::ldmatrix_x4(q_frag[m][kk % Q_REG_STEPS], q_warp + (m * 16 * PITCH + kk * 16) * E);
       q_loaded = true;
     }
     const unsigned k_tile = kv_base + stage * 2 * BLOCK_C * PITCH * E;
@@ -131,7 +132,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
       for (int m = 0; m < M_TILES; ++m) {
         if (Q_IN_REGISTERS) {
 #pragma unroll
-          for (int r = 0; r < 4; ++r) q_step[m][r] = q_frag[m][kk % (Q_IN_REGISTERS ? K_STEPS : 1)][r];
+          for (int r = 0; r < 4; ++r) q_step[m][r] = q_frag[m][kk % Q_REG_STEPS][r];
         } else {
           tc::ldmatrix_x4(q_step[m], q_warp + (m * 16 * PITCH + kk * 16) * E);
         }

@@ -20,13 +20,11 @@ __device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], unsigned address) 
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
-__device__ __forceinline__ void ldmatrix_x4(unsigned (&r)[4], const void* p) { ldmatrix_x4(r, shared_address(p)); }
 // The same, each matrix transposed on the way: a row-major [k][n] tile becomes a "col" B operand.
 __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned address) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
-__device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], const void* p) { ldmatrix_x4_trans(r, shared_address(p)); }
 
 // Lane offsets (in elements, rows of `pitch`) of the x4 loads that make each operand:
 //   A (16x16 of a row-major [m][k] tile):               rows lane % 16, columns 8 (lane / 16)
