@@ -21,6 +21,13 @@ NVCC_OPTIONS = ("-O3", "-std=c++17", "--use_fast_math")
 CACHE_ENV = "FAGEN_CACHE_DIR"
 
 
+def nvcc_arch(arch: str) -> str:
+    """The architecture nvcc builds for: sm_90 targets compile as sm_90a, Hopper's arch-specific
+    profile, so that the wgmma templates can use warpgroup MMA (the cubin runs on H100/H200 only,
+    which is every sm_90 part); every other arch as named."""
+    return "sm_90a" if arch == "sm_90" else arch
+
+
 class CompileError(RuntimeError):
     """nvcc rejected a source; str() is nvcc's own message."""
 
@@ -87,7 +94,7 @@ def compile_cubin(source: str, arch: str, include_dir: Path, out_path: Optional[
         src = Path(tmp) / "kernel.cu"
         src.write_text(source)
         cubin = Path(tmp) / "kernel.cubin"
-        command = [nvcc, "-cubin", f"-arch={arch}", *NVCC_OPTIONS, f"-I{include_dir}", "-Xptxas", "-v",
+        command = [nvcc, "-cubin", f"-arch={nvcc_arch(arch)}", *NVCC_OPTIONS, f"-I{include_dir}", "-Xptxas", "-v",
                    "-o", str(cubin), str(src)]
         start = time.perf_counter()
         try:
@@ -112,7 +119,7 @@ def load_module(source: str, arch: str, include_dir: Path):
     module_cache = cache_dir() / "pycuda"
     module_cache.mkdir(exist_ok=True)
     try:
-        return SourceModule(source, arch=arch, options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
+        return SourceModule(source, arch=nvcc_arch(arch), options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
                             no_extern_c=True, cache_dir=str(module_cache))
     except Exception as err:  # pycuda.driver.CompileError carries nvcc's stderr
         stderr = getattr(err, "stderr", "") or str(err)
@@ -126,7 +133,7 @@ def compile_to_cache(source: str, arch: str, include_dir: Path) -> None:
     module_cache = cache_dir() / "pycuda"
     module_cache.mkdir(exist_ok=True)
     try:
-        pycuda_compile(source, arch=arch, options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
+        pycuda_compile(source, arch=nvcc_arch(arch), options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
                        no_extern_c=True, cache_dir=str(module_cache))
     except Exception as err:
         raise CompileError(getattr(err, "stderr", "") or str(err)) from None

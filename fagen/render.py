@@ -23,6 +23,7 @@ TEMPLATE_DIR = PACKAGE_TEMPLATES if PACKAGE_TEMPLATES.is_dir() else SOURCE_TEMPL
 COMMON_HEADER = "attention_common.cuh"
 
 ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
+PTX_TYPES = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}  # the type suffix of mma/wgmma instructions
 MASK_KINDS = {"none": "MASK_NONE", "causal": "MASK_CAUSAL", "sliding_window": "MASK_SLIDING_WINDOW",
               "padding": "MASK_PADDING", "block_sparse": "MASK_BLOCK_SPARSE"}
 PASS_PREFIX = {"forward": "fwd", "backward": "bwd"}
@@ -58,11 +59,56 @@ def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
 
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
     main = kernel_name(spec, pass_name, plan)
-    if pass_name == "backward" and plan.family == "backward_fa2_mma":  # dQ by atomics only
+    if pass_name == "backward" and not family_named(plan.family).deterministic:  # dQ by atomics only
         return [main, f"{main}_delta", f"{main}_dq_convert"]
     if pass_name == "backward":
         return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert"]
     return [main]
+
+
+def warpgroup_mma_function(name: str, n: int, ptx_type: str, a_in_registers: bool, tnsp_a: int, tnsp_b: int) -> str:
+    """C++ for one wgmma.mma_async m64n{n}k16 wrapper with fp32 accumulators `float (&d)[n/8][4]` (the
+    mma.sync tile layout). A is a shared-memory descriptor, or four registers in the mma.sync A-fragment
+    layout; B is a descriptor; tnsp_a / tnsp_b read an MN-major tile transposed. The operand list has
+    one entry per accumulator, which is why this is generated rather than written out per shape."""
+    accumulators = n // 2
+    a_count = 4 if a_in_registers else 1
+    outputs = ", ".join(f"%{i}" for i in range(accumulators))
+    if a_in_registers:
+        a_operand = "{" + ", ".join(f"%{accumulators + i}" for i in range(4)) + "}"
+        immediates = f"p, 1, 1, {tnsp_b}"
+        a_param, a_constraint = "const unsigned (&a)[4]", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
+    else:
+        a_operand = f"%{accumulators}"
+        immediates = f"p, 1, 1, {tnsp_a}, {tnsp_b}"
+        a_param, a_constraint = "unsigned long long a", '"l"(a)'
+    b_operand, scale_operand = accumulators + a_count, accumulators + a_count + 1
+    constraints = ", ".join(f'"+f"(d[{t}][{e}])' for t in range(n // 8) for e in range(4))
+    return (
+        f"__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param}, unsigned long long b, int accumulate) {{\n"
+        f"  asm volatile(\n"
+        f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale_operand}, 0;\\n"\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+        f'      "{{{outputs}}}, {a_operand}, %{b_operand}, {immediates};\\n}}\\n"\n'
+        f"      : {constraints}\n"
+        f'      : {a_constraint}, "l"(b), "r"(accumulate));\n'
+        f"}}\n")
+
+
+#: The wgmma shapes each warpgroup-MMA template issues: (function, N of (spec, plan), A in registers,
+#: A transposed, B transposed).
+WARPGROUP_PRODUCTS = {
+    "forward_wgmma.cu.j2": (
+        ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
+        ("o_product", lambda spec, plan: spec.head_dim, True, 0, 1),     # O += P~ V, V read transposed
+    ),
+    "backward_wgmma.cu.j2": (
+        ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
+        ("key_grad_product", lambda spec, plan: spec.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
+        # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or one 64-dim panel
+        ("dq_product", lambda spec, plan: spec.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
+    ),
+}
 
 
 def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
@@ -90,6 +136,9 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
+        "warpgroup_mma_functions": "".join(
+            warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)
+            for name, n_of, a_regs, tnsp_a, tnsp_b in WARPGROUP_PRODUCTS.get(plan.template, ())),
     }
 
 

@@ -64,6 +64,9 @@ class Family:
     rules: tuple = ()                # extra (description, predicate(Br, Bc, d, W)) tile rules of the template
     options: tuple = ()              # (name, value) pairs the template reads: variants of one template
     tag: str = ""                    # kernel-name suffix that tells such variants apart
+    archs: tuple[str, ...] = ()      # the targets the template runs on; (): every one
+    preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
+    occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -73,6 +76,21 @@ _forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, 
 _forward_registers = 2 * sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD
 
 FAMILIES: tuple[Family, ...] = (
+    # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
+    # stages of K_j, V_j in 128-byte-swizzled shared memory (+1 KB to align the swizzle atoms), read by
+    # the tensor cores through descriptors; S/P and O in registers.
+    Family("forward_wgmma", "forward_wgmma.cu.j2", ("forward",),
+           smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024,
+           # O and S accumulators of the warp's 16 rows over 32 lanes, P~ packed in pairs, plus loop state
+           registers=Br * d / (32 * W) + 3 * Br * Bc / (64 * W) + REGISTER_OVERHEAD,
+           # the tensor cores read K_j, V_j once per warpgroup and Q_g once per K/V block
+           smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
+           # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
+           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=56, min_block_c=64, max_block_c=128,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64, archs=("sm_90",),
+           # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
+           # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
+           preference=0, occupancy_first=True),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
@@ -93,6 +111,20 @@ FAMILIES: tuple[Family, ...] = (
            warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
            options=(("q_in_registers", "false"),), tag="_qs"),
+    # Hopper warpgroup MMA, K_j/V_j outer: 64 keys per warpgroup (16 per warp, the layout of
+    # backward_fa2_mma); K_j, V_j, two cp.async stages of Q_i, dO_i and the dS^T tile in 128-byte-swizzled
+    # shared memory (+1 KB to align), LSE_i and D_i in fp32; dQ through fp32 atomics.
+    Family("backward_wgmma", "backward_wgmma.cu.j2", ("backward",),
+           smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + Bc * Br) + 2 * 2 * 4 * Br + 1024,
+           # dK, dV (16 x d each over 32 lanes) + S^T, dP^T (16 x Br each) + the warpgroup's dQ tile (64 x d/2 or
+           # 64 x d over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
+           registers=d + Br + Br * d / (32 * W) + 24,
+           smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
+           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
+           archs=("sm_90",), preference=0,
+           rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",
+                   lambda r, c, hd, w: r == 16 * w or (r == 64 and hd == 16 * w)),)),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).
@@ -149,8 +181,13 @@ class Plan:
     def rank_key(self) -> tuple:
         """Lower is better: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
         tensor-core plans the other way round: fewer barriers per key), fewer warps."""
+        family = family_named(self.family)
+        if family.occupancy_first:
+            return (family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
+                    -self.block_r * self.block_c, self.warps)
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
-            return (self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c, -self.resident_warps, self.warps)
+            return (family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
+                    -self.resident_warps, self.warps)
         return (self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c, self.warps)
 
     def to_dict(self) -> dict:
@@ -250,6 +287,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     broken = []
     if regs > target.registers_per_thread:
         broken.append(f"registers {family.registers} = {regs} <= {target.registers_per_thread}")
+    if family.archs and target.arch not in family.archs:
+        broken.append(f"target arch in {family.archs} (is {target.arch})")
     if family.m_tiles and block_r not in [16 * warps * m for m in family.m_tiles]:
         broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:

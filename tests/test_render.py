@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 from fagen import render as rendering
 from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbols, render, template_context
-from fagen.solver import FAMILIES, InfeasibleSpec, Plan, solve
+from fagen.solver import FAMILIES, TILE_CHOICES, InfeasibleSpec, Plan, evaluate, solve
+from fagen.target import target_for
 from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, Spec, load_specs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -199,6 +200,18 @@ def test_missing_context_key_is_an_error():
         rendering._environment.from_string("{{ plan.block_r }}").render(plan={})
 
 
+def _feasible_plan(family, spec):
+    """The family's own plan for the spec (the solver may rank another family first)."""
+    target = target_for(spec.arch)
+    for warps in family.warps:
+        for block_r in TILE_CHOICES:
+            for block_c in TILE_CHOICES:
+                plan, broken = evaluate(family, spec, target, family.passes[0], block_r, block_c, warps)
+                if not broken:
+                    return plan
+    raise AssertionError(f"{family.name} has no feasible plan for {spec.variant_name}")
+
+
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
 def test_every_template_fills_values_only(family):
     """Templates only substitute names the context provides: no arithmetic, filters or branches in Jinja."""
@@ -206,7 +219,7 @@ def test_every_template_fills_values_only(family):
     tree = rendering._environment.parse(source)
     spec = Spec(head_dim=64, mask="block_sparse", block_size=64, dropout=0.1,
                 loop_order=family.loop_orders[0], passes=list(family.passes))
-    plan = solve(spec).plans[family.passes[0]]
+    plan = _feasible_plan(family, spec)
     context = template_context(spec, family.passes[0], plan)
     assert jinja2.meta.find_undeclared_variables(tree) <= set(context)
     allowed = (jinja2.nodes.Template, jinja2.nodes.Output, jinja2.nodes.TemplateData, jinja2.nodes.Name,
@@ -230,3 +243,28 @@ def test_common_header_is_found_from_the_template_dir():
     assert Path(rendered.include_dir) == Path(TEMPLATE_DIR)
     assert f'#include "{COMMON_HEADER}"' in rendered.text
     assert all((Path(TEMPLATE_DIR) / f.template).is_file() for f in FAMILIES)
+
+
+def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():
+    """m64nNk16 with fp32 accumulators: N/2 outputs, then A (descriptor or 4 registers), B, the scale-d flag."""
+    ss = rendering.warpgroup_mma_function("s_product", 64, "bf16", False, 0, 0)
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16" in ss
+    assert "float (&d)[8][4], unsigned long long a, unsigned long long b" in ss
+    assert ss.count('"+f"(') == 32 and "%31}, %32, %33, p, 1, 1, 0, 0;" in ss and "setp.ne.b32 p, %34, 0" in ss
+    rs = rendering.warpgroup_mma_function("o_product", 128, "f16", True, 0, 1)
+    assert ".m64n128k16.f32.f16.f16" in rs and rs.count('"+f"(') == 64
+    assert "{%64, %65, %66, %67}, %68, p, 1, 1, 1;" in rs and '"r"(a[3]), "l"(b), "r"(accumulate)' in rs
+    transposed = rendering.warpgroup_mma_function("dq_product", 64, "bf16", False, 1, 1)
+    assert "p, 1, 1, 1, 1;" in transposed
+
+
+def test_warpgroup_templates_get_their_wrappers_and_others_none():
+    spec = Spec(head_dim=128, dtype="bf16", arch="sm_90")
+    solution = solve(spec)
+    assert [solution.plans[p].family for p in ("forward", "backward")] == ["forward_wgmma", "backward_wgmma"]
+    text = render(spec, solution).text
+    for name in ("s_product", "o_product", "scores_product", "key_grad_product", "dq_product"):
+        assert f"void {name}(" in text
+    sm80 = Spec(head_dim=128, dtype="bf16", arch="sm_80")
+    plan = solve(sm80).plans["forward"]
+    assert plan.family == "forward_fa2_mma_qsmem" and template_context(sm80, "forward", plan)["warpgroup_mma_functions"] == ""

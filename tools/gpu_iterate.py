@@ -92,7 +92,7 @@ def main() -> int:
                         ms = bench.time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 5, 20)
                     else:
                         ms = bench.time_cuda(lambda: kernel.forward(q, k, v), 5, 20)
-                print(f"   Br={candidate.block_r:3d} Bc={candidate.block_c:3d} W={candidate.warps}: "
+                print(f"   {candidate.family:22s} Br={candidate.block_r:3d} Bc={candidate.block_c:3d} W={candidate.warps}: "
                       f"{flops / ms / 1e9:6.0f} TFLOP/s  {sdpa / ms:.2f}x", flush=True)
             except Exception as err:
                 print(f"   Br={candidate.block_r} W={candidate.warps}: {bench.reason(err)}", flush=True)

@@ -1,0 +1,96 @@
+// fagen: Hopper warpgroup-MMA primitives (templates/warpgroup_mma.cuh), for sm_90a.
+// wgmma.mma_async is issued by a warpgroup (4 consecutive warps) and reads its B operand (and A,
+// unless A comes from registers) straight from shared memory through a 64-bit matrix descriptor.
+// fagen keeps every wgmma operand tile in the 128-byte-swizzle layout: the tile is cut into panels
+// of 64 columns (128 bytes of fp16/bf16), each panel stores its rows at 128-byte pitch, and the
+// 16-byte chunk c of row r sits at chunk position c ^ (r % 8). That spreads any 8 rows of one chunk
+// column over all 32 banks, which is both what the tensor cores expect and conflict-free for cp.async.
+// The accumulator layout of m64nNk16 per warp equals mma.sync's m16n8 tiles side by side: warp w of
+// the group holds rows 16w .. 16w + 15, and `fagen::tc` fragment code applies unchanged.
+#pragma once
+#include "tensor_core.cuh"
+
+namespace fagen {
+namespace wg {
+
+constexpr int PANEL_COLUMNS = 64;    // fp16/bf16 columns per 128-byte swizzle panel
+constexpr int ROW_BYTES = 128;       // bytes per row within a panel
+constexpr int ATOM_BYTES = 8 * 128;  // the swizzle repeats every 8 rows: atoms must be 1024-byte aligned
+
+// Byte offset of the 16-byte chunk `chunk` (counted across panels) of row `row` in a swizzled tile of `rows` rows.
+__device__ __forceinline__ unsigned swizzled_offset(int rows, int row, int chunk) {
+  const int panel = chunk / 8, within = chunk % 8;
+  return panel * rows * ROW_BYTES + row * ROW_BYTES + ((within ^ (row % 8)) << 4);
+}
+
+// Rows [row0, row0 + ROWS) of one (batch, head) slice into a swizzled shared tile; rows at or past
+// valid_rows are zero-filled so that they add nothing to any product. Each thread copies one fixed
+// 16-byte column chunk of every (THREADS / chunks-per-row)-th row: when that row step is a multiple of 8
+// the swizzle phase never changes, so every copy after the first is a constant offset away.
+template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+__device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T* slice, long long row_stride, int row0, int valid_rows) {
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
+  constexpr int PER_CHUNK = 16 / sizeof(T);
+  constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0) {
+    const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
+    const unsigned dst = tile + swizzled_offset(ROWS, r0, c);
+    const T* src = slice + (long long)(row0 + r0) * row_stride + c * PER_CHUNK;
+    const long long src_step = ROW_STEP * row_stride;
+#pragma unroll
+    for (int n = 0; n < ROWS / ROW_STEP; ++n) {
+      const bool valid = r0 + n * ROW_STEP < valid_rows;
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                   :: "r"(dst + n * ROW_STEP * ROW_BYTES), "l"(valid ? src + n * src_step : slice), "r"(valid ? 16 : 0));
+    }
+  } else {
+    for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
+      const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
+      const bool valid = r < valid_rows;
+      const T* src = slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
+                   :: "r"(tile + swizzled_offset(ROWS, r, c)), "l"(src), "r"(valid ? 16 : 0));
+    }
+  }
+}
+
+// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
+// stride byte offsets (all >> 4), layout type 1 = 128-byte swizzle in bits 62-63.
+//   K-major operand (the reduction dimension contiguous, e.g. Q or K for S = Q K^T): the stride
+//   offset steps from one 8-row atom to the next (1024 B); the leading offset is unused (1).
+//   MN-major operand (e.g. V for O = P V, read transposed): the leading offset steps from one
+//   64-column panel to the next, the stride offset from one 8-row atom to the next.
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading_bytes, unsigned stride_bytes) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4)
+       | (unsigned long long)((leading_bytes >> 4) & 0x3FFF) << 16
+       | (unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32
+       | 1ull << 62;
+}
+
+// Ordering: wgmma.fence before the first wgmma that touches registers other instructions wrote;
+// commit closes a group of issued wgmmas; wait<N> blocks until at most N groups are in flight.
+__device__ __forceinline__ void fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" :: "n"(N) : "memory"); }
+// cp.async writes through the generic proxy, wgmma reads through the async proxy: each writer
+// fences after its copies land and before the barrier that publishes them.
+__device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+
+// Keeps the compiler from moving reads or writes of accumulators across an in-flight wgmma.
+template <int TILES>
+__device__ __forceinline__ void fence_registers(float (&acc)[TILES][4]) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[t][e]) :: "memory");
+}
+template <int TILES>
+__device__ __forceinline__ void fence_registers(unsigned (&fragments)[TILES][4]) {
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(fragments[t][e]) :: "memory");
+}
+
+}  // namespace wg
+}  // namespace fagen
