@@ -311,6 +311,15 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     return plan, broken
 
 
+def family_plans(family: Family, spec: Spec, target: Target, pass_name: str, tiles=None):
+    """(plan, broken constraints) for each warp count of the family and each (Br, Bc) in `tiles`
+    (default: every pair of TILE_CHOICES), before any shared-memory budget is applied."""
+    tiles = tiles or [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
+    for warps in family.warps:
+        for block_r, block_c in tiles:
+            yield evaluate(family, spec, target, pass_name, block_r, block_c, warps)
+
+
 def _budget(spec: Spec, target: Target) -> int:
     return min(spec.sram_budget, target.smem_per_block) if spec.sram_budget else target.smem_per_block
 
@@ -332,19 +341,16 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
             if ranked and family.tensor_cores != tier:
                 break
             tier = family.tensor_cores
-            for warps in family.warps:
-                tiles = [(paper_r, paper_c)] if policy == "paper" else \
-                    [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
-                for block_r, block_c in tiles:
-                    plan, broken = evaluate(family, spec, target, pass_name, block_r, block_c, warps)
-                    # The paper policy fixes the tiles from M; the template must still fit the hardware.
-                    limit = target.smem_per_block if policy == "paper" else budget
-                    if plan.smem_bytes > limit:
-                        broken.append(f"shared memory {family.smem_bytes} = {plan.smem_bytes} <= {limit}")
-                    if broken:
-                        failures.append((plan, broken))
-                    else:
-                        ranked.append(plan)
+            tiles = [(paper_r, paper_c)] if policy == "paper" else None
+            for plan, broken in family_plans(family, spec, target, pass_name, tiles):
+                # The paper policy fixes the tiles from M; the template must still fit the hardware.
+                limit = target.smem_per_block if policy == "paper" else budget
+                if plan.smem_bytes > limit:
+                    broken.append(f"shared memory {family.smem_bytes} = {plan.smem_bytes} <= {limit}")
+                if broken:
+                    failures.append((plan, broken))
+                else:
+                    ranked.append(plan)
         if not ranked:
             raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
         ranked.sort(key=Plan.rank_key)
@@ -378,14 +384,8 @@ def _infeasible_message(spec, target, pass_name, policy, budget, failures) -> st
 
 def _smallest_smem(spec: Spec, target: Target, pass_name: str) -> int:
     """Shared memory of the pass's smallest plan that breaks nothing but the budget."""
-    sizes = []
-    for family in families_for(spec, pass_name):
-        for warps in family.warps:
-            for block_r in TILE_CHOICES:
-                for block_c in TILE_CHOICES:
-                    plan, broken = evaluate(family, spec, target, pass_name, block_r, block_c, warps)
-                    if not broken:
-                        sizes.append(plan.smem_bytes)
+    sizes = [plan.smem_bytes for family in families_for(spec, pass_name)
+             for plan, broken in family_plans(family, spec, target, pass_name) if not broken]
     return min(sizes, default=0)
 
 

@@ -71,8 +71,11 @@ __device__ __forceinline__ void accumulators_to_a(unsigned (&a)[4], const float 
 }
 
 // 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled.
+__device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+}
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(shared_address(dst)), "l"(src), "r"(valid ? 16 : 0));
+  cp_async_16(shared_address(dst), src, valid);
 }
 // 4-byte variant for per-row statistics, whose rows need not be 16-byte aligned.
 __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool valid) {

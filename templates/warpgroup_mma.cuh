@@ -40,16 +40,13 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
 #pragma unroll
     for (int n = 0; n < ROWS / ROW_STEP; ++n) {
       const bool valid = r0 + n * ROW_STEP < valid_rows;
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                   :: "r"(dst + n * ROW_STEP * ROW_BYTES), "l"(valid ? src + n * src_step : slice), "r"(valid ? 16 : 0));
+      tc::cp_async_16(dst + n * ROW_STEP * ROW_BYTES, valid ? src + n * src_step : slice, valid);
     }
   } else {
     for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
       const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
       const bool valid = r < valid_rows;
-      const T* src = slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0);
-      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n"
-                   :: "r"(tile + swizzled_offset(ROWS, r, c)), "l"(src), "r"(valid ? 16 : 0));
+      tc::cp_async_16(tile + swizzled_offset(ROWS, r, c), slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0), valid);
     }
   }
 }

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fagen import render as rendering
 from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbols, render, template_context
-from fagen.solver import FAMILIES, TILE_CHOICES, InfeasibleSpec, Plan, evaluate, solve
+from fagen.solver import FAMILIES, InfeasibleSpec, Plan, family_plans, solve
 from fagen.target import target_for
 from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, Spec, load_specs
 
@@ -202,14 +202,7 @@ def test_missing_context_key_is_an_error():
 
 def _feasible_plan(family, spec):
     """The family's own plan for the spec (the solver may rank another family first)."""
-    target = target_for(spec.arch)
-    for warps in family.warps:
-        for block_r in TILE_CHOICES:
-            for block_c in TILE_CHOICES:
-                plan, broken = evaluate(family, spec, target, family.passes[0], block_r, block_c, warps)
-                if not broken:
-                    return plan
-    raise AssertionError(f"{family.name} has no feasible plan for {spec.variant_name}")
+    return next(plan for plan, broken in family_plans(family, spec, target_for(spec.arch), family.passes[0]) if not broken)
 
 
 @pytest.mark.parametrize("family", FAMILIES, ids=[f.name for f in FAMILIES])
