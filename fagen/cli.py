@@ -6,9 +6,10 @@
     fagen schema             the spec's JSON Schema, for editors
     fagen check  SPEC.yaml   the hypothesis property suite on the GPU
     fagen bench  SPEC.yaml   timings against PyTorch SDPA on the GPU
+    fagen bench-model        a small transformers model's training step and the per-call overhead, vs SDPA
 
 Exit status: 0 success; 1 a variant failed to compile (or a check failed); 2 a bad, infeasible or
-unreadable spec, a bad command line, or no GPU for `check`/`bench`. A bad spec is one line on
+unreadable spec, a bad command line, or no GPU for `check`/`bench`/`bench-model`. A bad spec is one line on
 stderr (`fagen: error: ...`), never a traceback. The stages are imported inside the commands, so
 `fagen schema` and `fagen --help` do not pay for sympy and Jinja.
 """
@@ -335,6 +336,37 @@ def bench(spec_file: Path, seqlens: tuple[int, ...], tokens: int, model_dim: int
     run_bench = _gpu_entry("fagen bench", "fagen.bench", "run_bench")
     run_bench(specs, seqlens=seqlens, tokens=tokens, model_dim=model_dim, passes=passes or None,
               warmup=warmup, repeats=repeats, autotune=autotune, csv=csv_path, json=json_path, plot=plot_path)
+
+
+@cli.command("bench-model")
+@click.option("--head-dims", default="64,128", show_default=True, callback=_int_list, help="Head dims d (comma-separated).")
+@click.option("--seqlens", default="1024,2048,4096,8192", show_default=True, callback=_int_list,
+              help="Sequence lengths N (comma-separated).")
+@click.option("--tokens", default=16384, show_default=True, type=click.IntRange(min=1), help="batch x N held fixed.")
+@click.option("--hidden", default=2048, show_default=True, type=click.IntRange(min=1),
+              help="Model width (heads = hidden / d).")
+@click.option("--layers", default=4, show_default=True, type=click.IntRange(min=1))
+@click.option("--kv-groups", default="1,4", show_default=True, callback=_int_list,
+              help="Query heads per KV head (1: no grouping; comma-separated).")
+@click.option("--vocab", default=32000, show_default=True, type=click.IntRange(min=2))
+@click.option("--warmup", default=3, show_default=True, type=click.IntRange(min=0), help="Untimed training steps.")
+@click.option("--steps", default=10, show_default=True, type=click.IntRange(min=1),
+              help="Timed training steps (median).")
+@click.option("--overhead/--no-overhead", default=True, show_default=True, help="Also the per-call host overhead table.")
+@click.option("--compile/--no-compile", "compiled", default=True, show_default=True,
+              help="Overhead table: also through torch.compile.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
+def bench_model(head_dims: tuple[int, ...], seqlens: tuple[int, ...], tokens: int, hidden: int, layers: int,
+                kv_groups: tuple[int, ...], vocab: int, warmup: int, steps: int, overhead: bool, compiled: bool,
+                json_path: Optional[Path]) -> None:
+    """Training steps of a small Llama (transformers) with fagen against SDPA, and the per-call host overhead."""
+    run = _gpu_entry("fagen bench-model", "fagen.bench_model", "run_model_bench")
+    from importlib.util import find_spec
+
+    if find_spec("transformers") is None:
+        fail("fagen bench-model needs transformers: pip install -e \".[hf]\"", 2)
+    run(head_dims=head_dims, seqlens=seqlens, tokens=tokens, hidden=hidden, layers=layers, kv_groups=kv_groups,
+        vocab=vocab, warmup=warmup, steps=steps, overhead=overhead, compiled=compiled, json=json_path)
 
 
 if __name__ == "__main__":

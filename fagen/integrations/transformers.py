@@ -1,0 +1,246 @@
+"""Hugging Face transformers: `attn_implementation="fagen"`.
+
+    import fagen.integrations.transformers
+    fagen.integrations.transformers.register()
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="fagen")   # or
+    model.set_attn_implementation("fagen")
+
+`register()` adds two entries named "fagen": `attention_forward` to transformers' AttentionInterface
+and `fagen_mask` to its AttentionMaskInterface. The second one is not optional: for a name the
+mask interface does not know, transformers builds no mask at all, and a padding mask would be dropped
+without a word.
+
+`fagen_mask` builds SDPA's boolean masks, but returns None when the mask is one fagen's kernels
+apply by themselves: no padding, the queries being the last positions of the keys (fagen aligns the
+two sequences at the bottom right), and the pattern plain causal or the model's sliding window.
+`attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
+other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
+change the maths) goes to transformers' own SDPA path, with one warning per reason and process.
+"""
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.utils.import_utils import is_tracing
+
+import fagen.torch as fagen_torch
+
+NAME = "fagen"
+#: Device types fagen's kernels run on; tensors elsewhere take the SDPA path.
+DEVICE_TYPES = ("cuda",)
+DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+HEAD_DIMS = frozenset(range(32, 257, 8))   # the spec's head_dim: 32 ... 256, a multiple of 8
+#: Keyword arguments transformers passes along that do not change the attention maths.
+NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values", "position_embeddings",
+                            "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
+                            "layer_idx", "max_length_q", "max_length_k"})
+SEED_HIGH = 2**62   # dropout seeds are drawn in [0, SEED_HIGH): well inside fagen.attention's int64 range
+_NOT_GIVEN = object()
+
+_warned: set[str] = set()
+
+
+def register() -> None:
+    """Make "fagen" a valid `attn_implementation`. Calling it again changes nothing."""
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, fagen_mask)
+
+
+def fallback_reasons() -> frozenset:
+    """Why calls went to SDPA since the process started (or since `reset_fallbacks()`): one line each."""
+    return frozenset(_warned)
+
+
+def reset_fallbacks() -> None:
+    """Forget the reasons seen so far, so that each warns again once."""
+    _warned.clear()
+
+
+# ---- the attention function ------------------------------------------------------------------
+def attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None,
+                      sliding_window=_NOT_GIVEN, **kwargs):
+    """transformers' attention-function contract: query (B, H, Nq, d), key and value (B, H_kv, Nk, d);
+    returns (attn_output (B, Nq, H, d), None)."""
+    if is_causal is None:
+        is_causal = getattr(module, "is_causal", True)
+    window = _window(module, sliding_window) if is_causal else None
+    if torch.is_autocast_enabled(query.device.type):
+        # SDPA runs in the autocast dtype; fagen's op is not on autocast's lists, so cast as SDPA would.
+        low = torch.get_autocast_dtype(query.device.type)
+        query, key, value = query.to(low), key.to(low), value.to(low)
+    reason = _unsupported(query, key, value, attention_mask, dropout, kwargs)
+    if reason is not None:
+        return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
+
+    batch, heads, seq_q, head_dim = query.shape
+    kv_heads, seq_k = key.shape[1], key.shape[2]
+    if kv_heads != heads:
+        # Grouped KV heads: query head h reads KV head h // groups (repeat_kv's order). Copied out for
+        # now; a kernel that indexes the shared heads itself comes later.
+        grouped, shared = (batch, kv_heads, heads // kv_heads, seq_k, head_dim), (batch, heads, seq_k, head_dim)
+        key = key[:, :, None].expand(grouped).reshape(shared)
+        value = value[:, :, None].expand(grouped).reshape(shared)
+
+    # The spec travels as a JSON string built from plain Python values, so that torch.compile folds it
+    # into a constant; fagen resolves and caches the kernel per distinct string.
+    if not is_causal:
+        mask = '"none"'
+    elif window is not None and window < seq_k:
+        mask = f'"sliding_window", "window": {int(window)}'
+    else:
+        mask = '"causal"'  # a window covering every key is plain causal: the same answer, one kernel fewer
+    extra = "" if scaling is None else f', "softmax_scale": {float(scaling)!r}'
+    seed = 0
+    if dropout:
+        extra += f', "dropout": {float(dropout)!r}'
+        # From torch's CPU generator: torch.manual_seed reproduces a run, and activation checkpointing,
+        # which restores that generator before recomputing, regenerates the same dropout mask.
+        seed = int(torch.randint(SEED_HIGH, (1,)))
+    spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
+    out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0)
+    return out.transpose(1, 2).contiguous(), None
+
+
+def _window(module, sliding_window):
+    """The layer's sliding window, or None. Most models pass it per layer (None on full-attention
+    layers); a few keep it on the module; the rest build every layer's mask from the config's."""
+    if sliding_window is not _NOT_GIVEN:
+        return sliding_window
+    window = getattr(module, "sliding_window", _NOT_GIVEN)
+    if window is not _NOT_GIVEN:
+        return window
+    config = getattr(module, "config", None)
+    window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
+    layer_types = getattr(config, "layer_types", None)
+    layer = getattr(module, "layer_idx", None)
+    if layer_types is not None and layer is not None and layer < len(layer_types):
+        return window if layer_types[layer] == "sliding_attention" else None
+    return window
+
+
+def _unsupported(query, key, value, attention_mask, dropout, kwargs):
+    """Why fagen cannot compute this call exactly, or None when it can."""
+    if attention_mask is not None:
+        return "an explicit attention mask (padding, packed sequences or a pattern fagen has no kernel for)"
+    changing = [name for name, value in kwargs.items()
+                if name not in NEUTRAL_KWARGS and value is not None and value is not False]
+    if changing:
+        return f"keyword arguments fagen does not implement: {', '.join(sorted(changing))}"
+    if query.device.type not in DEVICE_TYPES:
+        return f"tensors on {query.device.type} (fagen's kernels run on {', '.join(DEVICE_TYPES)})"
+    if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
+        return (f"dtypes q {query.dtype}, k {key.dtype}, v {value.dtype} "
+                f"(fagen needs one of {', '.join(str(d) for d in DTYPES)} for all three)")
+    head_dim = query.shape[-1]
+    if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
+        return f"head dims q {head_dim}, k {key.shape[-1]}, v {value.shape[-1]} (fagen: 32 ... 256, a multiple of 8)"
+    if query.shape[1] % key.shape[1]:
+        return f"{query.shape[1]} query heads over {key.shape[1]} KV heads (not a multiple)"
+    if not 0.0 <= dropout < 1.0:
+        return f"dropout {dropout} (fagen: a probability in [0, 1))"
+    return None
+
+
+def _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs):
+    """transformers' SDPA path, warned about once per reason.
+
+    A None mask can mean more here than SDPA assumes: fagen_mask() also skips sliding-window masks
+    and causal masks with Nq < Nk (bottom-right aligned), which SDPA's is_causal cannot express. Those
+    get their mask written out."""
+    _warn_once(reason)
+    seq_q, seq_k = query.shape[2], key.shape[2]
+    if attention_mask is None and is_causal and ((window is not None and window < seq_k)
+                                                 or 1 < seq_q != seq_k):
+        attention_mask = bottom_right_mask(seq_q, seq_k, window, query.device)
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                  is_causal=is_causal, **kwargs)
+
+
+def _warn(reason: str) -> bool:
+    if reason not in _warned:
+        _warned.add(reason)
+        warnings.warn(f"fagen attention: using transformers' SDPA instead: {reason}", stacklevel=4)
+    return True
+
+
+# torch.compile runs this while tracing (once per graph) and keeps it out of the graph, which a
+# warnings.warn call would otherwise break.
+_warn_once = torch.compiler.assume_constant_result(_warn)
+
+
+def bottom_right_mask(seq_q: int, seq_k: int, window, device) -> torch.Tensor:
+    """(1, 1, Nq, Nk) booleans, True where fagen's causal (window None) or sliding_window mask lets query i
+    see key j: 0 <= i + (Nk - Nq) - j (< window)."""
+    distance = (torch.arange(seq_q, device=device)[:, None] + (seq_k - seq_q)
+                - torch.arange(seq_k, device=device)[None, :])
+    visible = distance >= 0
+    if window is not None:
+        visible &= distance < window
+    return visible[None, None]
+
+
+# ---- the mask function -----------------------------------------------------------------------
+def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=causal_mask_function,
+                   attention_mask=None, local_size=None, allow_is_causal_skip=True, config=None, **kwargs):
+    """AttentionMaskInterface's contract (sdpa_mask's arguments): None when fagen's kernel mask is exact,
+    else SDPA's boolean mask (B, 1, Nq, Nk).
+
+    transformers passes allow_is_causal_skip=True only for its plain patterns (causal, sliding window,
+    chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is.
+    SDPA's own skips are turned off: one of them (an empty static cache's prefill) relies on is_causal
+    aligning at the top left, and fagen aligns at the bottom right."""
+    if (allow_is_causal_skip and _bottom_right(q_length, kv_length, q_offset, kv_offset)
+            and _no_padding(attention_mask, kv_offset, kv_length)
+            and _is_kernel_pattern(mask_function, local_size, config)):
+        return None
+    return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                     kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                     local_size=local_size, allow_is_causal_skip=False, config=config, **kwargs)
+
+
+def _bottom_right(q_length, kv_length, q_offset, kv_offset) -> bool:
+    # A static cache's offsets are tensors (and its keys run past the last query): no skip there.
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor):
+        return False
+    return q_length <= kv_length and q_offset + q_length == kv_offset + kv_length
+
+
+def _no_padding(padding_mask, kv_offset, kv_length) -> bool:
+    if padding_mask is None:
+        return True
+    if is_tracing(padding_mask):  # its contents are unknown while tracing
+        return False
+    end = kv_offset + kv_length
+    return padding_mask.shape[-1] >= end and bool(padding_mask[:, kv_offset:end].all())
+
+
+def _is_kernel_pattern(mask_function, local_size, config) -> bool:
+    if local_size is None:
+        return mask_function is causal_mask_function
+    # Sliding windows and chunked attention both come with a local_size; only the model's sliding
+    # window is fagen's mask. While tracing, the config has the last word; in eager mode a few probes
+    # of the function confirm it.
+    if local_size != getattr(config, "sliding_window", None) or local_size == getattr(config, "attention_chunk_size",
+                                                                                      None):
+        return False
+    return is_tracing() or _probe_sliding_window(mask_function, local_size)
+
+
+def _probe_sliding_window(mask_function, window: int) -> bool:
+    """True when mask_function agrees with "0 <= q - kv < window" at the far ends of two windows (one
+    starting at key 0, one at key 1: a chunk of `window` keys holds at most one of the two), just past
+    one, and one step into the future."""
+    queries = torch.tensor([window - 1, window, window, 0])
+    keys = torch.tensor([0, 1, 0, 1])
+    zero = torch.zeros((), dtype=torch.long)
+    try:
+        seen = mask_function(zero, zero, queries, keys)
+        return seen.tolist() == [True, True, False, False]
+    except Exception:  # a pattern that cannot be probed this way is not one we skip
+        return False

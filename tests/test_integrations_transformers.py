@@ -1,0 +1,389 @@
+"""fagen.integrations.transformers on the CPU: the spec each call maps to, the masks, and the SDPA fallback.
+
+fagen's kernels need a GPU, so `fagen.torch.attention` (what `fagen.attention` resolves to) is replaced
+by a float64 torch reference of the spec it is given, and the integration is allowed to run on CPU
+tensors. Models are tiny, built from configs with random weights, and compared with
+attn_implementation="eager". GPU runs of real kernels: tests/test_integrations_transformers_gpu.py.
+"""
+import copy
+import json
+import warnings
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config  # noqa: E402
+from transformers.masking_utils import (  # noqa: E402
+    causal_mask_function, chunked_causal_mask_function, sliding_window_causal_mask_function)
+
+import fagen.torch  # noqa: E402
+from fagen.integrations import transformers as fagen_hf  # noqa: E402
+from fagen.spec import spec_from_dict  # noqa: E402
+
+TOLERANCE = 1e-4
+VOCAB = 97
+
+
+class Calls(list):
+    """What the reference was called with: one dict per call (the spec's fields, shapes, seed)."""
+
+    @property
+    def specs(self):
+        return [call["spec"] for call in self]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """fagen attention on the CPU through the reference below; every call recorded."""
+    recorded = Calls()
+
+    def reference(q, k, v, spec, *, seed=0, offset=0):
+        assert isinstance(spec, str), "the integration passes the spec as a JSON string (torch.compile folds it)"
+        fields = json.loads(spec)
+        spec_from_dict(fields)  # a valid fagen spec, or this raises
+        recorded.append({"spec": fields, "q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape),
+                         "seed": seed, "offset": offset})
+        return reference_attention(q, k, v, fields)
+
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    monkeypatch.setattr(fagen.torch, "attention", reference)
+    monkeypatch.setattr(fagen_hf, "DEVICE_TYPES", ("cuda", "cpu"))
+    yield recorded
+    fagen_hf.reset_fallbacks()
+
+
+def reference_attention(q, k, v, fields):
+    """softmax(scale * Q K^T + mask) V in float64, with fagen's masks (bottom-right aligned)."""
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    scores = fields.get("softmax_scale", q.shape[-1] ** -0.5) * q64 @ k64.transpose(-1, -2)
+    seq_q, seq_k = q.shape[2], k.shape[2]
+    distance = torch.arange(seq_q)[:, None] + (seq_k - seq_q) - torch.arange(seq_k)[None, :]
+    visible = {"none": lambda: torch.ones_like(distance, dtype=torch.bool),
+               "causal": lambda: distance >= 0,
+               "sliding_window": lambda: (distance >= 0) & (distance < fields.get("window", 0))}[fields["mask"]]()
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v64).to(q.dtype)
+
+
+def tiny(config_class, **overrides):
+    fields = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    fields.update(overrides)
+    return config_class(**fields)
+
+
+def model_pair(config):
+    """The same random weights with attn_implementation "eager" and "fagen" (float32, CPU, eval)."""
+    torch.manual_seed(0)  # each model gets its own config: from_config records the implementation on it
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen").eval()
+    assert eager.config._attn_implementation == "eager" and ours.config._attn_implementation == "fagen"
+    ours.load_state_dict(eager.state_dict())
+    return eager, ours
+
+
+def tokens(batch=2, seq=12, seed=1):
+    return torch.randint(0, VOCAB, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def max_error(a, b):
+    return (a - b).abs().max().item()
+
+
+def fallback_warnings(records):
+    return [w for w in records if "fagen attention" in str(w.message)]
+
+
+# ---- registration ----------------------------------------------------------------------------
+def test_register_is_idempotent_and_registers_both_interfaces():
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    fagen_hf.register()
+    fagen_hf.register()
+    assert AttentionInterface._global_mapping["fagen"] is fagen_hf.attention_forward
+    assert AttentionMaskInterface._global_mapping["fagen"] is fagen_hf.fagen_mask
+    model = AutoModelForCausalLM.from_config(tiny(LlamaConfig), attn_implementation="fagen")
+    assert model.config._attn_implementation == "fagen"
+    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation("fagen")
+    assert model.config._attn_implementation == "fagen"
+
+
+# ---- models against eager --------------------------------------------------------------------
+def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens()
+    expected = eager(x, labels=x)
+    got = ours(x, labels=x)
+    assert max_error(got.logits, expected.logits) < TOLERANCE
+    expected.loss.backward()
+    got.loss.backward()
+    grads = dict(eager.named_parameters())
+    for name, param in ours.named_parameters():
+        assert max_error(param.grad, grads[name].grad) < TOLERANCE, name
+
+    assert len(calls) == 2 and not fagen_hf.fallback_reasons()  # one per layer
+    for call in calls:
+        assert call["spec"] == {"head_dim": 32, "dtype": "fp32", "mask": "causal", "softmax_scale": 32 ** -0.5}
+        assert call["q"] == call["k"] == call["v"] == (2, 4, 12, 32)  # KV heads expanded 2 -> 4
+        assert call["seed"] == 0 and call["offset"] == 0
+
+
+def test_set_attn_implementation_switches_an_existing_model_to_fagen(calls):
+    eager, _ = model_pair(tiny(LlamaConfig))
+    x = tokens(batch=1, seq=9)
+    expected = eager(x).logits
+    eager.set_attn_implementation("fagen")
+    assert max_error(eager(x).logits, expected) < TOLERANCE
+    assert len(calls) == 2
+
+
+def test_padding_mask_falls_back_to_sdpa_once_with_the_right_answer(calls):
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens()
+    mask = torch.ones_like(x)
+    mask[0, :3] = 0  # left padding on the first sequence
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        got = ours(x, attention_mask=mask).logits
+        ours(x, attention_mask=mask)  # again: no second warning
+    expected = eager(x, attention_mask=mask).logits
+    found = fallback_warnings(records)
+    assert len(found) == 1 and "explicit attention mask" in str(found[0].message)
+    assert not calls
+    valid = mask.bool()
+    assert max_error(got[valid], expected[valid]) < TOLERANCE
+
+
+def test_an_all_ones_padding_mask_stays_on_fagen(calls):
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens()
+    mask = torch.ones_like(x)
+    assert max_error(ours(x, attention_mask=mask).logits, eager(x, attention_mask=mask).logits) < TOLERANCE
+    assert len(calls) == 2 and not fagen_hf.fallback_reasons()
+
+
+def test_mistral_sliding_window_maps_to_fagen_window(calls):
+    eager, ours = model_pair(tiny(MistralConfig, sliding_window=5))
+    x = tokens(seq=16)
+    assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+    assert not fagen_hf.fallback_reasons()
+    assert [c["mask"] for c in calls.specs] == ["sliding_window"] * 2
+    assert all(c["window"] == 5 for c in calls.specs)
+
+
+def test_mistral_window_longer_than_the_sequence_runs_as_causal(calls):
+    eager, ours = model_pair(tiny(MistralConfig, sliding_window=64))
+    x = tokens(seq=16)
+    assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+    assert [c["mask"] for c in calls.specs] == ["causal"] * 2
+
+
+def test_qwen2_mixes_full_and_sliding_layers(calls):
+    config = tiny(Qwen2Config, use_sliding_window=True, sliding_window=4, max_window_layers=1)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+    eager, ours = model_pair(config)
+    x = tokens(seq=14)
+    assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+    assert [c["mask"] for c in calls.specs] == ["causal", "sliding_window"]
+    assert calls.specs[1]["window"] == 4
+
+
+@pytest.mark.parametrize("config_class, extra", [(LlamaConfig, {}), (MistralConfig, {"sliding_window": 6})],
+                         ids=["llama", "mistral-sliding"])
+def test_cached_prefill_and_decoding_match_eager(calls, config_class, extra):
+    """A second chunk of queries against a cache (Nq < Nk, bottom-right aligned), then one-token steps."""
+    eager, ours = model_pair(tiny(config_class, **extra))
+    x = tokens(batch=1, seq=16)
+    outputs = {}
+    for name, model in (("eager", eager), ("fagen", ours)):
+        first = model(x[:, :10], use_cache=True)
+        second = model(x[:, 10:], past_key_values=first.past_key_values, use_cache=True)
+        outputs[name] = second.logits
+    assert max_error(outputs["fagen"], outputs["eager"]) < TOLERANCE
+    assert any(call["q"][2] == 6 and call["k"][2] > 6 for call in calls)
+
+    prompt = x[:, :5]
+    generated = {name: model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
+                 for name, model in (("eager", eager), ("fagen", ours))}
+    assert torch.equal(generated["fagen"], generated["eager"])
+    assert any(call["q"][2] == 1 for call in calls)
+    assert not fagen_hf.fallback_reasons()
+
+
+# ---- the attention function alone -------------------------------------------------------------
+class Module(torch.nn.Module):
+    """Stands in for an attention layer: what transformers' attention functions read off the module."""
+
+    def __init__(self, is_causal=True, groups=1):
+        super().__init__()
+        self.is_causal = is_causal
+        self.num_key_value_groups = groups
+
+
+def qkv(batch=1, heads=2, kv_heads=2, seq_q=8, seq_k=8, head_dim=32, dtype=torch.float32):
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(batch, heads, seq_q, head_dim, generator=generator).to(dtype)
+    k = torch.randn(batch, kv_heads, seq_k, head_dim, generator=generator).to(dtype)
+    v = torch.randn(batch, kv_heads, seq_k, head_dim, generator=generator).to(dtype)
+    return q, k, v
+
+
+def test_output_layout_scale_and_non_causal_modules(calls):
+    q, k, v = qkv(seq_q=5, seq_k=7)
+    out, weights = fagen_hf.attention_forward(Module(is_causal=False), q, k, v, None, scaling=0.3)
+    assert weights is None and out.shape == (1, 5, 2, 32) and out.is_contiguous()
+    expected = reference_attention(q, k, v, {"mask": "none", "softmax_scale": 0.3}).transpose(1, 2)
+    assert max_error(out, expected) < TOLERANCE
+    assert calls.specs[-1] == {"head_dim": 32, "dtype": "fp32", "mask": "none", "softmax_scale": 0.3}
+    fagen_hf.attention_forward(Module(is_causal=False), q, k, v, None, is_causal=True)  # the kwarg wins
+    assert calls.specs[-1]["mask"] == "causal" and "softmax_scale" not in calls.specs[-1]
+
+
+def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generator(calls):
+    q, k, v = qkv()
+    torch.manual_seed(7)
+    for _ in range(3):
+        fagen_hf.attention_forward(Module(), q, k, v, None, dropout=0.125)
+    torch.manual_seed(7)
+    fagen_hf.attention_forward(Module(), q, k, v, None, dropout=0.125)
+    seeds = [call["seed"] for call in calls]
+    assert all(spec["dropout"] == 0.125 for spec in calls.specs)
+    assert len(set(seeds[:3])) == 3 and seeds[3] == seeds[0]
+    assert all(0 <= seed < 2**62 for seed in seeds)
+
+
+@pytest.mark.parametrize("case, reason", [
+    ({"head_dim": 36}, "head dims"),
+    ({"dtype": torch.float64}, "dtypes"),
+    ({"kwargs": {"output_attentions": True}}, "output_attentions"),
+    ({"kwargs": {"softcap": 30.0}}, "softcap"),
+    ({"kwargs": {"s_aux": torch.zeros(2)}}, "s_aux"),
+    ({"kwargs": {"position_bias": torch.zeros(1, 2, 8, 8)}}, "position_bias"),
+    ({"dropout": 1.0}, "dropout"),
+], ids=["head-dim-36", "float64", "output-attentions", "softcap", "sinks", "position-bias", "dropout-1"])
+def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reason):
+    q, k, v = qkv(head_dim=case.get("head_dim", 32), dtype=case.get("dtype", torch.float32))
+    kwargs = case.get("kwargs", {})
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            fagen_hf.attention_forward(Module(), q, k, v, None, dropout=case.get("dropout", 0.0), **kwargs)
+    found = fallback_warnings(records)
+    assert len(found) == 1 and reason in str(found[0].message)
+    assert not calls
+
+
+def test_neutral_keyword_arguments_stay_on_fagen(calls):
+    q, k, v = qkv()
+    fagen_hf.attention_forward(Module(), q, k, v, None, position_ids=torch.arange(8)[None], use_cache=True,
+                               softcap=None, output_attentions=False, s_aux=None)
+    assert len(calls) == 1 and not fagen_hf.fallback_reasons()
+
+
+def test_fallback_writes_out_masks_sdpa_cannot_infer(calls):
+    """A head dim fagen has no kernel for, on masks fagen_mask() skipped: sliding window, and causal with
+    Nq < Nk. SDPA's is_causal would get both wrong (no window; top-left alignment)."""
+    eager, ours = model_pair(tiny(MistralConfig, hidden_size=144, num_attention_heads=4, num_key_value_heads=2,
+                                  sliding_window=5))  # head_dim 36
+    x = tokens(batch=1, seq=16)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+        cached = ours(x[:, :10], use_cache=True)
+        got = ours(x[:, 10:], past_key_values=cached.past_key_values).logits
+    cached = eager(x[:, :10], use_cache=True)
+    expected = eager(x[:, 10:], past_key_values=cached.past_key_values).logits
+    assert max_error(got, expected) < TOLERANCE
+    assert len(fallback_warnings(records)) == 1 and not calls
+
+
+def test_bottom_right_mask_is_fagens_mask():
+    mask = fagen_hf.bottom_right_mask(3, 6, 2, "cpu")[0, 0]
+    assert mask.tolist() == [[False, False, True, True, False, False],
+                             [False, False, False, True, True, False],
+                             [False, False, False, False, True, True]]
+    assert fagen_hf.bottom_right_mask(2, 3, None, "cpu")[0, 0].tolist() == [[True, True, False], [True, True, True]]
+
+
+# ---- the mask function -----------------------------------------------------------------------
+def mask(**kwargs):
+    fields = dict(batch_size=2, q_length=8, kv_length=8, q_offset=0, kv_offset=0,
+                  mask_function=causal_mask_function, attention_mask=None, allow_is_causal_skip=True,
+                  config=tiny(MistralConfig, sliding_window=4), dtype=torch.float32, device="cpu")
+    fields.update(kwargs)
+    return fagen_hf.fagen_mask(**fields)
+
+
+def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
+    window = sliding_window_causal_mask_function(4)
+    ones = torch.ones(2, 12, dtype=torch.bool)
+    padded = ones.clone()
+    padded[1, 0] = False
+    assert mask() is None                                                    # plain causal
+    assert mask(q_length=4, kv_length=12, q_offset=8) is None                # a chunk after a cache
+    assert mask(q_length=1, kv_length=12, q_offset=11) is None               # decoding
+    assert mask(q_length=4, kv_length=12, q_offset=8, attention_mask=ones) is None
+    assert mask(mask_function=window, local_size=4) is None                  # the config's sliding window
+    assert mask(mask_function=window, local_size=4, q_length=4, kv_length=7, q_offset=8, kv_offset=5) is None
+
+    def materialised(result, q_length=8, kv_length=8):
+        return isinstance(result, torch.Tensor) and result.shape == (2, 1, q_length, kv_length)
+
+    assert materialised(mask(q_length=4, kv_length=12, q_offset=8, attention_mask=padded), 4, 12)
+    assert materialised(mask(q_length=4, kv_length=12, q_offset=0), 4, 12)  # static-cache prefill: top-left
+    assert materialised(mask(q_length=4, kv_length=12, q_offset=torch.tensor(8)), 4, 12)
+    assert materialised(mask(allow_is_causal_skip=False))
+    chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
+    assert materialised(mask(mask_function=chunked, local_size=4))           # chunked attention is not a window
+    assert materialised(mask(mask_function=window, local_size=4, config=tiny(LlamaConfig)))
+    assert materialised(mask(mask_function=sliding_window_causal_mask_function(3), local_size=4))
+
+
+# ---- torch.compile ---------------------------------------------------------------------------
+@pytest.fixture
+def reference_op(monkeypatch):
+    """The reference as a custom op with a string spec, like fagen's own ops, so that dynamo can trace a
+    model through the integration (the CPU stand-in for fagen's kernels under torch.compile)."""
+    try:
+        op = torch.library.custom_op("fagen_test::reference_attention", mutates_args=())(_reference_op)
+        op.register_fake(lambda q, k, v, spec: q.new_empty(q.shape))
+    except RuntimeError:  # already defined by an earlier test in this process
+        op = torch.ops.fagen_test.reference_attention.default
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    monkeypatch.setattr(fagen.torch, "attention", lambda q, k, v, spec, *, seed=0, offset=0: op(q, k, v, spec))
+    monkeypatch.setattr(fagen_hf, "DEVICE_TYPES", ("cuda", "cpu"))
+    yield
+    fagen_hf.reset_fallbacks()
+
+
+def _reference_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: str) -> torch.Tensor:
+    return reference_attention(q, k, v, json.loads(spec))
+
+
+def test_decoder_layers_compile_with_fullgraph_through_the_integration(reference_op):
+    """Regional compilation: the masks are made eagerly (None), each decoder layer is one graph with fagen in it."""
+    eager, ours = model_pair(tiny(MistralConfig, sliding_window=5))
+    x = tokens(seq=16)
+    for layer in ours.model.layers:
+        layer.compile(fullgraph=True, backend="eager")
+    with torch.no_grad():
+        assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+    assert not fagen_hf.fallback_reasons()
+
+
+def test_a_whole_compiled_model_falls_back_without_breaking_the_graph(reference_op):
+    """Traced whole, transformers writes the causal mask out (its packed-sequence check cannot run while
+    tracing): fagen falls back to SDPA, and says so, inside one graph."""
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens(seq=16)
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as records, torch.no_grad():
+        warnings.simplefilter("always")
+        assert max_error(compiled(x, use_cache=False).logits, eager(x, use_cache=False).logits) < TOLERANCE
+    assert len(fallback_warnings(records)) == 1

@@ -1,0 +1,203 @@
+"""attn_implementation="fagen" on the GPU: small transformers models built from configs, random weights, bf16.
+
+Run on a GPU machine:  python -m pytest -m gpu tests/test_integrations_transformers_gpu.py
+Each model is compared with the same weights under attn_implementation="sdpa". Logits are compared
+through a float32 model of the same (bf16-rounded) weights: fagen's error must be of the size of
+SDPA's own bf16 error. Every test also checks that fagen's kernels really ran (no SDPA fallback).
+"""
+import copy
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+pytestmark = pytest.mark.gpu
+
+VOCAB = 1024
+SEQ = 512
+BATCH = 2
+
+
+@pytest.fixture
+def fagen_calls(monkeypatch):
+    """Register "fagen"; count the calls that reach fagen's kernels; no fallback allowed unless a test says so."""
+    import fagen.torch
+    from fagen.integrations import transformers as fagen_hf
+
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    calls = []
+    real = fagen.torch.attention
+
+    def counted(q, k, v, spec, **kwargs):
+        calls.append(spec)
+        return real(q, k, v, spec, **kwargs)
+
+    monkeypatch.setattr(fagen.torch, "attention", counted)
+    yield calls
+    reasons = fagen_hf.fallback_reasons()
+    fagen_hf.reset_fallbacks()
+    assert not reasons, f"fell back to SDPA: {sorted(reasons)}"
+
+
+def config_for(head_dim, kv_heads, kind="llama", **extra):
+    from transformers import LlamaConfig, MistralConfig
+
+    hidden = 512
+    fields = dict(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=1024, num_hidden_layers=2,
+                  num_attention_heads=hidden // head_dim, num_key_value_heads=kv_heads, head_dim=head_dim,
+                  max_position_embeddings=4096)
+    fields.update(extra)
+    return (MistralConfig if kind == "mistral" else LlamaConfig)(**fields)
+
+
+def models(config, implementations=("fagen", "sdpa")):
+    """{implementation: model} with the same random weights, bf16 on the GPU, plus "fp32": the same
+    weights in float32 (sdpa), the reference for logits."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    out = {}
+    for name in implementations:
+        out[name] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name,
+                                                     dtype=torch.bfloat16).cuda()
+    first = out[implementations[0]]
+    for model in out.values():
+        model.load_state_dict(first.state_dict())
+    out["fp32"] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").cuda()
+    out["fp32"].load_state_dict({k: v.float() for k, v in first.state_dict().items()})
+    return out
+
+
+def batch(seq=SEQ, size=BATCH, seed=1):
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return torch.randint(0, VOCAB, (size, seq), device="cuda", generator=generator)
+
+
+def relative_error(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def assert_logits_like_sdpa(config):
+    """fagen's bf16 logits are as far from the float32 model's as SDPA's bf16 logits are (within 2x)."""
+    nets = models(config)
+    x = batch()
+    with torch.no_grad():
+        logits = {name: model(x).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"], logits["fp32"])
+    sdpa_error = relative_error(logits["sdpa"], logits["fp32"])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+
+
+CONFIGS = [(64, 2), (128, 2), (64, 8)]   # (head_dim, kv_heads): grouped KV heads at d = 64 and 128, and MHA
+IDS = ["d64-gqa4", "d128-gqa2", "d64-mha"]
+
+
+@pytest.mark.parametrize("head_dim, kv_heads", CONFIGS, ids=IDS)
+def test_logits_match_sdpa_within_bf16_error(fagen_calls, head_dim, kv_heads):
+    config = config_for(head_dim, kv_heads)
+    assert_logits_like_sdpa(config)
+    assert len(fagen_calls) == config.num_hidden_layers
+    assert all('"mask": "causal"' in spec and f'"head_dim": {head_dim}' in spec and '"bf16"' in spec
+               for spec in fagen_calls)
+
+
+@pytest.mark.parametrize("head_dim, kv_heads", CONFIGS[:2], ids=IDS[:2])
+def test_training_losses_match_sdpa(fagen_calls, head_dim, kv_heads):
+    """Forward, backward and an AdamW step, five times on the same batch: the loss curves agree to 5e-3."""
+    nets = models(config_for(head_dim, kv_heads))
+    x = batch()
+    curves = {}
+    for name in ("fagen", "sdpa"):
+        model = nets[name].train()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        curve = []
+        for _ in range(5):
+            loss = model(x, labels=x).loss
+            loss.backward()
+            assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            curve.append(loss.item())
+        curves[name] = curve
+    differences = [abs(a - b) for a, b in zip(curves["fagen"], curves["sdpa"])]
+    assert max(differences) < 5e-3, curves
+    assert curves["fagen"][-1] < curves["fagen"][0]  # it learns
+    assert len(fagen_calls) == 5 * 2
+
+
+def test_sliding_window_model_matches_sdpa(fagen_calls):
+    assert_logits_like_sdpa(config_for(64, 2, kind="mistral", sliding_window=128))
+    assert fagen_calls and all('"sliding_window", "window": 128' in spec for spec in fagen_calls)
+
+
+def test_cached_generation_matches_sdpa(fagen_calls):
+    """Prefill, then one query at a time against a growing cache (Nq = 1 < Nk)."""
+    nets = models(config_for(128, 2))
+    prompt = batch(seq=64, size=1)
+    generated = {name: nets[name].eval().generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
+                                                  output_logits=True, return_dict_in_generate=True)
+                 for name in ("fagen", "sdpa")}
+    first_logits = {name: out.logits[0] for name, out in generated.items()}
+    assert relative_error(first_logits["fagen"], first_logits["sdpa"]) < 2e-2
+    assert len(fagen_calls) == 8 * 2
+
+
+def test_attention_dropout_is_reproducible_from_torchs_seed(fagen_calls):
+    """Training with attention_dropout: a fresh dropout mask per call, the same one after torch.manual_seed."""
+    nets = models(config_for(64, 2, attention_dropout=0.1), implementations=("fagen",))
+    model = nets["fagen"].train()
+    x = batch()
+
+    def loss_after(seed):
+        torch.manual_seed(seed)
+        return model(x, labels=x).loss
+
+    first, again, other = loss_after(0), loss_after(0), loss_after(1)
+    assert first.item() == again.item() and first.item() != other.item()
+    first.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in model.parameters())
+    assert all('"dropout": 0.1' in spec for spec in fagen_calls)
+
+
+def test_padding_mask_falls_back_to_sdpa_on_the_gpu():
+    from fagen.integrations import transformers as fagen_hf
+
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    nets = models(config_for(64, 2))
+    x = batch()
+    mask = torch.ones_like(x)
+    mask[0, :7] = 0
+    with pytest.warns(UserWarning, match="explicit attention mask"), torch.no_grad():
+        got = nets["fagen"](x, attention_mask=mask).logits
+    with torch.no_grad():
+        expected = nets["sdpa"](x, attention_mask=mask).logits
+    valid = mask.bool()
+    assert relative_error(got[valid], expected[valid]) < 1e-3  # the same SDPA call
+    fagen_hf.reset_fallbacks()
+
+
+def test_compiled_decoder_layers_run_fagen_forward_and_backward():
+    """Each decoder layer compiled with fullgraph=True (regional compilation: transformers makes the masks
+    eagerly, so they stay None) traces through fagen's custom ops and agrees with the eager model."""
+    from fagen.integrations import transformers as fagen_hf
+
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    nets = models(config_for(64, 2), implementations=("fagen",))
+    model = nets["fagen"].train()
+    x = batch()
+    eager = model(x, labels=x)
+    eager.loss.backward()
+    eager_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    for layer in model.model.layers:
+        layer.compile(fullgraph=True)
+    compiled = model(x, labels=x)
+    compiled.loss.backward()
+    assert relative_error(compiled.logits, eager.logits) < 1e-2
+    assert abs(compiled.loss.item() - eager.loss.item()) < 5e-3
+    assert max(relative_error(p.grad, g) for p, g in zip(model.parameters(), eager_grads)) < 5e-2
+    assert not fagen_hf.fallback_reasons()
