@@ -152,7 +152,8 @@ def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
       none            everything visible
       causal          j <= i + shift
       sliding_window  0 <= i + shift - j < spec.window
-      padding         j < kv_lengths[b]; kv_lengths: integers of shape (B,), required
+      padding         j < clamp(kv_lengths[b], 0, Nk); kv_lengths: integers of shape (B,), required.
+                      A length below 0 or above Nk is clamped, as the kernels clamp it where they read it
       block_sparse    block_mask[..., i // G, j // G] != 0 with G = spec.block_size; block_mask of shape
                       (ceil(Nq/G), ceil(Nk/G)) or (B or 1, H or 1, ceil(Nq/G), ceil(Nk/G)), required
     Only the spec's own mask is applied: kv_lengths is ignored unless spec.mask == "padding", and
@@ -172,7 +173,7 @@ def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
         distance = rows + shift - cols
         return ((distance >= 0) & (distance < spec.window))[None, None]
     if spec.mask == "padding":
-        lengths = _check_kv_lengths(kv_lengths, B)
+        lengths = _check_kv_lengths(kv_lengths, B, Nk)
         return (cols[None, None] < lengths[:, None, None, None])
     if spec.mask == "block_sparse":
         G = spec.block_size
@@ -181,7 +182,7 @@ def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
     raise ValueError(f"visible_mask: unknown mask {spec.mask!r}")
 
 
-def _check_kv_lengths(kv_lengths, B: int) -> np.ndarray:
+def _check_kv_lengths(kv_lengths, B: int, Nk: int) -> np.ndarray:
     if kv_lengths is None:
         raise ValueError("mask padding needs kv_lengths, an integer array of shape (B,) "
                          "giving each batch's number of valid keys")
@@ -190,9 +191,9 @@ def _check_kv_lengths(kv_lengths, B: int) -> np.ndarray:
         raise ValueError(f"kv_lengths must have shape (B,) = ({B},), got {lengths.shape}")
     if not np.issubdtype(lengths.dtype, np.integer):
         raise ValueError(f"kv_lengths must hold integers, got dtype {lengths.dtype}")
-    if (lengths < 0).any():
-        raise ValueError(f"kv_lengths cannot be negative, got {lengths.tolist()}")
-    return lengths.astype(np.int64)
+    # The kernels take lengths from device memory unchecked and clamp them to [0, Nk]
+    # (templates/attention_common.cuh, visible_keys); the reference means the same thing by them.
+    return np.clip(lengths.astype(np.int64), 0, Nk)
 
 
 def _check_block_mask(block_mask, B: int, H: int, blocks_q: int, blocks_k: int, G: int) -> np.ndarray:

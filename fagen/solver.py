@@ -12,9 +12,10 @@ is always evaluated and reported, and `tile_policy: paper` uses its closed form 
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Callable, NamedTuple, Optional
 
 import sympy as sp
 
@@ -232,6 +233,62 @@ def _primary_pass(plans: dict) -> str:
     return "forward" if "forward" in plans else "backward"
 
 
+# ---- the families' expressions, compiled once ------------------------------------------------
+# sympy derives each footprint once; a solve then weighs ~100-200 candidate tiles. Substituting into the
+# expressions for each one made a solve cost ~0.3-0.8 s, so each family's expressions are turned into one
+# plain Python function (sympy.lambdify) the first time the family is used, and candidates are evaluated
+# with Python numbers.
+#
+# The functions compute in floats where sympy computed exact rationals. Every expression here is a
+# rational function of tile sizes and warps with small integer coefficients, so its exact value is
+# either an integer or at least 1/denominator away from one (denominators are products of Br, Bc, W
+# and small powers of two: below 1e9 for tiles up to 1024), while float round-off at these magnitudes
+# is ~1e-12. Snapping values within _ROUND_OFF of an integer to it therefore gives sympy's exact
+# ceiling and int(); tests/test_solver.py checks them against sympy's substitution.
+_ROUND_OFF = 1e-10
+
+
+def _exact_ceiling(value) -> int:
+    nearest = round(value)
+    return nearest if abs(value - nearest) < _ROUND_OFF else math.ceil(value)
+
+
+def _exact_int(value) -> int:
+    nearest = round(value)
+    return nearest if abs(value - nearest) < _ROUND_OFF else int(value)
+
+
+class _CompiledFamily(NamedTuple):   # a NamedTuple, not a dataclass: cheaper to define at import
+    family: Family
+    # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads]
+    footprint: Callable
+    smem_text: str        # the expressions as the infeasibility messages print them
+    registers_text: str
+
+
+_COMPILED: dict[int, _CompiledFamily] = {}   # by id(family): hashing a Family would hash all its expressions
+
+
+def _compiled(family: Family) -> _CompiledFamily:
+    entry = _COMPILED.get(id(family))
+    if entry is None or entry.family is not family:
+        # sympy's ceiling made opaque, so that lambdify calls _exact_ceiling instead of math.ceil on a float
+        ceiling_of = sp.Function("exact_ceiling")
+        expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
+                       (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads)]
+        footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
+                                modules=[{"exact_ceiling": _exact_ceiling}, "math"])
+        entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
+        _COMPILED[id(family)] = entry
+    return entry
+
+
+@functools.lru_cache(maxsize=None)
+def _paper_compiled() -> tuple:
+    """(the paper constraint's left side as a function of (Br, Bc, d), the constraint as text)."""
+    return sp.lambdify((Br, Bc, d), PAPER_CONSTRAINT.lhs, modules="math"), str(PAPER_CONSTRAINT)
+
+
 # ---- the paper ------------------------------------------------------------------------------
 def paper_tiles(head_dim: int, m_elements: int) -> tuple[int, int]:
     """FlashAttention-1's closed form: Bc = ceil(M / 4d), Br = min(ceil(M / 4d), d)."""
@@ -240,10 +297,9 @@ def paper_tiles(head_dim: int, m_elements: int) -> tuple[int, int]:
 
 
 def paper_report(head_dim: int, m_elements: int, block_r: int, block_c: int) -> dict:
-    lhs_expr = PAPER_CONSTRAINT.lhs
-    lhs = int(lhs_expr.subs({Br: block_r, Bc: block_c, d: head_dim}))
-    holds = bool(PAPER_CONSTRAINT.subs({Br: block_r, Bc: block_c, d: head_dim, M: m_elements}))
-    return {"expression": str(PAPER_CONSTRAINT), "lhs": lhs, "rhs": m_elements, "holds": holds,
+    lhs_of, text = _paper_compiled()
+    lhs = _exact_int(lhs_of(block_r, block_c, head_dim))
+    return {"expression": text, "lhs": lhs, "rhs": m_elements, "holds": lhs <= m_elements,
             "block_r": block_r, "block_c": block_c}
 
 
@@ -279,14 +335,15 @@ def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Famil
 def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
              block_r: int, block_c: int, warps: int) -> tuple[Plan, list[str]]:
     """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
-    values = {Br: block_r, Bc: block_c, d: spec.head_dim, W: warps, E: spec.element_bytes}
-    smem = int(family.smem_bytes.subs(values))
-    dropout_regs = sp.sympify(family.dropout_registers).subs(values) if spec.dropout > 0 else 0
-    regs = int(sp.ceiling(family.registers.subs(values) + dropout_regs))
+    compiled = _compiled(family)
+    smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, spec.head_dim, warps,
+                                                              spec.element_bytes)
+    smem = _exact_int(smem)
+    regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:
-        broken.append(f"registers {family.registers} = {regs} <= {target.registers_per_thread}")
+        broken.append(f"registers {compiled.registers_text} = {regs} <= {target.registers_per_thread}")
     if family.archs and target.arch not in family.archs:
         broken.append(f"target arch in {family.archs} (is {target.arch})")
     if family.m_tiles and block_r not in [16 * warps * m for m in family.m_tiles]:
@@ -307,7 +364,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
                 hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps,
-                int(sp.ceiling(family.smem_reads.subs(values))), family.tensor_cores)
+                _exact_ceiling(reads), family.tensor_cores)
     return plan, broken
 
 
@@ -346,7 +403,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
                 # The paper policy fixes the tiles from M; the template must still fit the hardware.
                 limit = target.smem_per_block if policy == "paper" else budget
                 if plan.smem_bytes > limit:
-                    broken.append(f"shared memory {family.smem_bytes} = {plan.smem_bytes} <= {limit}")
+                    broken.append(f"shared memory {_compiled(family).smem_text} = {plan.smem_bytes} <= {limit}")
                 if broken:
                     failures.append((plan, broken))
                 else:

@@ -102,19 +102,29 @@ __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long lon
 }
 
 // ---- masks ---------------------------------------------------------------------------------
+// The keys batch entry b may attend to. For the padding mask this is kv_lengths[b], which arrives in
+// device memory unchecked (the host cannot read it back without synchronising), so it is clamped to
+// [0, seq_k] here, the one place any kernel reads it: a negative length means no key (O = 0,
+// LSE = -inf, zero gradients), a length past the end means every key, and neither can move a K/V
+// load out of bounds. fagen/reference.py applies the same clamp.
+template <int MASK>
+__device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long b) {
+  const int seq_k = (int)args.seq_k;
+  return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;
+}
+
 // Which keys a query sees, for one (batch, head). Queries and keys are aligned bottom-right
 // (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
 template <int MASK, int WINDOW, int GRAIN>
 struct Visibility {
   int shift;
-  int key_count;  // keys that exist (padding: this batch entry's length)
+  int key_count;  // keys that exist: visible_keys (padding: this batch entry's clamped length)
   const unsigned char* layout;
   long long layout_q_stride, layout_k_stride;
 
   __device__ Visibility(const AttentionArgs& args, long long b, long long h) {
     shift = (int)(args.seq_k - args.seq_q);
-    key_count = (int)args.seq_k;
-    if (MASK == MASK_PADDING) key_count = min(key_count, max(args.kv_lengths[b], 0));
+    key_count = visible_keys<MASK>(args, b);
     layout = nullptr;
     layout_q_stride = layout_k_stride = 0;
     if (MASK == MASK_BLOCK_SPARSE) {

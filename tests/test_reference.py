@@ -200,8 +200,10 @@ def test_padding_mask():
         visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1, 2, 3])
     with pytest.raises(ValueError, match="integers"):
         visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1.0, 2.0])
-    with pytest.raises(ValueError, match="negative"):
-        visible_mask(spec, 2, 1, 2, 4, kv_lengths=[1, -2])
+    # Out-of-range lengths are clamped to [0, Nk], as the kernels clamp them.
+    assert not _mask(spec, 1, 1, 2, 4, kv_lengths=[-2]).any()
+    clamped = _mask(spec, 3, 1, 2, 4, kv_lengths=np.array([-5, 2**31 - 1, 9], dtype=np.int32))
+    assert np.array_equal(clamped, _mask(spec, 3, 1, 2, 4, kv_lengths=[0, 4, 4]))
 
 
 def test_block_sparse_mask():

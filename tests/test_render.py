@@ -238,6 +238,20 @@ def test_common_header_is_found_from_the_template_dir():
     assert all((Path(TEMPLATE_DIR) / f.template).is_file() for f in FAMILIES)
 
 
+def test_kv_lengths_are_read_only_through_the_clamp():
+    """kv_lengths arrive in device memory unchecked: the one reader, visible_keys, clamps them to [0, Nk],
+    and every template takes its key count from Visibility, which calls it (tile skipping included)."""
+    templates = {path.name: path.read_text() for path in Path(TEMPLATE_DIR).iterdir() if path.is_file()}
+    common = templates.pop(COMMON_HEADER)
+    assert not [name for name, text in templates.items() if "kv_lengths" in text]
+    code = [line.strip() for line in common.splitlines() if not line.strip().startswith("//")]
+    assert [line for line in code if "kv_lengths" in line and not line.startswith("const int* kv_lengths;")] == [
+        "return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;"]
+    assert "key_count = visible_keys<MASK>(args, b);" in code
+    for family in FAMILIES:
+        assert "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, h);" in templates[family.template]
+
+
 def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():
     """m64nNk16 with fp32 accumulators: N/2 outputs, then A (descriptor or 4 registers), B, the scale-d flag."""
     ss = rendering.warpgroup_mma_function("s_product", 64, "bf16", False, 0, 0)

@@ -12,7 +12,7 @@ import re
 
 import pytest
 import sympy as sp
-from hypothesis import assume, given
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fagen import solver
@@ -187,6 +187,42 @@ def test_block_sparse_tiles_divide_the_granularity(fields):
     assume(solution is not None)
     for plan in (p for ranked in solution.candidates.values() for p in ranked):
         assert spec.block_size % plan.block_r == 0 and spec.block_size % plan.block_c == 0
+
+
+# ---- the compiled footprints -------------------------------------------------------------------
+@settings(max_examples=200)
+@given(st.sampled_from(solver.FAMILIES), st.integers(1, 512), st.integers(1, 1024), st.sampled_from(range(32, 257, 8)),
+       st.sampled_from(DTYPES), st.booleans(), st.data())
+def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c, head_dim, dtype, dropout, data):
+    """Candidates are evaluated by functions lambdified once per family, in floats; they must give exactly
+    what substituting into the sympy expressions gives, odd tiles (the paper policy's) included."""
+    warps = data.draw(st.sampled_from(family.warps))
+    spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0)
+    plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
+    values = {Br: block_r, Bc: block_c, d: head_dim, W: warps, solver.E: spec.element_bytes}
+    philox = sp.sympify(family.dropout_registers).subs(values) if dropout else 0
+    assert plan.smem_bytes == int(family.smem_bytes.subs(values))
+    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + philox))
+    assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
+
+
+def test_a_solve_substitutes_nothing_into_sympy(monkeypatch):
+    """Once a family's functions are compiled, solving a new spec (feasible or not) is plain arithmetic:
+    no sympy substitution or lambdify on that path (it made a solve cost ~0.5 s)."""
+    for spec in (Spec(head_dim=64, dtype=dtype, loop_order=order, dropout=0.1, tile_policy=policy)
+                 for dtype in DTYPES for order in LOOP_ORDERS for policy in ("auto", "paper")):
+        solve_or_none(spec)  # compiles every family once
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("sympy called while solving")
+
+    for name in ("subs", "xreplace"):
+        monkeypatch.setattr(sp.Basic, name, forbidden)
+    monkeypatch.setattr(sp, "lambdify", forbidden)
+    for fields in ({"head_dim": 136, "dtype": "bf16", "mask": "causal", "dropout": 0.2},
+                   {"head_dim": 200, "dtype": "fp32", "loop_order": "fa1", "tile_policy": "paper"},
+                   {"head_dim": 96, "sram_budget": 2048}):
+        solve_or_none(Spec(**fields))
 
 
 # ---- the paper's closed form --------------------------------------------------------------------
