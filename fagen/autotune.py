@@ -28,9 +28,9 @@ from typing import Any, Callable, Optional, Sequence
 
 from fagen import __version__
 from fagen import solver as solver_stage
+from fagen.cache import AUTOTUNE_FILE as CACHE_FILE
 from fagen.spec import Spec
 
-CACHE_FILE = "autotune.json"
 CACHE_VERSION = 1
 #: A candidate whose output differs from the solver's choice by more than this (relative Frobenius) is rejected.
 AGREEMENT_TOLERANCE = 2e-2
@@ -214,12 +214,12 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
         """nvcc for every candidate at once, in threads (PyCUDA's disk cache); loading stays serial."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from fagen.compiler import compile_to_cache
+        from fagen.compiler import cached_cubin
         from fagen.render import render
 
         sources = [render(spec, c) for c in candidates if c.plans != base_kernel.solution.plans]
         with ThreadPoolExecutor(max_workers=8) as pool:
-            list(pool.map(lambda r: _quietly(compile_to_cache, r.text, target.arch, r.include_dir), sources))
+            list(pool.map(lambda r: _quietly(cached_cubin, r.text, target.arch, r.include_dir), sources))
 
     return Session(spec, target, solution, target.name, measure, prepare)
 

@@ -1,9 +1,10 @@
 """Stage 4: compilation.
 
 Two routes, one source: `compile_cubin` runs nvcc to a .cubin and parses ptxas's resource report
-(for `fagen build`, no GPU needed); `load_module` compiles at run time with PyCUDA's SourceModule,
-cached on disk keyed by the source and the options, so a second process loads without recompiling.
-This is the only module that imports pycuda, and only inside the functions that need it.
+(for `fagen build`, no GPU needed); `cached_cubin` compiles at run time with PyCUDA's compiler
+driver, cached on disk (fagen/cache.py) keyed by the source, the headers, the arch and the options,
+so a second process loads without recompiling; the launch stage loads the bytes itself.
+This is the only module that imports pycuda's compiler, and only inside the function that needs it.
 """
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from fagen.cache import CACHE_ENV, DiskCache, cache_dir, digest  # noqa: F401 (cache_dir, CACHE_ENV: re-exported)
+
 NVCC_OPTIONS = ("-O3", "-std=c++17", "--use_fast_math")
-CACHE_ENV = "FAGEN_CACHE_DIR"
 
 
 def nvcc_arch(arch: str) -> str:
@@ -52,13 +54,6 @@ def nvcc_path() -> Optional[str]:
 
 def nvcc_available() -> bool:
     return nvcc_path() is not None
-
-
-def cache_dir() -> Path:
-    root = os.environ.get(CACHE_ENV) or os.path.join(os.environ.get("XDG_CACHE_HOME", str(Path.home() / ".cache")), "fagen")
-    path = Path(root)
-    path.mkdir(parents=True, exist_ok=True)
-    return path
 
 
 _ENTRY = re.compile(r"Compiling entry function '([^']+)'")
@@ -112,28 +107,34 @@ def compile_cubin(source: str, arch: str, include_dir: Path, out_path: Optional[
     return CompileResult(data, parse_ptxas_report(log), command, seconds, log)
 
 
-def load_module(source: str, arch: str, include_dir: Path):
-    """Compile with PyCUDA's SourceModule (needs a current CUDA context), cached in cache_dir()."""
-    from pycuda.compiler import SourceModule  # lazy: GPU machines only
+def header_digest(include_dir: Path) -> str:
+    """The bytes of every header a template may include: a changed header is a changed kernel."""
+    parts = []
+    for header in sorted(Path(include_dir).glob("*.cuh")):
+        parts += [header.name, header.read_bytes()]
+    return digest(*parts)
 
-    module_cache = cache_dir() / "pycuda"
-    module_cache.mkdir(exist_ok=True)
+
+def cubin_key(source: str, arch: str, include_dir: Path) -> str:
+    """What a compiled module depends on: the source, the headers, the target and the options."""
+    return digest("cubin-v1", source, header_digest(include_dir), nvcc_arch(arch), *NVCC_OPTIONS)
+
+
+def _compile_at_run_time(source: str, arch: str, include_dir: Path) -> bytes:
+    """PyCUDA's compiler driver where it is installed (the GPU extra), plain nvcc otherwise."""
     try:
-        return SourceModule(source, arch=nvcc_arch(arch), options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
-                            no_extern_c=True, cache_dir=str(module_cache))
+        from pycuda.compiler import compile as pycuda_compile  # lazy: GPU machines only
+    except ImportError:
+        return compile_cubin(source, arch, include_dir).cubin
+    try:
+        return pycuda_compile(source, arch=nvcc_arch(arch), options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
+                              no_extern_c=True, cache_dir=False)
     except Exception as err:  # pycuda.driver.CompileError carries nvcc's stderr
-        stderr = getattr(err, "stderr", "") or str(err)
-        raise CompileError(stderr) from None
-
-
-def compile_to_cache(source: str, arch: str, include_dir: Path) -> None:
-    """Fill PyCUDA's on-disk cache for `source` without a CUDA context (safe in worker threads)."""
-    from pycuda.compiler import compile as pycuda_compile
-
-    module_cache = cache_dir() / "pycuda"
-    module_cache.mkdir(exist_ok=True)
-    try:
-        pycuda_compile(source, arch=nvcc_arch(arch), options=list(NVCC_OPTIONS), include_dirs=[str(include_dir)],
-                       no_extern_c=True, cache_dir=str(module_cache))
-    except Exception as err:
         raise CompileError(getattr(err, "stderr", "") or str(err)) from None
+
+
+def cached_cubin(source: str, arch: str, include_dir: Path, key: Optional[str] = None) -> bytes:
+    """The cubin of `source`, from the disk cache or compiled once (across threads and processes)
+    and stored. Needs no CUDA context, so it is safe in worker threads."""
+    key = key or cubin_key(source, arch, include_dir)
+    return DiskCache().get_or_build("cubin", key, lambda: _compile_at_run_time(source, arch, include_dir))

@@ -15,11 +15,9 @@ import jinja2
 
 from fagen.reference import dropout_threshold
 from fagen.solver import Plan, Solution, family_named
+from fagen.sources import TEMPLATE_DIR
 from fagen.spec import Spec
 
-PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"   # an installed wheel
-SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # a source checkout
-TEMPLATE_DIR = PACKAGE_TEMPLATES if PACKAGE_TEMPLATES.is_dir() else SOURCE_TEMPLATES
 COMMON_HEADER = "attention_common.cuh"
 
 ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}

@@ -2,25 +2,46 @@
 
 Takes PyTorch CUDA tensors or any object exposing `__cuda_array_interface__`, layout
 (batch, heads, seq, head_dim) with any strides whose last dimension is contiguous. Every argument is
-checked before anything is launched. PyCUDA shares the primary CUDA context with PyTorch, and kernels
-run on the legacy default stream, which PyTorch's default stream is.
+checked before anything is launched.
+
+What a call costs is what a user feels inside a model, so the per-call path is kept to: argument
+checks, output allocation, packing one argument struct and `cuLaunchKernel` on the caller's stream
+(fagen/cuda_driver.py). No spec validation, no sympy, no rendering, no device query and no device
+synchronisation happen there:
+
+- **Streams.** torch tensors: PyTorch's current stream (outputs come from PyTorch's allocator on
+  that stream, so they are safe there and inside CUDA graph capture). Other arrays: the `stream`
+  entry of `__cuda_array_interface__`, or `stream=` (an int handle, a torch stream or a PyCUDA one).
+- **Errors.** A launch that the driver refuses raises at once, naming the kernel. Faults inside a
+  kernel surface at the next synchronisation, as in PyTorch; `FAGEN_SYNC_LAUNCHES=1` (or
+  `fagen.runtime.CHECK_LAUNCHES = True`) synchronises after every call and names the kernel.
+- **Loads.** `compile(spec)` looks in memory, then in the disk plan cache (fagen/cache.py): a spec
+  solved and compiled before, by any process, loads from a small JSON record and its cubin without
+  importing sympy or Jinja. Only a miss solves (sympy), renders (Jinja) and compiles (PyCUDA).
 """
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+import os
+import struct
+import threading
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
-import numpy as np
-
-from fagen import solver as solver_stage
-from fagen.compiler import load_module
-from fagen.render import render
-from fagen.spec import Spec, spec_from_dict
+from fagen import cuda_driver as driver
+from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
+from fagen.compiler import cached_cubin, cubin_key
+from fagen.spec import ARCHS, Spec, spec_from_dict
 from fagen.target import Target, from_device
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 CAI_TYPESTRS = {"fp16": ("<f2",), "bf16": ("<V2", "|V2", "<b2"), "fp32": ("<f4",)}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+#: Synchronise after each call, so that a fault inside a kernel names the call that caused it. Off
+#: by default (a sync per call costs what the kernels win); FAGEN_SYNC_LAUNCHES=1 turns it on.
+CHECK_LAUNCHES = os.environ.get("FAGEN_SYNC_LAUNCHES", "0") not in ("", "0", "false", "False")
 
 
 class ArgumentError(ValueError):
@@ -29,43 +50,39 @@ class ArgumentError(ValueError):
 
 # ---- the launch argument struct (mirrors fagen::AttentionArgs in templates/attention_common.cuh) ----
 _POINTERS = ("q", "k", "v", "o", "lse", "d_o", "dq", "dk", "dv", "dq_accum", "delta", "o_accum", "row_max", "row_sum")
-ARGS_DTYPE = np.dtype(
-    [(name, np.uint64) for name in _POINTERS]
-    + [(f"{t}_stride", np.int64, (3,)) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")]
-    + [(name, np.int64) for name in ("batch", "heads", "seq_q", "seq_k")]
-    + [("kv_lengths", np.uint64), ("block_mask", np.uint64), ("block_mask_stride", np.int64, (4,)),
-       ("seed", np.uint64), ("offset", np.uint64), ("row_groups", np.int64)]
-)
+_FIELDS = ([(name, "Q", 1) for name in _POINTERS]
+           + [(f"{t}_stride", "q", 3) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")]
+           + [(name, "q", 1) for name in ("batch", "heads", "seq_q", "seq_k")]
+           + [("kv_lengths", "Q", 1), ("block_mask", "Q", 1), ("block_mask_stride", "q", 4),
+              ("seed", "Q", 1), ("offset", "Q", 1), ("row_groups", "q", 1)])
+ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
+_SLOT: dict[str, tuple[int, int]] = {}
+for _name, _code, _count in _FIELDS:
+    _SLOT[_name] = (sum(c for _, _, c in _FIELDS[:[f[0] for f in _FIELDS].index(_name)]), _count)
 
 
-# ---- context and tensors ----------------------------------------------------------------------
-_context = None
+class LaunchArgs:
+    """AttentionArgs as a flat list of 8-byte values, packed once per launch."""
+
+    __slots__ = ("values",)
+
+    def __init__(self):
+        self.values = [0] * (ARGS_STRUCT.size // 8)
+
+    def __setitem__(self, name: str, value) -> None:
+        start, count = _SLOT[name]
+        if count == 1:
+            self.values[start] = int(value)
+        else:
+            self.values[start:start + count] = [int(x) for x in value]
+
+    def packed(self) -> "driver.LaunchArguments":
+        arguments = driver.LaunchArguments(ARGS_STRUCT.size)
+        ARGS_STRUCT.pack_into(arguments.buffer, 0, *self.values)
+        return arguments
 
 
-def ensure_context(device_index: Optional[int] = None):
-    """Make the device's primary context current: the same one PyTorch uses."""
-    global _context
-    import pycuda.driver as cuda
-
-    if _context is None:
-        cuda.init()
-        if device_index is None:
-            try:
-                import torch
-
-                if torch.cuda.is_available():
-                    torch.cuda.init()
-                    device_index = torch.cuda.current_device()
-            except ImportError:
-                pass
-        _context = cuda.Device(device_index or 0).retain_primary_context()
-        _context.push()
-        import atexit
-
-        atexit.register(_context.pop)  # PyCUDA aborts at exit if a pushed context is left on the stack
-    return _context
-
-
+# ---- tensors ---------------------------------------------------------------------------------
 @dataclass
 class DeviceTensor:
     """What the kernel needs of a tensor: pointer, shape, strides in elements, dtype, owner."""
@@ -77,22 +94,28 @@ class DeviceTensor:
     dtype: str      # fp16 | bf16 | fp32 | int32 | uint8 | bool | other:<x>
     owner: Any
     is_torch: bool
+    stream: Optional[int] = None   # __cuda_array_interface__'s stream, for other arrays
+
+
+_TORCH_DTYPE_NAMES: dict = {}
 
 
 def _torch_dtype_name(tensor) -> str:
-    import torch
+    if not _TORCH_DTYPE_NAMES:
+        import torch
 
-    return {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.int32: "int32",
-            torch.int64: "int64", torch.uint8: "uint8", torch.bool: "bool"}.get(tensor.dtype, f"other:{tensor.dtype}")
+        _TORCH_DTYPE_NAMES.update({torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
+                                   torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8",
+                                   torch.bool: "bool"})
+    return _TORCH_DTYPE_NAMES.get(tensor.dtype) or f"other:{tensor.dtype}"
 
 
 def as_device_tensor(name: str, value: Any) -> DeviceTensor:
-    module = type(value).__module__
-    if module.startswith("torch"):
+    if type(value).__module__.startswith("torch"):
         if not value.is_cuda:
             raise ArgumentError(f"{name}: tensor is on {value.device}; fagen kernels need CUDA tensors")
-        return DeviceTensor(name, value.data_ptr(), tuple(value.shape), tuple(value.stride()),
-                            _torch_dtype_name(value), value, True)
+        return DeviceTensor(name, value.data_ptr(), tuple(value.shape), value.stride(), _torch_dtype_name(value),
+                            value, True)
     cai = getattr(value, "__cuda_array_interface__", None)
     if cai is None:
         raise ArgumentError(f"{name}: expected a torch CUDA tensor or an object with __cuda_array_interface__, "
@@ -110,51 +133,154 @@ def as_device_tensor(name: str, value: Any) -> DeviceTensor:
         strides = tuple(reversed(strides))
     else:
         strides = tuple(s // itemsize for s in cai["strides"])
-    return DeviceTensor(name, int(cai["data"][0]), shape, strides, dtype, value, False)
+    return DeviceTensor(name, int(cai["data"][0]), shape, strides, dtype, value, False, cai.get("stream"))
 
 
-def _allocate(like: DeviceTensor, shape: tuple, dtype: str, fill: Optional[float] = None):
-    """An output (or workspace) on the same device, of the same kind as `like`."""
+def stream_handle(stream) -> int:
+    """A CUstream from what a user may pass: an int, a torch stream or a PyCUDA stream."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return stream
+    for attribute in ("cuda_stream", "handle"):   # torch.cuda.Stream, pycuda.driver.Stream
+        if hasattr(stream, attribute):
+            return int(getattr(stream, attribute))
+    raise ArgumentError(f"stream: expected an int handle, a torch.cuda.Stream or a pycuda Stream, got {type(stream).__name__}")
+
+
+_pycuda_context = None
+
+
+def ensure_context(device_index: Optional[int] = None):
+    """Make the device's primary context current: the same one PyTorch uses. Also pushes it for
+    PyCUDA, which allocates the outputs of calls made with non-torch arrays."""
+    global _pycuda_context
+    if device_index is None:
+        device_index = _default_device()
+    driver.make_current(device_index)
+    if _pycuda_context is None:
+        try:
+            import pycuda.driver as cuda
+        except ImportError:
+            return None
+        cuda.init()
+        _pycuda_context = cuda.Device(device_index).retain_primary_context()
+        _pycuda_context.push()
+        import atexit
+
+        atexit.register(_pycuda_context.pop)  # PyCUDA aborts at exit if a pushed context is left on the stack
+    return _pycuda_context
+
+
+def _default_device() -> int:
+    """PyTorch's current device when PyTorch is in use, else the current context's, else 0."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available():
+        return torch.cuda.current_device()
+    current = driver.current_device()
+    return 0 if current is None else current
+
+
+def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: bool = False):
+    """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`."""
     if like.is_torch:
         import torch
 
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
-        out = torch.empty(shape, dtype=torch_dtype, device=like.owner.device)
-        if fill is not None:
-            out.fill_(fill)
-        return out
+        make = torch.zeros if zero else torch.empty
+        return make(shape, dtype=torch_dtype, device=like.owner.device)
+    import numpy as np
     import pycuda.gpuarray as gpuarray
 
+    ensure_context()
     np_dtype = {"fp16": np.float16, "fp32": np.float32, "int32": np.int32, "uint8": np.uint8}.get(dtype)
     if np_dtype is None:
         raise ArgumentError(f"{like.name}: allocating {dtype} outputs needs torch tensors as inputs")
-    out = gpuarray.empty(shape, np_dtype)
-    if fill is not None:
-        out.fill(fill)
+    out = gpuarray.empty(shape, np_dtype)  # cuMemAlloc: fresh memory, safe on any stream
+    if zero:
+        driver.memset_d32(int(out.gpudata), 0, out.nbytes // 4, stream)
     return out
 
 
 # ---- the kernel object -------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LaunchPlan:
+    """What launching one pass needs of the solver's plan (a plain record: no sympy to load it)."""
+
+    symbols: tuple      # the main kernel first, then its helpers
+    block_r: int
+    block_c: int
+    threads: int
+    smem_bytes: int
+    stages: int
+    tensor_cores: bool
+
+    @classmethod
+    def from_plan(cls, plan: dict, symbols) -> "LaunchPlan":
+        return cls(tuple(symbols), plan["block_r"], plan["block_c"], plan["threads"], plan["smem_bytes"],
+                   plan["stages"], plan["tensor_cores"])
+
+
 class Kernel:
-    """A compiled spec: `forward(q, k, v, ...) -> (o, lse)` and `backward(...) -> (dq, dk, dv)`."""
+    """A compiled spec: `forward(q, k, v, ...) -> (o, lse)` and `backward(...) -> (dq, dk, dv)`.
 
-    def __init__(self, spec: Spec, target: Target, solution: solver_stage.Solution):
-        self.spec, self.target, self.solution = spec, target, solution
-        self.rendered = render(spec, solution)
-        self.module = load_module(self.rendered.text, target.arch, self.rendered.include_dir)
-        self._functions = {}
-        import pycuda.driver as cuda
+    Built from a solution (solve + render + compile, cubin cached on disk) or, by `compile`, from a
+    cached record; `.solution` and `.rendered` are then recomputed only if asked for."""
 
-        for pass_name, names in self.rendered.kernels.items():
-            plan = solution.plans[pass_name]
-            for symbol in names:
-                function = self.module.get_function(symbol)
-                if symbol == names[0] or symbol.endswith("_dq"):
-                    function.set_attribute(cuda.function_attribute.MAX_DYNAMIC_SHARED_SIZE_BYTES, plan.smem_bytes)
-                self._functions[symbol] = function
+    def __init__(self, spec: Spec, target: Target, solution=None, *, record: Optional[dict] = None,
+                 cubin: Optional[bytes] = None, device: Optional[int] = None):
+        self.spec, self.target = spec, target
+        self._solution, self._rendered = solution, None
+        if record is None:
+            record, cubin = _build_record(spec, target, solution)
+            self._rendered = record.pop("_rendered")
+        self.record = record
+        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p]) for p in record["plans"]}
+        self._cubin = cubin
+        self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
+        self._lock = threading.Lock()
+        self._load(_default_device() if device is None else device)
+
+    def _load(self, device: int) -> dict:
+        """This kernel's functions in the device's primary context (modules are per context)."""
+        with self._lock:
+            functions = self._functions.get(device)
+            if functions is None:
+                previous = driver.current_device()
+                if previous != device:
+                    driver.make_current(device)
+                try:
+                    module = driver.load_module(self._cubin)
+                finally:
+                    if previous is not None and previous != device:
+                        driver.make_current(previous)
+                functions = {}
+                for plan in self.plans.values():
+                    for symbol in plan.symbols:
+                        big = symbol == plan.symbols[0] or symbol.endswith("_dq")  # the ones given plan.smem_bytes
+                        functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
+                self._functions[device] = functions
+            return functions
+
+    @property
+    def solution(self):
+        if self._solution is None:
+            self._solution = _solve(self.spec, self.target, self.record.get("policy"))
+        return self._solution
+
+    @property
+    def rendered(self):
+        if self._rendered is None:
+            from fagen.render import render
+
+            self._rendered = render(self.spec, self.solution)
+        return self._rendered
 
     def __repr__(self) -> str:
-        plans = ", ".join(f"{p}: Br={x.block_r} Bc={x.block_c} warps={x.warps}" for p, x in self.solution.plans.items())
+        plans = ", ".join(f"{p}: Br={x['block_r']} Bc={x['block_c']} warps={x['warps']}"
+                          for p, x in self.record["plans"].items())
         return f"<fagen.Kernel {self.spec.variant_name} on {self.target.name} ({plans})>"
 
     # ---- argument checks ----
@@ -183,12 +309,13 @@ class Kernel:
         for key in ("o", "d_o"):
             if key in tensors and tensors[key].shape != tensors["q"].shape:
                 raise ArgumentError(f"{key}: expected shape {tensors['q'].shape} (like q), got {tensors[key].shape}")
-        devices = {t.owner.device for t in tensors.values() if t.is_torch}
-        if len(devices) > 1:
-            raise ArgumentError(f"q, k, v are on different devices: {sorted(map(str, devices))}")
+        if tensors["q"].is_torch:
+            devices = {t.owner.device for t in tensors.values() if t.is_torch}
+            if len(devices) > 1:
+                raise ArgumentError(f"q, k, v are on different devices: {sorted(map(str, devices))}")
         return tensors, (batch, heads, seq_q, seq_k)
 
-    def _runtime_args(self, args: np.ndarray, tensors: dict, shape: tuple, kv_lengths, block_mask, seed, offset):
+    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, seed, offset):
         spec = self.spec
         batch, heads, seq_q, seq_k = shape
         keep = []
@@ -202,7 +329,7 @@ class Kernel:
         if spec.mask == "padding":
             if kv_lengths is None:
                 raise ArgumentError("mask padding needs kv_lengths: the number of valid keys per batch entry, shape (batch,)")
-            lengths = self._small_int_tensor("kv_lengths", kv_lengths, tensors["q"], "int32")
+            lengths = self._small_int_tensor("kv_lengths", kv_lengths, tensors["q"], "int32", upper=seq_k)
             if tuple(lengths.shape) != (batch,):
                 raise ArgumentError(f"kv_lengths: expected shape ({batch},), got {tuple(lengths.shape)}")
             keep.append(lengths)
@@ -235,18 +362,33 @@ class Kernel:
         return keep
 
     @staticmethod
-    def _small_int_tensor(name: str, value, like: DeviceTensor, dtype: str):
-        """kv_lengths / block_mask as a device tensor of `dtype` (host arrays and lists are copied over)."""
+    def _small_int_tensor(name: str, value, like: DeviceTensor, dtype: str, upper: Optional[int] = None):
+        """kv_lengths / block_mask as a device tensor of `dtype`. Host arrays and lists are checked
+        against [0, upper] and copied over; device tensors are used as they are (reading them back
+        would synchronise), and the kernels clamp lengths to [0, Nk] where they read them."""
+        import numpy as np
+
+        on_device = (type(value).__module__.startswith("torch") and value.is_cuda) or \
+            hasattr(value, "__cuda_array_interface__")
+        if not on_device:
+            array = np.asarray(value)
+            if array.dtype.kind == "f":
+                raise ArgumentError(f"{name}: expected integers or booleans, got {array.dtype}")
+            if upper is not None and array.size and (array.min() < 0 or array.max() > upper):
+                raise ArgumentError(f"{name}: every value must be in [0, {upper}] (the number of keys), got "
+                                    f"{array.tolist()}")
+            value = array
         if like.is_torch:
             import torch
 
             torch_dtype = getattr(torch, dtype)
-            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
             if tensor.dtype.is_floating_point:
                 raise ArgumentError(f"{name}: expected integers or booleans, got {tensor.dtype}")
             return tensor.to(device=like.owner.device, dtype=torch_dtype).contiguous()
         import pycuda.gpuarray as gpuarray
 
+        ensure_context()
         if hasattr(value, "__cuda_array_interface__"):
             value = value.get() if hasattr(value, "get") else np.asarray(value)
         array = np.asarray(value)
@@ -254,11 +396,10 @@ class Kernel:
             raise ArgumentError(f"{name}: expected integers or booleans, got {array.dtype}")
         return gpuarray.to_gpu(np.ascontiguousarray(array.astype(dtype)))
 
-    @staticmethod
-    def _aligned(tensor: DeviceTensor, alignment: int):
+    def _aligned(self, tensor: DeviceTensor, alignment: int):
         """The tensor itself if every row starts on an `alignment`-byte boundary; else an aligned copy
         (torch) or a clear error."""
-        items = alignment // 2
+        items = max(1, alignment // ELEMENT_BYTES[self.spec.dtype])
         if tensor.pointer % alignment == 0 and all(stride % items == 0 for stride in tensor.strides[:3]):
             return tensor.owner
         if tensor.is_torch:
@@ -269,57 +410,101 @@ class Kernel:
                             f"(pointer and strides); got pointer {tensor.pointer:#x}, strides {tensor.strides}")
 
     @staticmethod
-    def _set_strides(args: np.ndarray, key: str, tensor: DeviceTensor):
-        args[f"{key}_stride"] = tensor.strides[:3]
-
-    def _base_args(self, tensors, shape):
-        args = np.zeros((), dtype=ARGS_DTYPE)
+    def _base_args(tensors, shape) -> LaunchArgs:
+        args = LaunchArgs()
         for key in ("q", "k", "v"):
             args[key] = tensors[key].pointer
-            self._set_strides(args, key, tensors[key])
+            args[f"{key}_stride"] = tensors[key].strides[:3]
         args["batch"], args["heads"], args["seq_q"], args["seq_k"] = shape
         return args
 
-    def _launch(self, symbol: str, args: np.ndarray, grid: tuple, threads: int, smem: int = 0):
-        function = self._functions[symbol]
-        function(args[()], block=(threads, 1, 1), grid=grid, shared=smem)
+    # ---- streams and launches ----
+    def _stream(self, tensors: dict, stream) -> tuple[int, int]:
+        """(device, stream) for this call: see the module docstring."""
+        q = tensors["q"]
+        if q.is_torch:
+            device = q.owner.device.index
+            if stream is None:
+                import torch
+
+                return device, torch.cuda.current_stream(device).cuda_stream
+            return device, stream_handle(stream)
+        device = driver.current_device()
+        if device is None:
+            ensure_context()
+            device = driver.current_device()
+        if stream is not None:
+            return device, stream_handle(stream)
+        return device, int(q.stream or 0)   # CAI: None = no stream given (legacy), 1 = legacy, 2 = per-thread
+
+    def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int):
+        functions = self._functions.get(device) or self._load(device)
+        try:
+            driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
+        except driver.CudaError as err:
+            if err.code != driver.ERROR_INVALID_CONTEXT:
+                raise
+            driver.make_current(device)   # a thread that never touched CUDA: give it the primary context
+            driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
+
+    @staticmethod
+    def _finish(symbol: str):
+        if CHECK_LAUNCHES:
+            try:
+                driver.synchronize(f"{symbol} (FAGEN_SYNC_LAUNCHES)")
+            except driver.CudaError as err:
+                raise RuntimeError(f"{symbol} failed on the GPU: {err}") from None
+
+    def _pass(self, pass_name: str) -> LaunchPlan:
+        plan = self.plans.get(pass_name)
+        if plan is None:
+            raise ArgumentError(f"{self.spec.variant_name} was generated without the {pass_name} pass "
+                                f"(passes: {list(self.spec.passes)})")
+        return plan
 
     # ---- forward ----
-    def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None):
+    def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None,
+                stream=None):
         """(o, lse): o like q; lse float32 (batch, heads, seq_q), natural log, -inf for rows that see no key.
 
-        `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous)."""
-        if "forward" not in self.solution.plans:
-            raise ArgumentError(f"{self.spec.variant_name} was generated without the forward pass (passes: {self.spec.passes})")
-        ensure_context()
+        `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
+        `stream` overrides the stream the call runs on (default: see the module docstring)."""
+        plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
+        if stream is not None and tensors["q"].is_torch:
+            import torch
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
+                return self.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset,
+                                    out=out)
+        device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
-        plan = self.solution.plans["forward"]
         if plan.stages > 1:  # cp.async moves 16-byte chunks: rows must start on 16-byte boundaries
             q, k, v = (self._aligned(tensors[name], 16) for name in ("q", "k", "v"))
             tensors, shape = self._check_qkv(q, k, v, {})
+        like = tensors["q"]
         if out is None:
-            o = _allocate(tensors["q"], (batch, heads, seq_q, self.spec.head_dim), self.spec.dtype)
-            lse = _allocate(tensors["q"], (batch, heads, seq_q), "fp32")
+            o = _allocate(like, (batch, heads, seq_q, self.spec.head_dim), self.spec.dtype, stream)
+            lse = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         else:
             o, lse = out
         ot, lt = as_device_tensor("o", o), as_device_tensor("lse", lse)
-        if ot.shape != tensors["q"].shape or ot.dtype != self.spec.dtype or ot.strides[3] != 1:
-            raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {tensors['q'].shape}, last dim contiguous")
-        if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or lt.strides != (heads * seq_q, seq_q, 1):
+        if ot.shape != like.shape or ot.dtype != self.spec.dtype or ot.strides[3] != 1:
+            raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {like.shape}, last dim contiguous")
+        if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"out lse: expected contiguous fp32 of shape {(batch, heads, seq_q)}")
-        args = self._base_args(tensors, shape)
-        args["o"], args["lse"] = ot.pointer, lt.pointer
-        self._set_strides(args, "o", ot)
         if ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3]):
             raise ArgumentError("out o: rows must start on 4-byte boundaries (even strides, aligned pointer)")
+        args = self._base_args(tensors, shape)
+        args["o"], args["lse"] = ot.pointer, lt.pointer
+        args["o_stride"] = ot.strides[:3]
         keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
-        symbol = self.rendered.kernels["forward"][0]
+        symbol = plan.symbols[0]
         row_blocks = math.ceil(seq_q / plan.block_r)
         if self.spec.loop_order == "fa1":
-            workspace = [_allocate(tensors["q"], (batch, heads, seq_q, self.spec.head_dim), "fp32"),
-                         _allocate(tensors["q"], (batch, heads, seq_q), "fp32"),
-                         _allocate(tensors["q"], (batch, heads, seq_q), "fp32")]
+            workspace = [_allocate(like, (batch, heads, seq_q, self.spec.head_dim), "fp32", stream),
+                         _allocate(like, (batch, heads, seq_q), "fp32", stream),
+                         _allocate(like, (batch, heads, seq_q), "fp32", stream)]
             keep += workspace
             for key, tensor in zip(("o_accum", "row_max", "row_sum"), workspace):
                 args[key] = as_device_tensor(key, tensor).pointer
@@ -329,35 +514,39 @@ class Kernel:
             grid = (row_groups, batch * heads, 1)
         else:
             grid = (row_blocks, batch * heads, 1)
-        self._launch(symbol, args, grid, plan.threads, plan.smem_bytes)
-        _check_launch(symbol)
-        del keep
+        self._launch(device, symbol, args.packed(), grid, plan.threads, plan.smem_bytes, stream)
+        self._finish(symbol)
+        del keep  # torch's allocator orders the reuse of these after the kernel on this stream
         return o, lse
 
     # ---- backward ----
     def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
-                 out=None):
+                 out=None, stream=None):
         """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do."""
-        if "backward" not in self.solution.plans:
-            raise ArgumentError(f"{self.spec.variant_name} was generated without the backward pass (passes: {self.spec.passes})")
-        ensure_context()
+        plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
+        if stream is not None and tensors["q"].is_torch:
+            import torch
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
+                return self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed,
+                                     offset=offset, out=out)
+        device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
-        plan = self.solution.plans["backward"]
         if plan.stages > 1:  # cp.async moves 16-byte chunks of Q, dO, K, V
             q, k, v, do = (self._aligned(tensors[name], 16) for name in ("q", "k", "v", "d_o"))
             tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         lt = as_device_tensor("lse", lse)
-        if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or lt.strides != (heads * seq_q, seq_q, 1):
+        if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"lse: expected the forward's contiguous fp32 lse of shape {(batch, heads, seq_q)}")
         if out is None:
-            grads = tuple(_allocate(tensors[key], tensors[key].shape, self.spec.dtype) for key in ("q", "k", "v"))
+            grads = tuple(_allocate(tensors[key], tensors[key].shape, self.spec.dtype, stream) for key in ("q", "k", "v"))
         else:
             grads = tuple(out)
         args = self._base_args(tensors, shape)
         args["o"], args["d_o"], args["lse"] = tensors["o"].pointer, tensors["d_o"].pointer, lt.pointer
-        self._set_strides(args, "o", tensors["o"])
-        self._set_strides(args, "do", tensors["d_o"])
+        args["o_stride"] = tensors["o"].strides[:3]
+        args["do_stride"] = tensors["d_o"].strides[:3]
         for key, grad, like in zip(("dq", "dk", "dv"), grads, ("q", "k", "v")):
             gt = as_device_tensor(key, grad)
             if gt.shape != tensors[like].shape or gt.dtype != self.spec.dtype or gt.strides[3] != 1:
@@ -365,84 +554,152 @@ class Kernel:
             if plan.tensor_cores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
                 raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
             args[key] = gt.pointer
-            self._set_strides(args, key, gt)
+            args[f"{key}_stride"] = gt.strides[:3]
         keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
-        delta = _allocate(tensors["q"], (batch, heads, seq_q), "fp32")
+        like = tensors["q"]
+        delta = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         keep.append(delta)
         args["delta"] = as_device_tensor("delta", delta).pointer
-        main = self.rendered.kernels["backward"][0]
-        delta_kernel, dq_kernel, convert_kernel = main + "_delta", main + "_dq", main + "_dq_convert"
-        rows = batch * heads * seq_q
-        self._launch(delta_kernel, args, (math.ceil(rows / 8), 1, 1), 256)
         if not self.spec.deterministic:
-            dq_accum = _allocate(tensors["q"], (batch, heads, seq_q, self.spec.head_dim), "fp32", fill=0.0)
+            dq_accum = _allocate(like, (batch, heads, seq_q, self.spec.head_dim), "fp32", stream, zero=True)
             keep.append(dq_accum)
             args["dq_accum"] = as_device_tensor("dq_accum", dq_accum).pointer
-        self._launch(main, args, (math.ceil(seq_k / plan.block_c), batch * heads, 1), plan.threads, plan.smem_bytes)
+        arguments = args.packed()
+        main = plan.symbols[0]
+        rows = batch * heads * seq_q
+        self._launch(device, main + "_delta", arguments, (math.ceil(rows / 8), 1, 1), 256, 0, stream)
+        self._launch(device, main, arguments, (math.ceil(seq_k / plan.block_c), batch * heads, 1), plan.threads,
+                     plan.smem_bytes, stream)
         if self.spec.deterministic:
-            self._launch(dq_kernel, args, (math.ceil(seq_q / plan.block_r), batch * heads, 1), plan.threads, plan.smem_bytes)
+            self._launch(device, main + "_dq", arguments, (math.ceil(seq_q / plan.block_r), batch * heads, 1),
+                         plan.threads, plan.smem_bytes, stream)
         else:
             total = rows * self.spec.head_dim
-            self._launch(convert_kernel, args, (min(math.ceil(total / 256), 65535), 1, 1), 256)
-        _check_launch(main)
+            self._launch(device, main + "_dq_convert", arguments, (min(math.ceil(total / 256), 65535), 1, 1), 256, 0,
+                         stream)
+        self._finish(main)
         del keep
         return grads
 
 
-#: Synchronise after each call so that a launch failure names the call that caused it. Benchmarks
-#: turn this off (fagen/bench.py) to time back-to-back launches.
-CHECK_LAUNCHES = True
+# ---- building and caching kernels ------------------------------------------------------------
+def _solve(spec: Spec, target: Target, policy: Optional[str]):
+    """The solver's plan with this GPU's autotune winner swapped in (imports sympy: cache misses only)."""
+    from fagen import autotune
+    from fagen import solver as solver_stage
+
+    solution = solver_stage.solve(spec, target, policy)
+    if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
+        solution = autotune.apply(solution, autotune.lookup(spec, target.name))
+    return solution
 
 
-def _check_launch(symbol: str):
-    """Surface an asynchronous launch error at the call that caused it."""
-    import pycuda.driver as cuda
+def _build_record(spec: Spec, target: Target, solution) -> tuple[dict, bytes]:
+    """Render and compile `solution`: the record the plan cache stores, and the cubin."""
+    from fagen.render import render
 
-    if not CHECK_LAUNCHES:
-        return
+    rendered = render(spec, solution)
+    key = cubin_key(rendered.text, target.arch, rendered.include_dir)
+    cubin = cached_cubin(rendered.text, target.arch, rendered.include_dir, key)
+    record = {"format": 1, "spec": spec.canonical_json(), "policy": solution.policy,
+              "plans": {p: plan.to_dict() for p, plan in solution.plans.items()},
+              "kernels": {p: list(names) for p, names in rendered.kernels.items()},
+              "cubin_key": key, "_rendered": rendered}
+    return record, cubin
+
+
+_RECORD_KEYS = ("format", "spec", "plans", "kernels", "cubin_key")
+
+
+def _plan_key(spec: Spec, target: Target, policy: Optional[str]) -> str:
+    from fagen.sources import fingerprint
+
+    try:  # a new autotune result changes the plan: key on the autotune file's state, not its contents
+        stat = os.stat(DiskCache().root / AUTOTUNE_FILE)
+        tuned = f"{stat.st_mtime_ns}:{stat.st_size}"
+    except OSError:
+        tuned = "none"
+    return digest("plan-v1", spec.canonical_json(), policy or "", json.dumps(asdict(target), sort_keys=True),
+                  fingerprint(), tuned)
+
+
+def _cached(cache: DiskCache, key: str) -> Optional[tuple[dict, bytes]]:
+    raw = cache.get("plan", key)
+    if raw is None:
+        return None
     try:
-        cuda.Context.synchronize()
-    except cuda.Error as err:
-        raise RuntimeError(f"{symbol} failed on the GPU: {err}") from None
+        record = json.loads(raw)
+        if not all(name in record for name in _RECORD_KEYS) or record["format"] != 1:
+            raise ValueError("fields missing")
+    except ValueError as err:  # checksummed, so only a format change gets here: rebuild
+        import warnings
+
+        warnings.warn(f"fagen: cached plan {cache.path('plan', key)} is unreadable ({err}); rebuilding it")
+        return None
+    cubin = cache.get("cubin", record["cubin_key"])
+    return None if cubin is None else (record, cubin)
 
 
+def _record_for(spec: Spec, target: Target, policy: Optional[str]) -> tuple[dict, bytes]:
+    """The cached (record, cubin) of a spec, or solved, rendered, compiled and stored under a lock,
+    so that one process builds it and the others wait and load."""
+    cache = DiskCache()
+    key = _plan_key(spec, target, policy)
+    found = _cached(cache, key)
+    if found is None:
+        with cache.lock("plan", key):
+            found = _cached(cache, key)
+            if found is None:
+                record, cubin = _build_record(spec, target, _solve(spec, target, policy))
+                record.pop("_rendered")
+                cache.put("plan", key, json.dumps(record, sort_keys=True).encode())
+                found = record, cubin
+    return found
+
+
+_targets: dict[int, Target] = {}
 _kernel_cache: dict[tuple, Kernel] = {}
+_compile_lock = threading.RLock()
 
 
-def compile(spec, *, policy: Optional[str] = None) -> Kernel:
+def device_target(device_index: int) -> Target:
+    target = _targets.get(device_index)
+    if target is None:
+        target = _targets[device_index] = from_device(device_index)
+    return target
+
+
+def compile(spec, *, policy: Optional[str] = None, device: Optional[int] = None) -> Kernel:
     """Solve, render and compile `spec` (a Spec or a dict) for the GPU in this process.
 
-    The target is read off the device (its arch replaces spec.arch). Compiled modules are cached on
-    disk (FAGEN_CACHE_DIR, default ~/.cache/fagen) and in memory for this process."""
-    spec = spec_from_dict(spec) if not isinstance(spec, Spec) else spec
-    ensure_context()
-    target = from_device()
-    spec = spec.model_copy(update={"arch": target.arch}) if target.arch in ("sm_80", "sm_86", "sm_89", "sm_90") else spec
-    key = (spec.canonical_json(), policy, target)
-    if key not in _kernel_cache:
-        solution = solver_stage.solve(spec, target, policy)
-        if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
-            from fagen import autotune
-
-            solution = autotune.apply(solution, autotune.lookup(spec, target.name))
-        _kernel_cache[key] = Kernel(spec, target, solution)
-    return _kernel_cache[key]
+    The target is read off the device (its arch replaces spec.arch). Kernels are cached in memory
+    for the process and on disk (FAGEN_CACHE_DIR, default ~/.cache/fagen) across processes."""
+    spec = spec if isinstance(spec, Spec) else spec_from_dict(spec)
+    device_index = _default_device() if device is None else device
+    target = device_target(device_index)
+    if target.arch in ARCHS and spec.arch != target.arch:
+        spec = spec.model_copy(update={"arch": target.arch})
+    key = (spec.canonical_json(), policy, device_index)
+    kernel = _kernel_cache.get(key)
+    if kernel is None:
+        with _compile_lock:
+            kernel = _kernel_cache.get(key)
+            if kernel is None:
+                record, cubin = _record_for(spec, target, policy)
+                kernel = _kernel_cache[key] = Kernel(spec, target, record=record, cubin=cubin, device=device_index)
+    return kernel
 
 
 def precompile(specs, jobs: int = 8) -> None:
-    """Compile many specs into the on-disk cache in parallel (nvcc runs in threads; no context needed),
-    so that later `compile(spec)` calls only load."""
+    """Solve, render and compile many specs into the disk cache in parallel (nvcc in threads; no
+    context needed), so that later `compile(spec)` calls only load."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from fagen.compiler import compile_to_cache
+    target = device_target(_default_device())
 
-    ensure_context()
-    target = from_device()
-    sources = []
-    for spec in specs:
-        spec = spec_from_dict(spec) if not isinstance(spec, Spec) else spec
-        spec = spec.model_copy(update={"arch": target.arch})
-        rendered = render(spec, solver_stage.solve(spec, target))
-        sources.append(rendered)
+    def build(spec):
+        spec = spec if isinstance(spec, Spec) else spec_from_dict(spec)
+        _record_for(spec.model_copy(update={"arch": target.arch}), target, None)
+
     with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(lambda r: compile_to_cache(r.text, target.arch, r.include_dir), sources))
+        list(pool.map(build, specs))

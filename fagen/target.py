@@ -1,7 +1,7 @@
 """Stage 1b: the GPU's limits as plain data (tinygrad's habit: hardware is a table, not code).
 
 The solver reads only this. When a GPU is present, `Target.from_device()` reads the same numbers off
-it through PyCUDA (imported lazily so that the CPU pipeline never needs it).
+it through the CUDA driver (imported lazily so that the CPU pipeline never needs it).
 """
 from __future__ import annotations
 
@@ -41,20 +41,18 @@ def target_for(arch: str) -> Target:
 
 
 def from_device(device_index: int = 0) -> Target:
-    """Read the limits off a live GPU (needs pycuda and a CUDA context-capable device)."""
-    import pycuda.driver as cuda  # lazy: the CPU pipeline never imports pycuda
+    """Read the limits off a live GPU through the CUDA driver (imported lazily, so that the CPU
+    pipeline never needs a GPU)."""
+    from fagen.cuda_driver import device_attributes
 
-    cuda.init()
-    dev = cuda.Device(device_index)
-    attr = cuda.device_attribute
-    major, minor = dev.compute_capability()
+    values = device_attributes(device_index)
     return Target(
-        arch=f"sm_{major}{minor}",
-        smem_per_block=dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_BLOCK_OPTIN),
-        smem_per_sm=dev.get_attribute(attr.MAX_SHARED_MEMORY_PER_MULTIPROCESSOR),
+        arch=f"sm_{values['cc_major']}{values['cc_minor']}",
+        smem_per_block=values["smem_per_block"],
+        smem_per_sm=values["smem_per_sm"],
         registers_per_thread=255,
-        registers_per_sm=dev.get_attribute(attr.MAX_REGISTERS_PER_MULTIPROCESSOR),
-        max_threads_per_sm=dev.get_attribute(attr.MAX_THREADS_PER_MULTIPROCESSOR),
-        sm_count=dev.get_attribute(attr.MULTIPROCESSOR_COUNT),
-        name=dev.name(),
+        registers_per_sm=values["registers_per_sm"],
+        max_threads_per_sm=values["max_threads_per_sm"],
+        sm_count=values["sm_count"],
+        name=values["name"],
     )

@@ -278,12 +278,16 @@ def test_time_cuda_cuts_repeats_of_a_slow_call_to_its_time_budget(monkeypatch):
 def test_unchecked_launches_restores_the_flag_even_on_error():
     from fagen import runtime
 
-    assert runtime.CHECK_LAUNCHES is True
-    with pytest.raises(KeyError):
-        with bench.unchecked_launches():
-            assert runtime.CHECK_LAUNCHES is False
-            raise KeyError("boom")
-    assert runtime.CHECK_LAUNCHES is True
+    saved = runtime.CHECK_LAUNCHES
+    runtime.CHECK_LAUNCHES = True   # as FAGEN_SYNC_LAUNCHES=1 sets it
+    try:
+        with pytest.raises(KeyError):
+            with bench.unchecked_launches():
+                assert runtime.CHECK_LAUNCHES is False
+                raise KeyError("boom")
+        assert runtime.CHECK_LAUNCHES is True
+    finally:
+        runtime.CHECK_LAUNCHES = saved
 
 
 def test_reason_is_one_short_line():

@@ -38,7 +38,7 @@ def main() -> int:
     runtime.precompile(specs, jobs=16)
     from concurrent.futures import ThreadPoolExecutor
 
-    from fagen.compiler import compile_to_cache
+    from fagen.compiler import cached_cubin
     from fagen.render import render
     sources = []
     for spec in specs[len(CHECK_SPECS):]:
@@ -46,7 +46,7 @@ def main() -> int:
         for candidate in solution.candidates[args.pass_name][:args.top]:
             sources.append(render(spec, solver.with_plan(solution, args.pass_name, candidate)))
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda r: compile_to_cache(r.text, target.arch, r.include_dir), sources))
+        list(pool.map(lambda r: cached_cubin(r.text, target.arch, r.include_dir), sources))
     print(f"precompiled {len(specs)} specs in {time.time() - t0:.0f} s", flush=True)
 
     failures = 0

@@ -1,0 +1,185 @@
+"""The few CUDA driver calls the launch stage needs, through ctypes on libcuda.
+
+Why not PyCUDA's `Function.__call__`: it launches on a `pycuda.driver.Stream` only, and a stream
+made by PyTorch (or anyone else) cannot be wrapped as one, so kernels ended up on the legacy default
+stream, racing with work the caller had queued on its own stream. `cuLaunchKernel` takes any stream
+handle, costs about a microsecond from Python, and a launch on a capturing stream is recorded into a
+CUDA graph like any other. PyCUDA stays the run-time compiler (fagen/compiler.py); modules are
+loaded here from the cubin bytes it produced.
+
+Everything runs in the device's primary context, the one PyTorch uses, so tensors, streams and
+modules are shared with it.
+"""
+from __future__ import annotations
+
+import ctypes
+import threading
+from typing import Optional
+
+# CUfunction_attribute / CUdevice_attribute values from cuda.h (stable across CUDA versions).
+FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
+DEVICE_ATTRIBUTES = {
+    "sm_count": 16,                  # CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT
+    "max_threads_per_sm": 39,        # CU_DEVICE_ATTRIBUTE_MAX_THREADS_PER_MULTIPROCESSOR
+    "cc_major": 75,                  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+    "cc_minor": 76,
+    "smem_per_sm": 81,               # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+    "registers_per_sm": 82,          # CU_DEVICE_ATTRIBUTE_MAX_REGISTERS_PER_MULTIPROCESSOR
+    "smem_per_block": 97,            # CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
+}
+ERROR_INVALID_CONTEXT = 201
+ERROR_NOT_INITIALIZED = 3
+
+
+class CudaError(RuntimeError):
+    """A driver call failed; the message names the call, the error and what fagen was doing."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+_lib = None
+_lib_lock = threading.Lock()
+
+
+def _load():
+    global _lib
+    with _lib_lock:
+        if _lib is not None:
+            return _lib
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+        except OSError as err:
+            raise CudaError(-1, f"the CUDA driver (libcuda.so.1) could not be loaded: {err}; fagen's "
+                                "run-time path needs an NVIDIA GPU and its driver") from None
+        p, i, u, s = ctypes.c_void_p, ctypes.c_int, ctypes.c_uint, ctypes.c_size_t
+        signatures = {
+            "cuInit": [u], "cuDeviceGet": [ctypes.POINTER(i), i], "cuDeviceGetCount": [ctypes.POINTER(i)],
+            "cuDeviceGetAttribute": [ctypes.POINTER(i), i, i], "cuDeviceGetName": [ctypes.c_char_p, i, i],
+            "cuDevicePrimaryCtxRetain": [ctypes.POINTER(p), i], "cuCtxGetCurrent": [ctypes.POINTER(p)],
+            "cuCtxSetCurrent": [p], "cuCtxGetDevice": [ctypes.POINTER(i)], "cuCtxSynchronize": [],
+            "cuModuleLoadData": [ctypes.POINTER(p), p], "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
+            "cuFuncSetAttribute": [p, i, i],
+            "cuLaunchKernel": [p, u, u, u, u, u, u, u, p, ctypes.POINTER(p), ctypes.POINTER(p)],
+            "cuMemsetD32Async": [ctypes.c_uint64, u, s, p], "cuStreamSynchronize": [p],
+            "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
+            "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
+        }
+        for name, argtypes in signatures.items():
+            function = getattr(lib, name)
+            function.argtypes, function.restype = argtypes, ctypes.c_int
+        _lib = lib
+        return lib
+
+
+def error_text(code: int) -> str:
+    lib = _load()
+    name, text = ctypes.c_char_p(), ctypes.c_char_p()
+    lib.cuGetErrorName(code, ctypes.byref(name))
+    lib.cuGetErrorString(code, ctypes.byref(text))
+    return f"{(name.value or b'CUDA_ERROR').decode()} ({(text.value or b'unknown error').decode()})"
+
+
+def check(code: int, doing: str) -> None:
+    if code:
+        raise CudaError(code, f"{doing} failed: {error_text(code)}")
+
+
+# ---- devices and contexts ----------------------------------------------------------------------
+def current_device() -> Optional[int]:
+    """The device of the calling thread's current context, or None if it has none."""
+    lib = _load()
+    context = ctypes.c_void_p()
+    code = lib.cuCtxGetCurrent(ctypes.byref(context))
+    if code == ERROR_NOT_INITIALIZED or (code == 0 and not context.value):
+        return None
+    check(code, "cuCtxGetCurrent")
+    device = ctypes.c_int()
+    check(lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
+    return device.value
+
+
+def make_current(device_index: int) -> None:
+    """Make the device's primary context (PyTorch's) current in this thread. Retained once per
+    device for the life of the process, as PyTorch does, so it is never torn down under a module."""
+    lib = _load()
+    check(lib.cuInit(0), "cuInit")
+    count = ctypes.c_int()
+    check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+    if not 0 <= device_index < count.value:
+        raise CudaError(-1, f"CUDA device {device_index} does not exist; this machine has {count.value}")
+    context = _primary_contexts.get(device_index)
+    if context is None:
+        handle = ctypes.c_void_p()
+        device = ctypes.c_int()
+        check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+        check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), device), "cuDevicePrimaryCtxRetain")
+        context = _primary_contexts[device_index] = handle.value
+    check(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
+_primary_contexts: dict[int, int] = {}
+
+
+def device_attributes(device_index: int) -> dict:
+    """The limits fagen.target.Target needs, read off the device, plus its name."""
+    lib = _load()
+    check(lib.cuInit(0), "cuInit")
+    device = ctypes.c_int()
+    check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    values = {}
+    for key, attribute in DEVICE_ATTRIBUTES.items():
+        value = ctypes.c_int()
+        check(lib.cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "cuDeviceGetAttribute")
+        values[key] = value.value
+    name = ctypes.create_string_buffer(256)
+    check(lib.cuDeviceGetName(name, 256, device), "cuDeviceGetName")
+    values["name"] = name.value.decode()
+    return values
+
+
+def synchronize(doing: str) -> None:
+    check(_load().cuCtxSynchronize(), doing)
+
+
+# ---- modules, functions, launches ----------------------------------------------------------------
+def load_module(cubin: bytes) -> int:
+    """Load a cubin into the current context; the handle lives as long as the process."""
+    lib = _load()
+    handle = ctypes.c_void_p()
+    buffer = ctypes.create_string_buffer(cubin, len(cubin))
+    check(lib.cuModuleLoadData(ctypes.byref(handle), buffer), "loading a compiled fagen module (cuModuleLoadData)")
+    return handle.value
+
+
+def get_function(module: int, symbol: str, dynamic_smem: int = 0) -> int:
+    lib = _load()
+    handle = ctypes.c_void_p()
+    check(lib.cuModuleGetFunction(ctypes.byref(handle), module, symbol.encode()), f"finding kernel {symbol}")
+    if dynamic_smem > 48 * 1024:  # above 48 KiB a kernel must opt in to its dynamic shared memory
+        check(lib.cuFuncSetAttribute(handle, FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, dynamic_smem),
+              f"allowing {symbol} {dynamic_smem} B of shared memory")
+    return handle.value
+
+
+class LaunchArguments:
+    """One kernel parameter, the AttentionArgs struct, packed into a buffer cuLaunchKernel copies
+    at the launch (so the buffer can be reused by the next call at once)."""
+
+    def __init__(self, size: int):
+        self.buffer = ctypes.create_string_buffer(size)
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
+
+
+def launch(function: int, grid: tuple, threads: int, smem: int, stream: int, arguments: LaunchArguments,
+           symbol: str) -> None:
+    code = _load().cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, smem, stream,
+                                  arguments.params, None)
+    if code:
+        raise CudaError(code, f"launching {symbol} (grid {grid}, {threads} threads, {smem} B shared memory) "
+                              f"failed: {error_text(code)}")
+
+
+def memset_d32(pointer: int, value: int, count: int, stream: int) -> None:
+    check(_load().cuMemsetD32Async(pointer, value, count, stream), "clearing a workspace (cuMemsetD32Async)")

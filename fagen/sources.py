@@ -1,0 +1,33 @@
+"""Where fagen's kernel sources live, and the fingerprint of everything that shapes a kernel.
+
+The run-time plan cache (fagen/runtime.py) stores a solved, rendered and compiled spec under a key
+that includes this fingerprint: change a template, the solver or the renderer and every cached plan
+is solved again, without anyone having to clear a cache by hand.
+"""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from fagen import __version__
+from fagen.cache import digest
+
+PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"   # an installed wheel
+SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # a source checkout
+TEMPLATE_DIR = PACKAGE_TEMPLATES if PACKAGE_TEMPLATES.is_dir() else SOURCE_TEMPLATES
+
+#: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
+_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "autotune.py")
+
+
+@functools.lru_cache(maxsize=1)
+def fingerprint() -> str:
+    """A digest of the templates and the plan-making modules (read once per process, ~1 ms)."""
+    here = Path(__file__).resolve().parent
+    parts: list = [__version__]
+    for path in sorted(TEMPLATE_DIR.iterdir()):
+        if path.is_file():
+            parts += [path.name, path.read_bytes()]
+    for name in _PLAN_MODULES:
+        parts += [name, (here / name).read_bytes()]
+    return digest(*parts)

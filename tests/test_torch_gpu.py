@@ -1,0 +1,264 @@
+"""GPU tests of the torch integration: streams, CUDA graphs, torch.compile, the debug switch and the
+disk cache seen from a fresh process.
+
+Run on a GPU machine: python -m pytest -m gpu tests/test_torch_gpu.py
+"""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+def reference(q, k, v, causal: bool, scale: float):
+    """float64 softmax(scale·QKᵀ [causal, bottom-right]) V."""
+    torch = _torch()
+    s = (q.double() @ k.double().transpose(-1, -2)) * scale
+    if causal:
+        n, m = s.shape[-2:]
+        visible = torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n)
+        s = s.masked_fill(~visible, float("-inf"))
+    return torch.softmax(s, -1) @ v.double()
+
+
+def rel(out, ref) -> float:
+    out = out.double()
+    assert not out.isnan().any(), "NaN in the output"
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+SPEC_FIELDS = {"head_dim": 64, "dtype": "bf16", "mask": "causal"}
+SPEC_STRING = json.dumps(SPEC_FIELDS)
+
+
+@pytest.fixture(scope="module")
+def spec():
+    import fagen
+
+    return fagen.Spec(**SPEC_FIELDS)
+
+
+def _inputs(batch=2, heads=3, n=257, d=64, dtype=None, requires_grad=False):
+    torch = _torch()
+    dtype = dtype or torch.bfloat16
+    return [torch.randn(batch, heads, n, d, device="cuda", dtype=dtype, requires_grad=requires_grad) for _ in range(3)]
+
+
+def test_calls_run_on_the_callers_stream(spec):
+    """Inputs written on a side stream behind a long matmul: a kernel on any other stream would read
+    the NaN poison still in them."""
+    import fagen
+
+    torch = _torch()
+    side = torch.cuda.Stream()
+    big = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for trial in range(5):
+        q, k, v = (torch.full((2, 3, 257, 64), float("nan"), device="cuda", dtype=torch.bfloat16) for _ in range(3))
+        sources = _inputs()
+        torch.cuda.synchronize()
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                big = (big @ big).clamp_(-1, 1)   # ~ms of work queued ahead of the copies
+            for dst, src in zip((q, k, v), sources):
+                dst.copy_(src)
+            o = fagen.attention(q, k, v, spec)
+        torch.cuda.synchronize()
+        error = rel(o, reference(*sources, True, 64 ** -0.5))
+        assert error < 1e-2, f"trial {trial}: relative error {error}"
+
+
+def test_explicit_stream_argument(spec):
+    import fagen
+
+    torch = _torch()
+    kernel = fagen.compile(spec)
+    side = torch.cuda.Stream()
+    q, k, v = _inputs()
+    torch.cuda.synchronize()
+    o, lse = kernel.forward(q, k, v, stream=side)
+    side.synchronize()
+    assert rel(o, reference(q, k, v, True, 64 ** -0.5)) < 1e-2
+
+
+def test_cuda_graph_capture_and_replay_forward_and_backward(spec):
+    """Capture fails if anything synchronises or allocates outside PyTorch's graph pool."""
+    import fagen
+
+    torch = _torch()
+    q, k, v = _inputs(requires_grad=True)
+    static = [t.detach().clone().requires_grad_() for t in (q, k, v)]
+    grad_out = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm up (compile, allocator) outside the capture
+        for _ in range(2):
+            fagen.attention(*static, spec).backward(grad_out)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in static:
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fagen.attention(*static, spec)
+        out.backward(grad_out)
+    for trial in range(3):
+        fresh = _inputs()
+        with torch.no_grad():
+            for dst, src in zip(static, fresh):
+                dst.copy_(src)
+                dst.grad.fill_(float("nan"))   # poison: the replay must write every gradient
+        graph.replay()
+        torch.cuda.synchronize()
+        leaves = [t.double().requires_grad_() for t in fresh]
+        ref = reference(*leaves, True, 64 ** -0.5)
+        ref.backward(grad_out.double())
+        assert rel(out, ref.detach()) < 1e-2, f"replay {trial}: output"
+        for name, t, leaf in zip("qkv", static, leaves):
+            assert rel(t.grad, leaf.grad) < 2e-2, f"replay {trial}: d{name}"
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_fullgraph_matches_eager(spec, mode):
+    import fagen
+
+    torch = _torch()
+    torch._dynamo.reset()
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj = torch.nn.Linear(64, 64, dtype=torch.bfloat16, device="cuda")
+
+        def forward(self, q, k, v):
+            return self.proj(fagen.attention(q, k, v, SPEC_STRING)).float().square().mean()
+
+    block = Block()
+    compiled = torch.compile(block, fullgraph=True, mode=mode)
+    for trial in range(3):   # reduce-overhead records a graph on the 2nd/3rd call and replays after
+        q, k, v = _inputs(requires_grad=True)
+        loss = compiled(q, k, v)
+        loss.backward()
+        grads = [t.grad.clone() for t in (q, k, v)]
+        for t in (q, k, v):
+            t.grad = None
+        eager = block(q, k, v)
+        eager.backward()
+        assert abs(loss.item() - eager.item()) <= 1e-2 * abs(eager.item()) + 1e-6
+        for name, g, t in zip("qkv", grads, (q, k, v)):
+            assert rel(g, t.grad.double()) < 2e-2, f"trial {trial} d{name}"
+    # A Spec object made outside the compiled function works too (folded in as a constant).
+    torch._dynamo.reset()
+    fn = torch.compile(lambda q, k, v: fagen.attention(q, k, v, spec), fullgraph=True)
+    q, k, v = _inputs()
+    assert rel(fn(q, k, v), reference(q, k, v, True, 64 ** -0.5)) < 1e-2
+
+
+def test_op_is_differentiable_on_its_own():
+    torch = _torch()
+    import fagen.torch  # noqa: F401  (registers the ops)
+
+    q, k, v = _inputs(requires_grad=True)
+    o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC_STRING)
+    o.float().sum().backward()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    reference(*leaves, True, 64 ** -0.5).sum().backward()
+    for name, t, leaf in zip("qkv", (q, k, v), leaves):
+        assert rel(t.grad, leaf.grad) < 2e-2, name
+
+
+def test_sync_switch_names_nothing_when_all_is_well(spec, monkeypatch):
+    import fagen
+    from fagen import runtime
+
+    monkeypatch.setattr(runtime, "CHECK_LAUNCHES", True)
+    q, k, v = _inputs()
+    o = fagen.attention(q, k, v, spec)
+    assert rel(o, reference(q, k, v, True, 64 ** -0.5)) < 1e-2
+
+
+def test_device_kv_lengths_out_of_range_are_clamped_and_host_ones_rejected():
+    import fagen
+    from fagen.runtime import ArgumentError
+
+    torch = _torch()
+    spec = fagen.Spec(head_dim=64, dtype="bf16", mask="padding")
+    kernel = fagen.compile(spec)
+    q, k, v = _inputs(batch=4, n=100)
+    with pytest.raises(ArgumentError, match=r"kv_lengths: every value must be in \[0, 100\]"):
+        kernel.forward(q, k, v, kv_lengths=[5, 101, 3, 4])
+    with pytest.raises(ArgumentError, match=r"kv_lengths"):
+        kernel.forward(q, k, v, kv_lengths=[-1, 10, 3, 4])
+    lengths = torch.tensor([-3, 0, 105, 50], dtype=torch.int32, device="cuda")
+    o, lse = kernel.forward(q, k, v, kv_lengths=lengths)
+    torch.cuda.synchronize()
+    clamped = [0, 0, 100, 50]
+    for b, n in enumerate(clamped):
+        if n == 0:
+            assert (o[b] == 0).all() and torch.isneginf(lse[b]).all()
+        else:
+            ref = reference(q[b:b + 1, :, :, :], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, 64 ** -0.5)
+            assert rel(o[b:b + 1], ref) < 1e-2, f"batch entry {b}"
+
+
+_LOAD_PROBE = r"""
+import json, sys, time, warnings
+start = time.perf_counter()
+import fagen
+from fagen import runtime
+spec = fagen.Spec(**json.loads(sys.argv[1]))
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    kernel = runtime.compile(spec, device=0)
+seconds = time.perf_counter() - start
+print("PROBE " + json.dumps({"seconds": seconds, "warnings": [str(w.message) for w in caught],
+                             "sympy": "sympy" in sys.modules, "jinja2": "jinja2" in sys.modules}))
+"""
+
+
+def _probe(cache_dir, fields) -> dict:
+    env = dict(os.environ, FAGEN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
+    out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, json.dumps(fields)], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(line for line in out.stdout.splitlines() if line.startswith("PROBE "))
+    return json.loads(line[6:])
+
+
+def test_a_fresh_process_loads_from_the_cache_without_sympy_and_survives_corruption(tmp_path):
+    fields = {"head_dim": 64, "dtype": "fp16", "mask": "sliding_window", "window": 33}
+    first = _probe(tmp_path, fields)
+    assert first["sympy"], "a cold cache has to solve"
+    second = _probe(tmp_path, fields)
+    assert not second["sympy"] and not second["jinja2"], "a cached spec loads without the solver or Jinja"
+    assert not second["warnings"]
+    # Truncate every cache entry (plans and cubins): the next process rebuilds, warns, does not crash.
+    entries = [p for p in tmp_path.rglob("*") if p.is_file() and p.parent.parent.name in ("plan", "cubin")]
+    assert entries
+    for path in entries:
+        path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 3])
+    third = _probe(tmp_path, fields)
+    assert any("corrupt" in w for w in third["warnings"]), third["warnings"]
+    fourth = _probe(tmp_path, fields)
+    assert not fourth["warnings"] and not fourth["sympy"]
+
+
+def test_processes_building_the_same_spec_at_once_all_succeed(tmp_path):
+    fields = {"head_dim": 32, "dtype": "bf16", "mask": "none", "dropout": 0.25}
+    env = dict(os.environ, FAGEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    procs = [subprocess.Popen([sys.executable, "-c", _LOAD_PROBE, json.dumps(fields)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    results = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
+    solved = [json.loads(next(l for l in r[0].splitlines() if l.startswith("PROBE "))[6:])["sympy"] for r in results]
+    assert solved.count(True) == 1, "one process solves and compiles; the others wait for its lock and load"

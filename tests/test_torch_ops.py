@@ -1,0 +1,125 @@
+"""fagen's torch custom ops without a GPU: schema, fake (meta) shapes, autograd and torch.compile.
+
+The CUDA kernels cannot run here, so this module registers a float64 CPU implementation of the two
+ops (the test's own reference) and checks everything torch does around them: that
+torch.compile(fullgraph=True) traces fagen.attention with a spec string or a Spec object, that the
+op's autograd rule calls the backward op with what the forward saved, and that fake tensors get
+the shapes the CUDA kernels return.
+"""
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import fagen  # noqa: E402
+import fagen.torch as fagen_torch  # noqa: E402
+from fagen.spec import spec_from_dict  # noqa: E402
+
+_registered = []
+
+
+def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+    parsed = spec_from_dict(json.loads(spec))
+    s = (q.double() @ k.double().transpose(-1, -2)) * parsed.scale
+    if parsed.mask == "causal":
+        n, m = s.shape[-2:]
+        s = s.masked_fill(~torch.ones(n, m, dtype=torch.bool).tril(m - n), float("-inf"))
+    return (torch.softmax(s, -1) @ v.double()).to(q.dtype), torch.logsumexp(s, -1).float()
+
+
+def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+    with torch.enable_grad():
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        out, _ = _reference_forward(*leaves, spec)
+        return torch.autograd.grad(out, leaves, grad_o)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cpu_reference_ops():
+    if not _registered:
+        fagen_torch._library.impl("attention_forward", _reference_forward, "CPU")
+        fagen_torch._library.impl("attention_backward", _reference_backward, "CPU")
+        _registered.append(True)
+
+
+SPEC = fagen.Spec(head_dim=32, dtype="fp32", mask="causal")
+
+
+def _inputs(n=19, m=23):
+    return [torch.randn(2, 3, length, 32, requires_grad=True) for length in (n, m, m)]
+
+
+def _grads(fn, q, k, v):
+    loss = fn(q, k, v).square().sum()
+    return [loss.detach(), *torch.autograd.grad(loss, (q, k, v))]
+
+
+def test_spec_key_is_the_canonical_json_and_cached_per_object():
+    key = fagen_torch.spec_key(SPEC)
+    assert key == SPEC.canonical_json() and fagen_torch.spec_key(SPEC) is key
+    assert fagen_torch.spec_key(key) is key
+    assert json.loads(fagen_torch.spec_key({"head_dim": 32, "dtype": "fp32"}))["head_dim"] == 32
+
+
+@pytest.mark.parametrize("how", ["string", "spec"])
+def test_compile_fullgraph_matches_the_uncompiled_op(how):
+    torch._dynamo.reset()
+    spec = SPEC.canonical_json() if how == "string" else SPEC
+    def fn(q, k, v):
+        return fagen.attention(q, k, v, spec)
+    compiled = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    expected = _grads(lambda *t: _reference_forward(*t, SPEC.canonical_json())[0], q, k, v)
+    for got, want in zip(_grads(compiled, q, k, v), expected):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_function_follows_a_new_spec_object():
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, s: fagen.attention(q, k, v, s), backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    plain = fagen.Spec(head_dim=32, dtype="fp32", mask="none")
+    for spec in (SPEC, plain):
+        want = _reference_forward(q, k, v, spec.canonical_json())[0]
+        torch.testing.assert_close(compiled(q, k, v, spec), want)
+
+
+def test_the_op_alone_is_differentiable_and_lse_is_not():
+    q, k, v = _inputs()
+    o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC.canonical_json())
+    assert o.requires_grad and not lse.requires_grad
+    got = torch.autograd.grad(o.square().sum(), (q, k, v))
+    want = _grads(lambda *t: _reference_forward(*t, SPEC.canonical_json())[0], q, k, v)[1:]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w)
+
+
+def test_fake_tensors_get_the_kernels_shapes():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="cuda")
+        k = torch.empty(2, 4, 9, 64, dtype=torch.bfloat16, device="cuda")
+        o, lse = torch.ops.fagen.attention_forward(q, k, k, '{"head_dim": 64}')
+        dq, dk, dv = torch.ops.fagen.attention_backward(q, k, k, o, lse, o, '{"head_dim": 64}')
+    assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+def test_bad_spec_string_is_a_one_line_error():
+    with pytest.raises(fagen.SpecError, match="not JSON of spec fields"):
+        fagen_torch.kernel_for("{head_dim: 64", 0)
+    with pytest.raises(fagen.SpecError, match="head_dim"):
+        fagen_torch.kernel_for('{"head_dim": 7}', 0)
+
+
+def test_cpu_tensors_and_bad_seeds_are_rejected_before_any_launch():
+    from fagen.runtime import ArgumentError
+
+    q, k, v = (t.detach().to(torch.bfloat16) for t in _inputs())
+    with pytest.raises(ArgumentError, match="need CUDA tensors"):
+        fagen.attention(q, k, v, SPEC)
+    with pytest.raises(ArgumentError, match="seed"):
+        fagen.attention(q, k, v, SPEC, seed=2**63)
