@@ -216,10 +216,12 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
 
         from fagen.compiler import cached_cubin
         from fagen.render import render
+        from fagen.sources import TEMPLATE_DIR
 
         sources = [render(spec, c) for c in candidates if c.plans != base_kernel.solution.plans]
         with ThreadPoolExecutor(max_workers=8) as pool:
-            list(pool.map(lambda r: _quietly(cached_cubin, r.text, target.arch, r.include_dir), sources))
+            list(pool.map(lambda text: _quietly(cached_cubin, text, target.arch, TEMPLATE_DIR),
+                          [text for r in sources for text in r.pass_texts.values()]))
 
     return Session(spec, target, solution, target.name, measure, prepare)
 

@@ -43,6 +43,7 @@ class Rendered:
     kernels: dict[str, list[str]]     # pass -> kernel symbols, the main one first
     templates: list[str]
     include_dir: Path
+    pass_texts: dict[str, str]        # pass -> header + that pass alone: compiled in parallel at run time
 
 
 def float_literal(value: float) -> str:
@@ -153,12 +154,13 @@ def render(spec: Spec, solution: Solution) -> Rendered:
         f'#include "{COMMON_HEADER}"',
         "",
     ])
-    bodies = [_environment.get_template(solution.plans[p].template).render(template_context(spec, p, solution.plans[p]))
-              for p in spec.passes]
+    bodies = {p: _environment.get_template(solution.plans[p].template).render(template_context(spec, p, solution.plans[p]))
+              for p in spec.passes}
     return Rendered(
-        text=header + "\n".join(bodies),
+        text=header + "\n".join(bodies.values()),
         filename=f"{spec.variant_name}.cu",
         kernels={p: kernel_symbols(spec, p, solution.plans[p]) for p in spec.passes},
         templates=templates,
         include_dir=TEMPLATE_DIR,
+        pass_texts={p: header + body for p, body in bodies.items()},
     )

@@ -184,10 +184,16 @@ def _default_device() -> int:
 
 
 def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: bool = False):
-    """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`."""
+    """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`.
+
+    A torch output of `like`'s own shape and dtype is `torch.empty_like`: it keeps a dense input's
+    memory layout, so (batch, seq, heads, d) activations viewed as (batch, heads, seq, d) give an
+    output whose transpose back is free. The ops' fake kernels allocate the same way."""
     if like.is_torch:
         import torch
 
+        if shape == like.shape and dtype == like.dtype and not zero:
+            return torch.empty_like(like.owner)
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
         make = torch.zeros if zero else torch.empty
         return make(shape, dtype=torch_dtype, device=like.owner.device)
@@ -202,6 +208,63 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
     if zero:
         driver.memset_d32(int(out.gpudata), 0, out.nbytes // 4, stream)
     return out
+
+
+# ---- the per-call fast path ------------------------------------------------------------------------
+_TORCH = {}   # "Tensor": torch.Tensor, "stream": the raw current-stream getter; filled on first use
+
+
+def _torch_types():
+    if not _TORCH:
+        import torch
+
+        _TORCH["Tensor"], _TORCH["int32"], _TORCH["uint8"] = torch.Tensor, torch.int32, torch.uint8
+        raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+        _TORCH["stream"] = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
+    return _TORCH
+
+
+def _small_tensor_key(value, dtype, device: int):
+    """The part of a call's signature that kv_lengths / block_mask contribute, or False where only the
+    full path can take them (host lists, other dtypes or devices, non-contiguous: it converts them)."""
+    if value is None:
+        return None
+    if (type(value) is not _TORCH["Tensor"] or value.dtype is not dtype or value.get_device() != device
+            or not value.is_contiguous()):
+        return False
+    return tuple(value.shape)
+
+
+class FastCall:
+    """A call signature seen before (shapes, strides, dtypes, devices of every tensor): the packed
+    argument struct with everything but the pointers, seed and offset filled in, and the launches.
+    A call that matches one only allocates its outputs, writes those slots and launches: the checks
+    ran on the first call with this signature and their outcome depends on nothing else."""
+
+    __slots__ = ("values", "params", "slots", "launches", "lock")
+
+    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list):
+        import ctypes
+
+        self.values = (ctypes.c_uint64 * len(args.values))(*[v & 0xFFFFFFFFFFFFFFFF for v in args.values])
+        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
+        self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset"))
+        self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
+        self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
+
+    def launch(self, device: int, stream: int, values: tuple) -> None:
+        with self.lock:
+            array = self.values
+            for slot, value in zip(self.slots, values):
+                array[slot] = value
+            for function, grid, threads, smem, symbol in self.launches:
+                try:
+                    driver.launch(function, grid, threads, smem, stream, self, symbol)
+                except driver.CudaError as err:
+                    if err.code != driver.ERROR_INVALID_CONTEXT:
+                        raise
+                    driver.make_current(device)   # a thread that never touched CUDA before
+                    driver.launch(function, grid, threads, smem, stream, self, symbol)
 
 
 # ---- the kernel object -------------------------------------------------------------------------
@@ -230,17 +293,19 @@ class Kernel:
     cached record; `.solution` and `.rendered` are then recomputed only if asked for."""
 
     def __init__(self, spec: Spec, target: Target, solution=None, *, record: Optional[dict] = None,
-                 cubin: Optional[bytes] = None, device: Optional[int] = None):
+                 cubins: Optional[dict] = None, device: Optional[int] = None):
         self.spec, self.target = spec, target
         self._solution, self._rendered = solution, None
         if record is None:
-            record, cubin = _build_record(spec, target, solution)
+            record, cubins = _build_record(spec, target, solution)
             self._rendered = record.pop("_rendered")
         self.record = record
         self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p]) for p in record["plans"]}
-        self._cubin = cubin
+        self._cubins = cubins   # pass -> cubin
         self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
         self._lock = threading.Lock()
+        self._fast_forward: dict[tuple, FastCall] = {}
+        self._fast_backward: dict[tuple, FastCall] = {}
         self._load(_default_device() if device is None else device)
 
     def _load(self, device: int) -> dict:
@@ -252,12 +317,13 @@ class Kernel:
                 if previous != device:
                     driver.make_current(device)
                 try:
-                    module = driver.load_module(self._cubin)
+                    modules = {p: driver.load_module(cubin) for p, cubin in self._cubins.items()}
                 finally:
                     if previous is not None and previous != device:
                         driver.make_current(previous)
                 functions = {}
-                for plan in self.plans.values():
+                for pass_name, plan in self.plans.items():
+                    module = modules[pass_name]
                     for symbol in plan.symbols:
                         big = symbol == plan.symbols[0] or symbol.endswith("_dq")  # the ones given plan.smem_bytes
                         functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
@@ -462,6 +528,44 @@ class Kernel:
                                 f"(passes: {list(self.spec.passes)})")
         return plan
 
+    # ---- the fast path: a call whose signature was seen before ----
+    def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, seed, offset):
+        """The key of a FastCall for these torch tensors, or None where the full path must run (other
+        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
+        torch_types = _torch_types()
+        tensor_type = torch_types["Tensor"]
+        parts = []
+        for t in tensors:
+            if type(t) is not tensor_type:
+                return None
+            parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
+        if self.plans[pass_name].stages > 1:
+            for t in aligned:
+                if t.data_ptr() & 15:
+                    return None
+        if type(seed) is not int or type(offset) is not int or not (0 <= seed < 2**64 and 0 <= offset < 2**32):
+            return None
+        device = parts[0][3]
+        lengths_key = _small_tensor_key(kv_lengths, torch_types["int32"], device)
+        mask_key = _small_tensor_key(block_mask, torch_types["uint8"], device)
+        if lengths_key is False or mask_key is False:
+            return None
+        return (tuple(parts), lengths_key, mask_key)
+
+    @staticmethod
+    def _runtime_pointers(kv_lengths, block_mask) -> tuple[tuple, list]:
+        names, pointers = (), []
+        if kv_lengths is not None:
+            names, pointers = names + ("kv_lengths",), pointers + [kv_lengths.data_ptr()]
+        if block_mask is not None:
+            names, pointers = names + ("block_mask",), pointers + [block_mask.data_ptr()]
+        return names, pointers
+
+    def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int) -> None:
+        functions = self._functions[device]
+        table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
+                                            for symbol, grid, threads, smem in launches])
+
     # ---- forward ----
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None,
                 stream=None):
@@ -469,6 +573,22 @@ class Kernel:
 
         `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
         `stream` overrides the stream the call runs on (default: see the module docstring)."""
+        signature = None
+        if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
+            signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, seed, offset)
+            call = self._fast_forward.get(signature) if signature is not None else None
+            if call is not None:
+                import torch
+
+                device = q.get_device()
+                o = torch.empty_like(q)
+                lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                call.launch(device, _TORCH["stream"](device),
+                            (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), *extra, seed,
+                             offset))
+                self._finish(call.launches[0][4])
+                return o, lse
         plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
@@ -516,6 +636,10 @@ class Kernel:
             grid = (row_blocks, batch * heads, 1)
         self._launch(device, symbol, args.packed(), grid, plan.threads, plan.smem_bytes, stream)
         self._finish(symbol)
+        if signature is not None:   # the next call with this signature skips everything above
+            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse") + names,
+                           [(symbol, grid, plan.threads, plan.smem_bytes)], device)
         del keep  # torch's allocator orders the reuse of these after the kernel on this stream
         return o, lse
 
@@ -523,6 +647,26 @@ class Kernel:
     def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
                  out=None, stream=None):
         """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do."""
+        signature = None
+        if out is None and stream is None and "backward" in self.plans:
+            signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask, seed,
+                                  offset)
+            call = self._fast_backward.get(signature) if signature is not None else None
+            if call is not None:
+                import torch
+
+                device = q.get_device()
+                grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+                delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
+                            grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(), delta.data_ptr()]
+                if not self.spec.deterministic:
+                    dq_accum = torch.zeros((*q.shape[:3], self.spec.head_dim), dtype=torch.float32, device=q.device)
+                    pointers.append(dq_accum.data_ptr())
+                _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
+                self._finish(call.launches[1][4])
+                return grads
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
@@ -567,17 +711,22 @@ class Kernel:
         arguments = args.packed()
         main = plan.symbols[0]
         rows = batch * heads * seq_q
-        self._launch(device, main + "_delta", arguments, (math.ceil(rows / 8), 1, 1), 256, 0, stream)
-        self._launch(device, main, arguments, (math.ceil(seq_k / plan.block_c), batch * heads, 1), plan.threads,
-                     plan.smem_bytes, stream)
+        launches = [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0),
+                    (main, (math.ceil(seq_k / plan.block_c), batch * heads, 1), plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
-            self._launch(device, main + "_dq", arguments, (math.ceil(seq_q / plan.block_r), batch * heads, 1),
-                         plan.threads, plan.smem_bytes, stream)
+            launches.append((main + "_dq", (math.ceil(seq_q / plan.block_r), batch * heads, 1), plan.threads,
+                             plan.smem_bytes))
         else:
             total = rows * self.spec.head_dim
-            self._launch(device, main + "_dq_convert", arguments, (min(math.ceil(total / 256), 65535), 1, 1), 256, 0,
-                         stream)
+            launches.append((main + "_dq_convert", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
+        for symbol, grid, threads, smem in launches:
+            self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main)
+        if signature is not None:
+            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
+            self._remember(self._fast_backward, signature, args,
+                           ("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv") + workspaces + names, launches, device)
         del keep
         return grads
 
@@ -594,21 +743,30 @@ def _solve(spec: Spec, target: Target, policy: Optional[str]):
     return solution
 
 
-def _build_record(spec: Spec, target: Target, solution) -> tuple[dict, bytes]:
-    """Render and compile `solution`: the record the plan cache stores, and the cubin."""
+def _build_record(spec: Spec, target: Target, solution) -> tuple[dict, dict]:
+    """Render and compile `solution`: the record the plan cache stores, and a cubin per pass.
+
+    Each pass is its own compilation unit, compiled in parallel: a cold forward + backward costs
+    the slower of the two nvcc runs, not their sum."""
+    from concurrent.futures import ThreadPoolExecutor
+
     from fagen.render import render
 
     rendered = render(spec, solution)
-    key = cubin_key(rendered.text, target.arch, rendered.include_dir)
-    cubin = cached_cubin(rendered.text, target.arch, rendered.include_dir, key)
-    record = {"format": 1, "spec": spec.canonical_json(), "policy": solution.policy,
+    keys = {p: cubin_key(text, target.arch, rendered.include_dir) for p, text in rendered.pass_texts.items()}
+    with ThreadPoolExecutor(max_workers=len(keys)) as pool:
+        futures = {p: pool.submit(cached_cubin, text, target.arch, rendered.include_dir, keys[p])
+                   for p, text in rendered.pass_texts.items()}
+        cubins = {p: future.result() for p, future in futures.items()}
+    record = {"format": RECORD_FORMAT, "spec": spec.canonical_json(), "policy": solution.policy,
               "plans": {p: plan.to_dict() for p, plan in solution.plans.items()},
               "kernels": {p: list(names) for p, names in rendered.kernels.items()},
-              "cubin_key": key, "_rendered": rendered}
-    return record, cubin
+              "cubin_keys": keys, "_rendered": rendered}
+    return record, cubins
 
 
-_RECORD_KEYS = ("format", "spec", "plans", "kernels", "cubin_key")
+RECORD_FORMAT = 2   # 2: one cubin per pass
+_RECORD_KEYS = ("format", "spec", "plans", "kernels", "cubin_keys")
 
 
 def _plan_key(spec: Spec, target: Target, policy: Optional[str]) -> str:
@@ -629,18 +787,18 @@ def _cached(cache: DiskCache, key: str) -> Optional[tuple[dict, bytes]]:
         return None
     try:
         record = json.loads(raw)
-        if not all(name in record for name in _RECORD_KEYS) or record["format"] != 1:
-            raise ValueError("fields missing")
+        if record.get("format") != RECORD_FORMAT or not all(name in record for name in _RECORD_KEYS):
+            raise ValueError(f"format {record.get('format')}, this fagen writes {RECORD_FORMAT}")
     except ValueError as err:  # checksummed, so only a format change gets here: rebuild
         import warnings
 
         warnings.warn(f"fagen: cached plan {cache.path('plan', key)} is unreadable ({err}); rebuilding it")
         return None
-    cubin = cache.get("cubin", record["cubin_key"])
-    return None if cubin is None else (record, cubin)
+    cubins = {p: cache.get("cubin", key) for p, key in record["cubin_keys"].items()}
+    return None if None in cubins.values() else (record, cubins)
 
 
-def _record_for(spec: Spec, target: Target, policy: Optional[str]) -> tuple[dict, bytes]:
+def _record_for(spec: Spec, target: Target, policy: Optional[str]) -> tuple[dict, dict]:
     """The cached (record, cubin) of a spec, or solved, rendered, compiled and stored under a lock,
     so that one process builds it and the others wait and load."""
     cache = DiskCache()
@@ -650,10 +808,10 @@ def _record_for(spec: Spec, target: Target, policy: Optional[str]) -> tuple[dict
         with cache.lock("plan", key):
             found = _cached(cache, key)
             if found is None:
-                record, cubin = _build_record(spec, target, _solve(spec, target, policy))
+                record, cubins = _build_record(spec, target, _solve(spec, target, policy))
                 record.pop("_rendered")
                 cache.put("plan", key, json.dumps(record, sort_keys=True).encode())
-                found = record, cubin
+                found = record, cubins
     return found
 
 
@@ -685,8 +843,8 @@ def compile(spec, *, policy: Optional[str] = None, device: Optional[int] = None)
         with _compile_lock:
             kernel = _kernel_cache.get(key)
             if kernel is None:
-                record, cubin = _record_for(spec, target, policy)
-                kernel = _kernel_cache[key] = Kernel(spec, target, record=record, cubin=cubin, device=device_index)
+                record, cubins = _record_for(spec, target, policy)
+                kernel = _kernel_cache[key] = Kernel(spec, target, record=record, cubins=cubins, device=device_index)
     return kernel
 
 

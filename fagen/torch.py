@@ -49,8 +49,13 @@ def spec_key(spec) -> str:
 
 
 # Under torch.compile a Spec object is a constant of the traced code: dynamo cannot trace pydantic's
-# serialiser, so the key is computed outside the trace and folded in as a constant.
+# serialiser, so the key is computed outside the trace and folded in as a constant. Registering Spec
+# (frozen: hashable, compared by value) as a pytree constant lets dynamo treat the object itself as one.
 _constant_spec_key = torch.compiler.assume_constant_result(spec_key)
+try:
+    torch.utils._pytree.register_constant(Spec)
+except (AttributeError, ValueError):   # older torch, or registered already (a module reload)
+    pass
 
 
 def kernel_for(key: str, device: int) -> "runtime.Kernel":
@@ -81,12 +86,12 @@ _library.define("attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tens
 
 def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
     # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
-    kernel = kernel_for(spec, q.device.index)
+    kernel = kernel_for(spec, q.get_device())
     return kernel.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset)
 
 
 def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
-    kernel = kernel_for(spec, q.device.index)
+    kernel = kernel_for(spec, q.get_device())
     return kernel.backward(q, k, v, o, lse, grad_o, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed,
                            offset=offset)
 
@@ -97,13 +102,13 @@ _library.impl("attention_backward", _backward_cuda, "CUDA")
 
 @torch.library.register_fake("fagen::attention_forward")
 def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
-    batch, heads, seq_q, _ = q.shape
-    return q.new_empty(q.shape), q.new_empty((batch, heads, seq_q), dtype=torch.float32)
+    # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout.
+    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fagen::attention_backward")
 def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
@@ -172,8 +177,11 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
     if EAGER_FAST_PATH and type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if not q.is_cuda:
             raise runtime.ArgumentError(f"q: tensor is on {q.device}; fagen kernels need CUDA tensors")
-        kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.device.index)
-        o, lse = _EagerAttention.apply(q, k, v, kernel, kv_lengths, block_mask, seed, offset)
+        kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.get_device())
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            o, lse = _EagerAttention.apply(q, k, v, kernel, kv_lengths, block_mask, seed, offset)
+        else:   # nothing to differentiate: no autograd node
+            o, lse = kernel.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset)
     else:
         key = spec if isinstance(spec, str) else _constant_spec_key(spec)
         o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset)

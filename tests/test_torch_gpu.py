@@ -146,6 +146,7 @@ def test_torch_compile_fullgraph_matches_eager(spec, mode):
     block = Block()
     compiled = torch.compile(block, fullgraph=True, mode=mode)
     for trial in range(3):   # reduce-overhead records a graph on the 2nd/3rd call and replays after
+        torch.compiler.cudagraph_mark_step_begin()   # a training step starts: earlier graph outputs may be reused
         q, k, v = _inputs(requires_grad=True)
         loss = compiled(q, k, v)
         loss.backward()
@@ -226,8 +227,14 @@ print("PROBE " + json.dumps({"seconds": seconds, "warnings": [str(w.message) for
 """
 
 
+def _child_env(cache_dir) -> dict:
+    """This checkout first on the path, then whatever the parent had (the GPU machine's extra packages)."""
+    path = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
+    return dict(os.environ, FAGEN_CACHE_DIR=str(cache_dir), PYTHONPATH=path)
+
+
 def _probe(cache_dir, fields) -> dict:
-    env = dict(os.environ, FAGEN_CACHE_DIR=str(cache_dir), PYTHONPATH=str(ROOT))
+    env = _child_env(cache_dir)
     out = subprocess.run([sys.executable, "-c", _LOAD_PROBE, json.dumps(fields)], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -255,10 +262,60 @@ def test_a_fresh_process_loads_from_the_cache_without_sympy_and_survives_corrupt
 
 def test_processes_building_the_same_spec_at_once_all_succeed(tmp_path):
     fields = {"head_dim": 32, "dtype": "bf16", "mask": "none", "dropout": 0.25}
-    env = dict(os.environ, FAGEN_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    env = _child_env(tmp_path)
     procs = [subprocess.Popen([sys.executable, "-c", _LOAD_PROBE, json.dumps(fields)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for _ in range(4)]
     results = [p.communicate(timeout=300) for p in procs]
     assert all(p.returncode == 0 for p in procs), [r[1][-2000:] for r in results]
     solved = [json.loads(next(l for l in r[0].splitlines() if l.startswith("PROBE "))[6:])["sympy"] for r in results]
     assert solved.count(True) == 1, "one process solves and compiles; the others wait for its lock and load"
+
+
+def test_repeated_calls_take_the_fast_path_and_follow_new_data():
+    """The second call with a signature reuses the first's checked launch; what changes between calls
+    (pointers, kv_lengths values, seed) must still reach the kernel. Heads-interleaved inputs give
+    outputs in the same layout; a misaligned view keeps taking the full path, correctly."""
+    import fagen
+
+    torch = _torch()
+    kernel = fagen.compile(fagen.Spec(head_dim=64, dtype="bf16", mask="padding"))
+    lengths = torch.tensor([50, 257], dtype=torch.int32, device="cuda")
+    for trial, valid in enumerate(([50, 257], [7, 1], [257, 200])):
+        lengths.copy_(torch.tensor(valid, dtype=torch.int32))   # same tensor, new values
+        packed = torch.randn(2, 257, 3, 3, 64, device="cuda", dtype=torch.bfloat16)   # (b, n, qkv, h, d)
+        q, k, v = (packed[:, :, i].transpose(1, 2) for i in range(3))
+        o, lse = kernel.forward(q, k, v, kv_lengths=lengths)
+        assert o.stride() == q.stride(), "o keeps q's (batch, seq, heads, d) layout"
+        for b, n in enumerate(valid):
+            ref = reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, 64 ** -0.5)
+            assert rel(o[b:b + 1], ref) < 1e-2, f"trial {trial} batch {b}"
+    assert len(kernel._fast_forward) == 1, "one signature, one cached launch"
+    base = torch.randn(2 * 3 * 257 * 64 + 8, device="cuda", dtype=torch.bfloat16)
+    q = base[4:4 + 2 * 3 * 257 * 64].view(2, 3, 257, 64)   # 8-byte aligned only: cp.async needs 16
+    k, v = _inputs()[1:]
+    for _ in range(2):
+        o, _ = kernel.forward(q, k, v, kv_lengths=[257, 100])
+        for b, n in enumerate((257, 100)):
+            ref = reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, 64 ** -0.5)
+            assert rel(o[b:b + 1], ref) < 1e-2
+
+
+def test_repeated_backward_with_dropout_follows_the_seed():
+    """The first call checks and launches; later ones with the same signature take the cached launch.
+    Both must give the same bits for the same seed, and a new seed must draw a new mask."""
+    import fagen
+
+    torch = _torch()
+    kernel = fagen.compile(fagen.Spec(head_dim=64, dtype="bf16", dropout=0.2))
+    q, k, v = _inputs(n=130)
+    do = torch.randn_like(q)
+    results = []
+    for seed in (1, 1, 2, 1):
+        o, lse = kernel.forward(q, k, v, seed=seed)
+        results.append((o, *kernel.backward(q, k, v, o, lse, do, seed=seed)))
+    first, again, other, last = results
+    assert len(kernel._fast_forward) == 1 and len(kernel._fast_backward) == 1
+    for a, b in (first, again), (first, last):   # (o, dq, dk, dv); dq sums with atomics: equal up to order
+        assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), "same seed, same bits"
+        assert rel(a[1], b[1].double()) < 1e-2
+    assert not torch.equal(first[0], other[0]) and not torch.equal(first[3], other[3]), "a new seed, a new mask"

@@ -108,6 +108,19 @@ def test_fake_tensors_get_the_kernels_shapes():
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
 
 
+def test_fake_outputs_keep_the_layout_of_heads_interleaved_inputs():
+    """(batch, seq, heads, d) activations viewed as (batch, heads, seq, d), as transformers passes
+    them: o and the gradients keep that layout (so the transpose back is free), as the kernels do."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 4, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
+        o, lse = torch.ops.fagen.attention_forward(q, q, q, '{"head_dim": 64}')
+        dq, _, _ = torch.ops.fagen.attention_backward(q, q, q, o, lse, o, '{"head_dim": 64}')
+    assert o.stride() == q.stride() == dq.stride() and o.transpose(1, 2).is_contiguous()
+    assert lse.is_contiguous()
+
+
 def test_bad_spec_string_is_a_one_line_error():
     with pytest.raises(fagen.SpecError, match="not JSON of spec fields"):
         fagen_torch.kernel_for("{head_dim: 64", 0)

@@ -11,6 +11,6 @@ from fagen.runtime import precompile; from fagen.spec import Spec
 precompile(t.SPECS + t.GRAD_SPECS + [Spec(head_dim=64, dtype='bf16', mask='causal'), Spec(head_dim=64, dtype='bf16', mask='padding'),
   Spec(head_dim=64, dtype='bf16'), Spec(head_dim=128, dtype='bf16'), Spec(head_dim=128, dtype='bf16', mask='causal')], jobs=16)" 2>&1 | tail -3
 echo "== pytest"
-timeout ${TEST_SECONDS:-300} python3 -m pytest -m gpu -q -x -p no:cacheprovider -n 8 -W ignore::DeprecationWarning tests/test_torch_gpu.py "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
+timeout ${TEST_SECONDS:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore::DeprecationWarning tests/test_torch_gpu.py "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "== probe"
 timeout 200 python3 tools/runtime_probe.py --json "$OUT/runtime_probe.json" 2>&1 | tail -20

@@ -40,13 +40,15 @@ def main() -> int:
 
     from fagen.compiler import cached_cubin
     from fagen.render import render
+    from fagen.sources import TEMPLATE_DIR
     sources = []
     for spec in specs[len(CHECK_SPECS):]:
         solution = solver.solve(spec, target)
         for candidate in solution.candidates[args.pass_name][:args.top]:
             sources.append(render(spec, solver.with_plan(solution, args.pass_name, candidate)))
     with ThreadPoolExecutor(max_workers=16) as pool:
-        list(pool.map(lambda r: cached_cubin(r.text, target.arch, r.include_dir), sources))
+        list(pool.map(lambda text: cached_cubin(text, target.arch, TEMPLATE_DIR),
+                      [text for r in sources for text in r.pass_texts.values()]))
     print(f"precompiled {len(specs)} specs in {time.time() - t0:.0f} s", flush=True)
 
     failures = 0

@@ -70,12 +70,28 @@ def overhead_rows() -> list[dict]:
 _NEW_PROCESS = r"""
 import json, sys, time
 import torch
-torch.cuda.init()
+torch.zeros(1, device="cuda")   # CUDA context: paid by any GPU program, not part of a load
 start = time.perf_counter()
 import fagen
 from fagen import runtime
+imported = time.perf_counter()
+stages = {}
+if sys.argv[2] == "cold":   # where a cold compile's time goes (these imports are part of it anyway)
+    from fagen import compiler, solver
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                stages[name] = stages.get(name, 0) + time.perf_counter() - t
+        return wrapper
+    solver.solve = timed("solve_s", solver.solve)
+    compiler._compile_at_run_time = timed("nvcc_s_summed_over_passes", compiler._compile_at_run_time)
 kernel = runtime.compile(fagen.Spec(**json.loads(sys.argv[1])), device=0)
-print("PROBE", json.dumps({"seconds": time.perf_counter() - start, "sympy": "sympy" in sys.modules}))
+done = time.perf_counter()
+print("PROBE", json.dumps({"seconds": done - start, "import_ms": (imported - start) * 1e3, "stages": stages,
+                           "sympy": "sympy" in sys.modules}))
 """
 
 
@@ -84,15 +100,17 @@ def load_rows() -> dict:
     out = {}
     with tempfile.TemporaryDirectory() as cache:
         env = dict(os.environ, FAGEN_CACHE_DIR=cache)
-        def probe():
-            done = subprocess.run([sys.executable, "-c", _NEW_PROCESS, json.dumps(fields)], env=env,
+        def probe(kind="warm"):
+            done = subprocess.run([sys.executable, "-c", _NEW_PROCESS, json.dumps(fields), kind], env=env,
                                   capture_output=True, text=True, timeout=300)
             line = next(l for l in done.stdout.splitlines() if l.startswith("PROBE"))
             return json.loads(line[6:])
-        cold = probe()
+        cold = probe("cold")
         out["cold_compile_d128_fwd_bwd_s"] = cold["seconds"]
+        out["cold_compile_stages"] = cold["stages"]
         new = [probe() for _ in range(3)]
         out["new_process_load_ms"] = min(p["seconds"] for p in new) * 1e3
+        out["new_process_import_fagen_ms"] = min(p["import_ms"] for p in new)
         out["new_process_imported_sympy"] = any(p["sympy"] for p in new)
         saved = os.environ.get("FAGEN_CACHE_DIR")
         os.environ["FAGEN_CACHE_DIR"] = cache
