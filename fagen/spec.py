@@ -13,7 +13,6 @@ import re
 from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
-import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DTYPES = ("fp16", "bf16", "fp32")
@@ -238,6 +237,8 @@ def spec_from_dict(data: Any, where: str = "spec") -> Spec:
 
 def load_specs(path: Union[str, Path]) -> list[Spec]:
     """A YAML file holding one spec (a mapping) or a list of variants."""
+    import yaml   # here, not at the top: a process that only loads compiled kernels never parses YAML
+
     path = Path(path)
     try:
         text = path.read_text()

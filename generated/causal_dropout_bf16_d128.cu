@@ -174,8 +174,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_dro
           const int col = col0 + t * 8 + quad * 2;
           const uint4 draw = dropout_draws(args, bh, row, col);  // one draw serves this thread's 2 columns
           const unsigned w0 = (col & 2) ? draw.z : draw.x, w1 = (col & 2) ? draw.w : draw.y;
-          p0 = w0 >= DROPOUT_THRESHOLD ? p0 * KEEP_SCALE : 0.f;
-          p1 = w1 >= DROPOUT_THRESHOLD ? p1 * KEEP_SCALE : 0.f;
+          p0 = dropout_word_kept(w0, DROPOUT_THRESHOLD) ? p0 * KEEP_SCALE : 0.f;
+          p1 = dropout_word_kept(w1, DROPOUT_THRESHOLD) ? p1 * KEEP_SCALE : 0.f;
         }
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;

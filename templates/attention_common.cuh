@@ -93,12 +93,16 @@ __device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long l
   return philox4x32_10(counter, key);
 }
 
-// Kept iff the element's 32-bit draw is >= threshold = floor(p * 2^32).
+// Kept iff the element's 32-bit draw is >= threshold = floor(p * 2^32). The threshold is a parameter,
+// not the templates' constant, so that a spec without dropout (threshold 0) compiles without nvcc's
+// "pointless comparison" warning in code that HAS_DROPOUT switches off anyway.
+__device__ __forceinline__ bool dropout_word_kept(unsigned word, unsigned threshold) { return word >= threshold; }
+
 __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long long bh, int row, int col,
                                              unsigned threshold) {
   const uint4 draw = dropout_draws(args, bh, row, col);
   const unsigned word = (col & 3) == 0 ? draw.x : (col & 3) == 1 ? draw.y : (col & 3) == 2 ? draw.z : draw.w;
-  return word >= threshold;
+  return dropout_word_kept(word, threshold);
 }
 
 // ---- masks ---------------------------------------------------------------------------------
