@@ -2,112 +2,26 @@
 
 The solver ranks feasible tile plans by a traffic model; the GPU has the last word. `autotune(spec)`
 times the `top` ranked candidates of each pass (the other pass keeps the solver's choice), with the
-same CUDA-event helper as `fagen bench` (`fagen.bench.time_cuda`), rejects a candidate whose output
-differs from the solver's choice, and stores the fastest in `$FAGEN_CACHE_DIR/autotune.json`:
-
-    {"version": 1,
-     "entries": {"<GPU name>": {"<spec key>": {"variant": ..., "date": ..., "shape": {...},
-                                               "passes": {"forward": {"family", "block_r", "block_c",
-                                                                      "warps", "stages", "ms",
-                                                                      "solver_ms", "timings": [...]}}}}}}
-
-The spec key is `spec.canonical_json()` with the `name` left out (a name changes no kernel) and the
-arch the device's, as `fagen.runtime.compile` sets it. `lookup(spec, gpu_name)` reads an entry and
-`apply(solution, entry)` swaps its plans in (`solver.with_plan`), ignoring a plan that is no longer a
-feasible candidate (templates and footprints change; a stale entry must never break a compile).
+same CUDA-event helper as `fagen bench` (`fagen.bench.timing.time_cuda`), rejects a candidate whose
+output differs from the solver's choice, and stores the fastest through fagen/tuning.py, which holds
+the file's format and the lookup the runtime does.
 """
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
-import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from fagen import __version__
 from fagen import solver as solver_stage
-from fagen.cache import AUTOTUNE_FILE as CACHE_FILE
 from fagen.spec import Spec
+from fagen.tuning import PLAN_FIELDS, apply, lookup, spec_key, store
 
-CACHE_VERSION = 1
 #: A candidate whose output differs from the solver's choice by more than this (relative Frobenius) is rejected.
 AGREEMENT_TOLERANCE = 2e-2
-PLAN_FIELDS = ("family", "block_r", "block_c", "warps", "stages")
 
 #: measure(pass_name, solution) -> median ms of that pass with that solution's plan; raises if it cannot run.
 Measure = Callable[[str, "solver_stage.Solution"], float]
-
-
-# ---- the cache file ---------------------------------------------------------------------------
-def cache_path() -> Path:
-    from fagen.compiler import cache_dir
-
-    return cache_dir() / CACHE_FILE
-
-
-def spec_key(spec: Spec) -> str:
-    """The cache key of a spec: every field that shapes a kernel (all but `name`), canonically ordered."""
-    data = spec.to_dict()
-    data.pop("name", None)
-    return json.dumps(data, sort_keys=True)
-
-
-def load_cache(path: Optional[Path] = None) -> dict:
-    """The whole cache file; an absent, unreadable or foreign file reads as empty (it is only a cache)."""
-    path = Path(path) if path is not None else cache_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {"version": CACHE_VERSION, "entries": {}}
-    if not isinstance(data, dict) or data.get("version") != CACHE_VERSION or not isinstance(data.get("entries"), dict):
-        return {"version": CACHE_VERSION, "entries": {}}
-    return data
-
-
-def store(spec: Spec, gpu_name: str, entry: dict, path: Optional[Path] = None) -> Path:
-    """Add or replace one (GPU, spec) entry; the file is replaced atomically (write, then rename)."""
-    path = Path(path) if path is not None else cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    data = load_cache(path)
-    data["entries"].setdefault(gpu_name, {})[spec_key(spec)] = entry
-    fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    return path
-
-
-def lookup(spec: Spec, gpu_name: str, path: Optional[Path] = None) -> Optional[dict]:
-    """The cached entry for (GPU, spec), or None."""
-    entry = load_cache(path)["entries"].get(gpu_name, {}).get(spec_key(spec))
-    return entry if isinstance(entry, dict) else None
-
-
-def _matches(plan: "solver_stage.Plan", chosen: dict) -> bool:
-    return all(chosen.get(name) is None or getattr(plan, name) == chosen[name] for name in PLAN_FIELDS) and \
-        all(chosen.get(name) is not None for name in ("block_r", "block_c", "warps"))
-
-
-def apply(solution: "solver_stage.Solution", entry: Optional[dict]) -> "solver_stage.Solution":
-    """`solution` with each pass's plan replaced by the entry's winner where that is still a feasible
-    candidate (same family, Br, Bc, warps, stages); passes the entry lacks or cannot match are kept."""
-    if not entry:
-        return solution
-    for pass_name, chosen in (entry.get("passes") or {}).items():
-        if pass_name not in solution.plans or not isinstance(chosen, dict):
-            continue
-        plan = next((c for c in solution.candidates.get(pass_name, ()) if _matches(c, chosen)), None)
-        if plan is not None and plan != solution.plans[pass_name]:
-            solution = solver_stage.with_plan(solution, pass_name, plan)
-    return solution
 
 
 # ---- choosing ----------------------------------------------------------------------------------
@@ -121,7 +35,7 @@ def select(solution: "solver_stage.Solution", measure: Measure, top: int = 4,
 
     Pure given `measure` (tests give it fake timings). A candidate that raises is recorded with its
     error and never wins; ties go to the solver's ranking. A pass where nothing ran is left out."""
-    from fagen.bench import reason
+    from fagen.bench.report import reason
 
     out = {}
     for pass_name in passes or tuple(solution.plans):
@@ -158,7 +72,7 @@ class Session:
 
 
 def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, repeats: int) -> Session:
-    """The GPU session: compile on the device, fresh random inputs, and a measure built on bench.time_cuda.
+    """The GPU session: compile on the device, fresh random inputs, and a measure built on timing.time_cuda.
 
     Every candidate is checked before it is timed: its output (o, or dq, dk, dv) must agree with the
     solver's choice's on the same inputs, dropout included (the Philox stream is keyed by position,
@@ -166,12 +80,13 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
     it on, so that a bad launch raises there."""
     import torch
 
-    from fagen import bench, runtime
+    from fagen import runtime
+    from fagen.bench import timing
 
     base_kernel = runtime.compile(spec)           # the device's spec (arch) and target, as compile sees them
     spec, target = base_kernel.spec, base_kernel.target
     solution = solver_stage.solve(spec, target)   # untuned, whatever the cache holds
-    inputs = bench.make_inputs(spec, batch, heads, seqlen, seed=7)
+    inputs = timing.make_inputs(spec, batch, heads, seqlen, seed=7)
     q, k, v, do, args = inputs.q, inputs.k, inputs.v, inputs.do, inputs.runtime_args
     reference: dict = {}
     kernels = {_plans_key(base_kernel.solution): base_kernel}
@@ -196,17 +111,17 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
         o, lse = expected("forward")
         if pass_name == "forward":
             out = kernel.forward(q, k, v, **args)
-            errors = [bench.relative_error(out[0], o)]
+            errors = [timing.relative_error(out[0], o)]
             run = lambda: kernel.forward(q, k, v, out=out, **args)  # noqa: E731
         else:
             grads = kernel.backward(q, k, v, o, lse, do, **args)
-            errors = [bench.relative_error(g, r) for g, r in zip(grads, expected("backward"))]
+            errors = [timing.relative_error(g, r) for g, r in zip(grads, expected("backward"))]
             run = lambda: kernel.backward(q, k, v, o, lse, do, **args)  # noqa: E731
         torch.cuda.synchronize()
         if max(errors) > AGREEMENT_TOLERANCE:
             raise RuntimeError(f"output differs from the solver's choice: relative error {max(errors):.3g}")
-        with bench.unchecked_launches():
-            ms = bench.time_cuda(run, warmup, repeats, bench.MAX_SECONDS_PER_MEASUREMENT)
+        with timing.unchecked_launches():
+            ms = timing.time_cuda(run, warmup, repeats, timing.MAX_SECONDS_PER_MEASUREMENT)
             torch.cuda.synchronize()
         return ms
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 CACHE_ENV = "FAGEN_CACHE_DIR"
-AUTOTUNE_FILE = "autotune.json"   # written by fagen/autotune.py; its state is part of the run-time plan key
+AUTOTUNE_FILE = "autotune.json"   # fagen/tuning.py reads and writes it; its state is part of the run-time plan key
 DIGEST_BYTES = 32
 LOCK_TIMEOUT_S = 900.0  # longer than any compile; a holder that died releases its lock with its process
 

@@ -261,7 +261,7 @@ def schema() -> None:
     click.echo(json.dumps(json_schema(), indent=2))
 
 
-# ---- check and bench: GPU only, implemented in fagen.testing and fagen.bench ---------------------
+# ---- check and bench: GPU only, implemented in fagen.testing and fagen.bench ----------------------
 def _gpu_entry(command: str, module: str, function: str) -> Callable:
     """The function behind a GPU command, or exit 2 with one line saying what is missing."""
     reason = _no_gpu_reason()
@@ -333,7 +333,7 @@ def bench(spec_file: Path, seqlens: tuple[int, ...], tokens: int, model_dim: int
           plot_path: Optional[Path]) -> None:
     """Time fagen against PyTorch SDPA (flash and cuDNN backends) on the same inputs."""
     specs = load_specs(spec_file)
-    run_bench = _gpu_entry("fagen bench", "fagen.bench", "run_bench")
+    run_bench = _gpu_entry("fagen bench", "fagen.bench.kernels", "run_bench")
     run_bench(specs, seqlens=seqlens, tokens=tokens, model_dim=model_dim, passes=passes or None,
               warmup=warmup, repeats=repeats, autotune=autotune, csv=csv_path, json=json_path, plot=plot_path)
 
@@ -360,7 +360,7 @@ def bench_model(head_dims: tuple[int, ...], seqlens: tuple[int, ...], tokens: in
                 kv_groups: tuple[int, ...], vocab: int, warmup: int, steps: int, overhead: bool, compiled: bool,
                 json_path: Optional[Path]) -> None:
     """Training steps of a small Llama (transformers) with fagen against SDPA, and the per-call host overhead."""
-    run = _gpu_entry("fagen bench-model", "fagen.bench_model", "run_model_bench")
+    run = _gpu_entry("fagen bench-model", "fagen.bench.model", "run_model_bench")
     from importlib.util import find_spec
 
     if find_spec("transformers") is None:

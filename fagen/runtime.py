@@ -734,12 +734,12 @@ class Kernel:
 # ---- building and caching kernels ------------------------------------------------------------
 def _solve(spec: Spec, target: Target, policy: Optional[str]):
     """The solver's plan with this GPU's autotune winner swapped in (imports sympy: cache misses only)."""
-    from fagen import autotune
     from fagen import solver as solver_stage
+    from fagen import tuning
 
     solution = solver_stage.solve(spec, target, policy)
     if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
-        solution = autotune.apply(solution, autotune.lookup(spec, target.name))
+        solution = tuning.apply(solution, tuning.lookup(spec, target.name))
     return solution
 
 

@@ -17,7 +17,7 @@ SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # a sou
 TEMPLATE_DIR = PACKAGE_TEMPLATES if PACKAGE_TEMPLATES.is_dir() else SOURCE_TEMPLATES
 
 #: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
-_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "autotune.py")
+_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py")
 
 
 @functools.lru_cache(maxsize=1)

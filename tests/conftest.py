@@ -4,6 +4,7 @@ Pick one with FAGEN_HYPOTHESIS_PROFILE (default `ci`) or hypothesis's own `--hyp
 """
 import os
 
+import pytest
 from hypothesis import settings
 
 settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True)
@@ -27,10 +28,15 @@ def gpu_unavailable_reason():
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     gpu_items = [item for item in items if "gpu" in item.keywords]
     reason = gpu_unavailable_reason() if gpu_items else None
     if reason:
         for item in gpu_items:
             item.add_marker(pytest.mark.skip(reason=f"gpu test: {reason}"))
+
+
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    """A fresh, empty FAGEN_CACHE_DIR for one test (kernels, plans and autotune results)."""
+    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"

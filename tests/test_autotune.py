@@ -1,11 +1,10 @@
-"""Autotuning without a GPU: the cache file round trip, `lookup`, `apply` and the choice of the fastest
-candidate, with the GPU session (compile, inputs, CUDA-event timing) replaced by fake timings."""
+"""Autotuning without a GPU: `apply` of a chosen winner and the choice of the fastest candidate, with the GPU session (compile, inputs, CUDA-event timing) replaced by fake timings."""
 import json
 import types
 
 import pytest
 
-from fagen import autotune, solver
+from fagen import autotune, solver, tuning
 from fagen.spec import Spec
 from fagen.target import target_for
 
@@ -13,10 +12,7 @@ GPU = "NVIDIA H200"
 SPEC = Spec(name="d64_bf16", head_dim=64, dtype="bf16")
 
 
-@pytest.fixture(autouse=True)
-def cache_dir(tmp_path, monkeypatch):
-    monkeypatch.setenv("FAGEN_CACHE_DIR", str(tmp_path / "cache"))
-    return tmp_path / "cache"
+pytestmark = pytest.mark.usefixtures("cache_dir")   # conftest.py: a fresh FAGEN_CACHE_DIR per test
 
 
 @pytest.fixture
@@ -57,49 +53,6 @@ def fake_session(measure):
         spec, SOLVED.target, SOLVED, GPU, measure)
 
 
-# ---- the cache ----------------------------------------------------------------------------------
-def test_lookup_of_a_missing_cache_file_is_none(cache_dir):
-    assert not (cache_dir / "autotune.json").exists()
-    assert autotune.lookup(SPEC, GPU) is None
-
-
-def test_lookup_of_a_missing_entry_is_none():
-    autotune.store(SPEC, GPU, {"passes": {}})
-    assert autotune.lookup(SPEC.model_copy(update={"dtype": "fp16"}), GPU) is None
-    assert autotune.lookup(SPEC, "NVIDIA H100 80GB HBM3") is None
-    assert autotune.lookup(SPEC, GPU) == {"passes": {}}
-
-
-def test_corrupt_or_foreign_cache_reads_as_empty(cache_dir):
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    (cache_dir / "autotune.json").write_text("{not json")
-    assert autotune.lookup(SPEC, GPU) is None
-    (cache_dir / "autotune.json").write_text(json.dumps({"version": 99, "entries": {GPU: {}}}))
-    assert autotune.lookup(SPEC, GPU) is None
-    autotune.store(SPEC, GPU, {"passes": {}})  # replaces it with a valid file
-    assert autotune.lookup(SPEC, GPU) == {"passes": {}}
-
-
-def test_store_keeps_other_entries_and_writes_under_fagen_cache_dir(cache_dir):
-    other = Spec(head_dim=128, dtype="fp16", mask="causal")
-    autotune.store(SPEC, GPU, {"passes": {}, "n": 1})
-    autotune.store(other, GPU, {"passes": {}, "n": 2})
-    autotune.store(SPEC, "Another GPU", {"passes": {}, "n": 3})
-    autotune.store(SPEC, GPU, {"passes": {}, "n": 4})  # replaces the first
-    data = json.loads((cache_dir / "autotune.json").read_text())
-    assert data["version"] == autotune.CACHE_VERSION
-    assert autotune.lookup(SPEC, GPU)["n"] == 4
-    assert autotune.lookup(other, GPU)["n"] == 2
-    assert autotune.lookup(SPEC, "Another GPU")["n"] == 3
-    assert [p.name for p in cache_dir.iterdir()] == ["autotune.json"]  # no temporary files left behind
-
-
-def test_the_key_ignores_the_name_but_not_the_fields():
-    assert autotune.spec_key(SPEC) == autotune.spec_key(SPEC.model_copy(update={"name": None}))
-    assert autotune.spec_key(SPEC) != autotune.spec_key(SPEC.model_copy(update={"arch": "sm_80"}))
-    assert autotune.spec_key(SPEC) != autotune.spec_key(SPEC.model_copy(update={"mask": "causal"}))
-
-
 # ---- choosing -----------------------------------------------------------------------------------
 def test_select_picks_the_fastest_and_records_every_timing(solution):
     assert all(len(solution.candidates[p]) >= 4 for p in solution.plans), "the test wants 4 candidates a pass"
@@ -134,27 +87,27 @@ def test_select_leaves_out_a_pass_where_nothing_ran(solution):
 
 def test_apply_swaps_in_the_cached_winner(solution):
     chosen = autotune.select(solution, fake_measure(), top=4)
-    tuned = autotune.apply(solution, {"passes": chosen})
+    tuned = tuning.apply(solution, {"passes": chosen})
     for pass_name in ("forward", "backward"):
         assert tuned.plans[pass_name] == solution.candidates[pass_name][fast_rank(pass_name) - 1]
         assert tuned.candidates[pass_name] == solution.candidates[pass_name]
-    assert autotune.apply(tuned, {"passes": chosen}) == tuned  # idempotent
+    assert tuning.apply(tuned, {"passes": chosen}) == tuned  # idempotent
 
 
 def test_apply_ignores_stale_partial_and_missing_entries(solution):
-    assert autotune.apply(solution, None) is solution
+    assert tuning.apply(solution, None) is solution
     stale = {"passes": {"forward": {"family": "forward_fa2_simt", "block_r": 48, "block_c": 48, "warps": 4,
                                     "stages": 1},
                         "backward": {"family": "backward_tensor_core_v0", "block_r": 64, "block_c": 64,
                                      "warps": 4, "stages": 1},
                         "sideways": {"block_r": 64, "block_c": 64, "warps": 4}}}
-    assert autotune.apply(solution, stale).plans == solution.plans
+    assert tuning.apply(solution, stale).plans == solution.plans
     second = solution.candidates["forward"][1]
     partial = {"passes": {"forward": {"block_r": second.block_r, "block_c": second.block_c, "warps": second.warps}}}
-    tuned = autotune.apply(solution, partial)
+    tuned = tuning.apply(solution, partial)
     assert tuned.plans["forward"] == second and tuned.plans["backward"] == solution.plans["backward"]
     forward_only = solver.solve(SPEC.model_copy(update={"passes": ("forward",)}), target_for("sm_90"))
-    assert "backward" not in autotune.apply(forward_only, {"passes": {"backward": {"block_r": 64, "block_c": 64,
+    assert "backward" not in tuning.apply(forward_only, {"passes": {"backward": {"block_r": 64, "block_c": 64,
                                                                                    "warps": 8}}}).plans
 
 
@@ -165,12 +118,12 @@ def test_autotune_round_trip_through_the_cache_file(monkeypatch, cache_dir):
     entry = autotune.autotune(SPEC, top=3, seqlen=4096)
     assert entry["gpu"] == GPU and entry["shape"] == {"batch": 4, "heads": 32, "seqlen": 4096}
     assert (cache_dir / "autotune.json").exists()
-    cached = autotune.lookup(SPEC, GPU)
+    cached = tuning.lookup(SPEC, GPU)
     assert cached == json.loads(json.dumps(entry))
-    tuned = autotune.apply(solver.solve(SPEC, target_for("sm_90")), cached)
+    tuned = tuning.apply(solver.solve(SPEC, target_for("sm_90")), cached)
     assert tuned.plans["forward"] == SOLVED.candidates["forward"][fast_rank("forward") - 1]
     assert tuned.plans["backward"] == SOLVED.candidates["backward"][fast_rank("backward") - 1]
-    assert autotune.lookup(SPEC, "some other GPU") is None
+    assert tuning.lookup(SPEC, "some other GPU") is None
 
 
 def test_autotune_of_one_pass_keeps_the_other_pass_cached(monkeypatch):
@@ -179,7 +132,7 @@ def test_autotune_of_one_pass_keeps_the_other_pass_cached(monkeypatch):
     monkeypatch.setattr(autotune, "open_session", fake_session(lambda pass_name, candidate: 1.0))
     entry = autotune.autotune(SPEC, top=4, seqlen=4096, passes=["forward"])
     assert list(entry["passes"]) == ["forward"]
-    cached = autotune.lookup(SPEC, GPU)["passes"]
+    cached = tuning.lookup(SPEC, GPU)["passes"]
     assert cached["forward"]["block_r"] == SOLVED.plans["forward"].block_r  # re-tuned: all tie, solver's wins
     assert cached["forward"]["block_c"] == SOLVED.plans["forward"].block_c
     third = SOLVED.candidates["backward"][fast_rank("backward") - 1]
@@ -190,7 +143,7 @@ def test_autotune_stores_nothing_when_no_candidate_ran(monkeypatch, cache_dir):
     monkeypatch.setattr(autotune, "open_session", fake_session(fake_measure(fail=(1, 2, 3, 4))))
     entry = autotune.autotune(SPEC, top=4, seqlen=1024, batch=2, heads=3)
     assert entry["passes"] == {} and entry["shape"] == {"batch": 2, "heads": 3, "seqlen": 1024}
-    assert autotune.lookup(SPEC, GPU) is None
+    assert tuning.lookup(SPEC, GPU) is None
 
 
 def test_compile_tuned_swaps_the_winner_into_the_runtime_kernel(monkeypatch):
@@ -211,7 +164,7 @@ def test_compile_tuned_swaps_the_winner_into_the_runtime_kernel(monkeypatch):
     monkeypatch.setattr(autotune, "_tuned_kernels", {})
     assert autotune.compile_tuned(SPEC) is base  # nothing cached: the runtime's own kernel
     chosen = autotune.select(SOLVED, fake_measure(), top=4)
-    autotune.store(SPEC, GPU, {"passes": chosen})
+    tuning.store(SPEC, GPU, {"passes": chosen})
     kernel = autotune.compile_tuned(SPEC)
     assert kernel.solution.plans["forward"] == SOLVED.candidates["forward"][fast_rank("forward") - 1]
     assert autotune.compile_tuned(SPEC) is kernel and len(built) == 1  # built once per process

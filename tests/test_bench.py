@@ -9,8 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from fagen import bench
-from fagen.bench import BenchReport, Row, attention_flops
+from fagen.bench import __main__ as bench_main
+from fagen.bench import extras, timing
+from fagen.bench import report as writers
+from fagen.bench.report import BenchReport, Row
+from fagen.bench.timing import attention_flops
 from fagen.spec import Spec, load_specs
 
 #: The issue's benchmark grid (`fagen bench benchmarks/bench.yaml`).
@@ -41,7 +44,7 @@ def test_sliding_window_counts_the_visible_pairs_of_the_reference_mask(seq_q, se
 
     spec = Spec(head_dim=64, mask="sliding_window", window=window)
     visible = int(visible_mask(spec, 1, 1, seq_q, seq_k).sum())
-    assert bench.visible_pairs(seq_q, seq_k, "sliding_window", window) == visible
+    assert timing.visible_pairs(seq_q, seq_k, "sliding_window", window) == visible
     assert attention_flops(1, 1, seq_q, seq_k, 64, mask="sliding_window", window=window) == 4 * 64 * visible
 
 
@@ -52,9 +55,9 @@ def test_unknown_pass_is_refused():
 
 def test_shape_holds_tokens_and_model_dim_fixed():
     d64, d128 = Spec(head_dim=64), Spec(head_dim=128)
-    assert bench.shape_for(d64, 1024, 16384, 2048) == (16, 32)
-    assert bench.shape_for(d128, 16384, 16384, 2048) == (1, 16)
-    assert bench.shape_for(d128, 32768, 16384, 2048) == (1, 16)  # never below one
+    assert timing.shape_for(d64, 1024, 16384, 2048) == (16, 32)
+    assert timing.shape_for(d128, 16384, 16384, 2048) == (1, 16)
+    assert timing.shape_for(d128, 32768, 16384, 2048) == (1, 16)  # never below one
 
 
 # ---- fake measurements ----------------------------------------------------------------------
@@ -62,7 +65,7 @@ def _row(spec="d64_bf16", n=1024, pass_name="forward", ms=(1.0, 1.25, 0.8), mask
     batch, heads = 16384 // n, 32
     flops = attention_flops(batch, heads, n, n, 64, mask=mask, pass_name=pass_name)
     return Row(spec, "bf16", 64, mask, dropout, n, batch, heads, pass_name, flops,
-               ms=dict(zip(bench.IMPLS, ms)), **extra)
+               ms=dict(zip(writers.IMPLS, ms)), **extra)
 
 
 def _report():
@@ -103,7 +106,7 @@ def test_row_dict_round_trip_keeps_every_number():
 
 def test_json_has_meta_and_every_row_and_reads_back(tmp_path):
     report = _report()
-    path = bench.write_json(report, tmp_path / "sub" / "bench.json")
+    path = writers.write_json(report, tmp_path / "sub" / "bench.json")
     data = json.loads(path.read_text())  # strict JSON: no bare Infinity
     assert "Infinity" not in path.read_text()
     for key in ("date", "gpu", "torch", "command"):
@@ -118,7 +121,7 @@ def test_json_has_meta_and_every_row_and_reads_back(tmp_path):
 
 def test_csv_has_a_line_per_row_with_numbers_and_metadata(tmp_path):
     report = _report()
-    path = bench.write_csv(report, tmp_path / "bench.csv")
+    path = writers.write_csv(report, tmp_path / "bench.csv")
     with path.open() as handle:
         rows = list(csv.DictReader(handle))
     assert len(rows) == len(report.rows)
@@ -132,7 +135,7 @@ def test_csv_has_a_line_per_row_with_numbers_and_metadata(tmp_path):
 
 
 def test_csv_of_an_empty_report_has_the_header(tmp_path):
-    path = bench.write_csv(BenchReport({"date": "x"}), tmp_path / "empty.csv")
+    path = writers.write_csv(BenchReport({"date": "x"}), tmp_path / "empty.csv")
     header = path.read_text().splitlines()[0].split(",")
     assert header[:2] == ["spec", "dtype"] and "fagen_tflops" in header and "command" in header
 
@@ -141,7 +144,7 @@ def test_table_shows_every_column_and_n_a_with_reasons():
     from rich.console import Console
 
     console = Console(record=True, width=260, color_system=None)
-    bench.print_table(_report(), console)
+    writers.print_table(_report(), console)
     text = console.export_text()
     for header in ("spec", "N", "batch", "heads", "pass", "fagen TFLOP/s", "flash TFLOP/s", "cudnn TFLOP/s",
                    "fagen/flash", "fagen/cudnn", "fagen ms", "flash ms", "cudnn ms", "check"):
@@ -158,13 +161,13 @@ def test_table_prints_brackets_in_messages_literally():
     report = BenchReport({"gpu": "G [x]"}, [_row(spec="odd", ms=(None, 1.0, 1.0), check="FAIL",
                                                 notes={"fagen": "nvcc: error [sm_90] at [/tmp/x.cu]"})])
     console = Console(record=True, width=260, color_system=None)
-    bench.print_table(report, console)  # rich markup would raise MarkupError on "[/tmp/x.cu]"
+    writers.print_table(report, console)  # rich markup would raise MarkupError on "[/tmp/x.cu]"
     assert "nvcc: error [sm_90] at [/tmp/x.cu]" in console.export_text()
 
 
 def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
-    path = bench.plot_report(_report(), tmp_path / "plots" / "bench.png")
+    path = writers.plot_report(_report(), tmp_path / "plots" / "bench.png")
     data = path.read_bytes()
     assert len(data) > 1000 and data[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -174,51 +177,51 @@ def test_plot_without_matplotlib_says_so_and_does_not_crash(tmp_path, monkeypatc
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     console = Console(record=True, width=200, color_system=None)
-    assert bench.plot_report(_report(), tmp_path / "x.png", console=console) is None
+    assert writers.plot_report(_report(), tmp_path / "x.png", console=console) is None
     assert "python -m fagen.bench plot" in console.export_text()
     assert not (tmp_path / "x.png").exists()
 
 
 def test_markdown_tables_split_by_pass_and_dropout():
     report = _report()
-    forward = bench.markdown(report, "forward", dropout=False)
+    forward = writers.markdown(report, "forward", dropout=False)
     assert forward.count("\n") == 2 + 7  # header, rule, 6 grid rows and the window row
     assert "| d64_bf16 | 1024 | 16 x 32 |" in forward and "1.10 ✓" in forward
     assert "drop0p1" not in forward
-    backward = bench.markdown(report, "backward", dropout=False)
+    backward = writers.markdown(report, "backward", dropout=False)
     assert "0.93 ✓" in backward  # 2.8 / 3.0 >= 0.9
-    dropout = bench.markdown(report, "forward", dropout=True)
+    dropout = writers.markdown(report, "forward", dropout=True)
     assert "d64_bf16_drop0p1" in dropout and "0.75 ✗" in dropout
 
 
 def test_efficiency_is_a_fraction_of_the_gemm_rate():
     report = _report()
-    rows = bench.efficiency(report, gemm_tflops=800.0, head_dim=64)
+    rows = writers.efficiency(report, gemm_tflops=800.0, head_dim=64)
     assert rows and all(r["fraction_of_gemm"] == pytest.approx(r["tflops"] / 800.0) for r in rows)
-    assert bench.efficiency(report, 800.0, head_dim=128) == []
+    assert writers.efficiency(report, 800.0, head_dim=128) == []
 
 
 def test_module_cli_redraws_the_plot_and_prints_the_markdown(tmp_path, capsys):
     pytest.importorskip("matplotlib")
-    saved = bench.write_json(_report(), tmp_path / "bench.json")
+    saved = writers.write_json(_report(), tmp_path / "bench.json")
     extras = tmp_path / "extras.json"
     extras.write_text(json.dumps({"gemm_tflops": 800.0}))
-    assert bench.main(["plot", str(saved), str(tmp_path / "again.png")]) == 0
+    assert bench_main.main(["plot", str(saved), str(tmp_path / "again.png")]) == 0
     assert (tmp_path / "again.png").stat().st_size > 1000
-    assert bench.main(["markdown", str(saved), "--extras", str(extras)]) == 0
+    assert bench_main.main(["markdown", str(saved), "--extras", str(extras)]) == 0
     out = capsys.readouterr().out
     assert "### Forward" in out and "### Backward" in out and "### Dropout, forward" in out
     assert "Fake GPU 80GB" in out and "fagen bench benchmarks/bench.yaml" in out
 
 
 def test_command_line_reads_like_what_was_typed():
-    assert bench.command_line(["/usr/bin/fagen", "bench", "a b.yaml", "--json", "x.json"]) == \
+    assert writers.command_line(["/usr/bin/fagen", "bench", "a b.yaml", "--json", "x.json"]) == \
         "fagen bench 'a b.yaml' --json x.json"
-    assert bench.command_line(["/tmp/w/fagen/cli.py", "bench", "e.yaml"]).endswith(" -m fagen.cli bench e.yaml")
+    assert writers.command_line(["/tmp/w/fagen/cli.py", "bench", "e.yaml"]).endswith(" -m fagen.cli bench e.yaml")
 
 
 def test_environment_without_torch_has_date_and_command():
-    meta = bench.environment()
+    meta = writers.environment()
     assert meta["date"] and "command" in meta and meta["fagen"]
 
 
@@ -255,7 +258,7 @@ def test_time_cuda_warms_up_then_takes_the_median_of_the_timed_runs(monkeypatch)
     clock = _FakeClock([100.0] * 3 + [1.0, 9.0, 2.0, 3.0, 50.0])  # 3 warm-up calls, then 5 timed
     fake = _fake_torch(clock)
     monkeypatch.setitem(sys.modules, "torch", fake)
-    assert bench.time_cuda(clock.fn, warmup=3, repeats=5) == 3.0
+    assert timing.time_cuda(clock.fn, warmup=3, repeats=5) == 3.0
     assert clock.calls == 8
     assert fake.synced == [3, 8]  # once after the warm-up, once after the timed runs, never in between
 
@@ -263,15 +266,15 @@ def test_time_cuda_warms_up_then_takes_the_median_of_the_timed_runs(monkeypatch)
 def test_time_cuda_cuts_repeats_of_a_slow_call_to_its_time_budget(monkeypatch):
     clock = _FakeClock([1000.0])  # one second per call
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock))
-    assert bench.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=8.0) == 1000.0
+    assert timing.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=8.0) == 1000.0
     assert clock.calls == 1 + 2 + 8  # the estimate, budget/4 warm-ups, budget timed runs
     clock = _FakeClock([1000.0])
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock))
-    bench.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=1.0)
-    assert clock.calls == 1 + 0 + bench.MIN_REPEATS
+    timing.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=1.0)
+    assert clock.calls == 1 + 0 + timing.MIN_REPEATS
     clock = _FakeClock([0.01])
     monkeypatch.setitem(sys.modules, "torch", _fake_torch(clock))
-    bench.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=5.0)
+    timing.time_cuda(clock.fn, warmup=10, repeats=50, max_seconds=5.0)
     assert clock.calls == 10 + 50  # fast: exactly what was asked (the estimate is the first warm-up)
 
 
@@ -282,7 +285,7 @@ def test_unchecked_launches_restores_the_flag_even_on_error():
     runtime.CHECK_LAUNCHES = True   # as FAGEN_SYNC_LAUNCHES=1 sets it
     try:
         with pytest.raises(KeyError):
-            with bench.unchecked_launches():
+            with timing.unchecked_launches():
                 assert runtime.CHECK_LAUNCHES is False
                 raise KeyError("boom")
         assert runtime.CHECK_LAUNCHES is True
@@ -291,7 +294,7 @@ def test_unchecked_launches_restores_the_flag_even_on_error():
 
 
 def test_reason_is_one_short_line():
-    text = bench.reason(RuntimeError("No available kernel.\n  Aborting " + "x" * 500))
+    text = writers.reason(RuntimeError("No available kernel.\n  Aborting " + "x" * 500))
     assert "\n" not in text and len(text) <= 160 and text.startswith("RuntimeError: No available kernel.")
 
 
@@ -307,18 +310,18 @@ spec = fagen.spec.spec_from_dict(json.loads(sys.argv[1]))
 print("noise")
 print("FAGEN_PROBE " + json.dumps({"seconds": 12.5 if cold else 0.25, "kernel": spec.variant_name}))
 """
-    monkeypatch.setattr(bench, "_COMPILE_PROBE", probe)
+    monkeypatch.setattr(extras, "_COMPILE_PROBE", probe)
     spec = load_specs(GRID)[4]
-    times = bench.measure_compile_times(spec)
+    times = extras.measure_compile_times(spec)
     assert times["cold_s"] == 12.5 and times["warm_s"] == 0.25
     assert times["kernel"] == spec.variant_name == "d128_bf16"
     assert times["cold_process_s"] > 0 and times["warm_process_s"] > 0
 
 
 def test_compile_probe_failure_is_reported(monkeypatch):
-    monkeypatch.setattr(bench, "_COMPILE_PROBE", "import sys; sys.exit('nvcc exploded')")
+    monkeypatch.setattr(extras, "_COMPILE_PROBE", "import sys; sys.exit('nvcc exploded')")
     with pytest.raises(RuntimeError, match="nvcc exploded"):
-        bench.measure_compile_times(Spec(head_dim=64))
+        extras.measure_compile_times(Spec(head_dim=64))
 
 
 # ---- the example grid -------------------------------------------------------------------------
@@ -333,16 +336,17 @@ def test_bench_example_is_the_issue_grid():
 
 def test_pick_variant_defaults_to_the_d128_bf16_forward():
     specs = load_specs(GRID)
-    assert bench._pick_variant(specs, None).variant_name == "d128_bf16"
-    assert bench._pick_variant(specs, "d64_fp16").variant_name == "d64_fp16"
+    assert bench_main._pick_variant(specs, None).variant_name == "d128_bf16"
+    assert bench_main._pick_variant(specs, "d64_fp16").variant_name == "d64_fp16"
     with pytest.raises(SystemExit):
-        bench._pick_variant(specs, "nope")
+        bench_main._pick_variant(specs, "nope")
 
 
 def test_bench_and_autotune_import_without_torch_or_pycuda():
     import subprocess
 
     code = ("import sys; sys.modules['torch'] = sys.modules['pycuda'] = None; "
-            "import fagen.bench, fagen.autotune; print('ok')")
+            "import fagen.bench.kernels, fagen.bench.model, fagen.bench.extras, fagen.bench.__main__, fagen.autotune; "
+            "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

@@ -1,4 +1,4 @@
-"""fagen.bench_model without a GPU: the model shapes, the records, the tables and JSON (fake numbers),
+"""fagen.bench.model without a GPU: the model shapes, the records, the tables and JSON (fake numbers),
 and the `fagen bench-model` command's errors. The timing itself runs on the GPU machine:
     fagen bench-model --json bench-model.json
 """
@@ -10,14 +10,14 @@ import pytest
 from click.testing import CliRunner
 from rich.console import Console
 
-from fagen import bench_model
-from fagen.bench_model import ModelReport, ModelRow, OverheadRow, model_shapes
+from fagen.bench import model as bench_model
+from fagen.bench.model import ModelReport, ModelRow, OverheadRow, model_shapes
 from fagen.cli import cli
 
 
 def test_import_needs_neither_torch_nor_transformers():
     code = ("import sys; sys.modules['torch'] = sys.modules['transformers'] = sys.modules['pycuda'] = None; "
-            "import fagen.bench_model, fagen.cli; print('ok')")
+            "import fagen.bench.model, fagen.cli; print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
 

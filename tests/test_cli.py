@@ -217,7 +217,7 @@ def test_gpu_commands_without_gpu_exit_2(run, small_spec, monkeypatch, command):
     assert_one_line_error(run(command, small_spec), 2, f"fagen {command}", "GPU")
 
 
-@pytest.mark.parametrize("command, module", [("check", "fagen.testing"), ("bench", "fagen.bench")])
+@pytest.mark.parametrize("command, module", [("check", "fagen.testing"), ("bench", "fagen.bench.kernels")])
 def test_gpu_commands_without_their_module_exit_2(run, small_spec, monkeypatch, command, module):
     monkeypatch.setattr("fagen.cli._no_gpu_reason", lambda: None)
     monkeypatch.setitem(sys.modules, module, None)  # makes the import fail

@@ -20,7 +20,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from transformers import AutoModelForCausalLM
 
 import fagen
-from fagen.bench_model import llama_config, model_shapes
+from fagen.bench.model import llama_config, model_shapes
 from fagen.integrations import transformers as fagen_hf
 
 ATTENTION_WORDS = ("flash", "fmha", "attention", "fagen", "cudnn", "sdpa")

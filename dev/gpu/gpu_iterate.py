@@ -1,7 +1,7 @@
 """One device call while a template is being developed: correctness of chosen specs against the
 float64 reference (hypothesis cases), then every candidate plan of a pass timed against SDPA-flash.
 
-    source tools/device_prelude.sh && python3 tools/gpu_iterate.py [--pass backward] [--examples 15]
+    source dev/gpu/device_prelude.sh && python3 dev/gpu/gpu_iterate.py [--pass backward] [--examples 15]
 """
 import argparse
 import sys
@@ -9,7 +9,9 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 
-from fagen import bench, runtime, solver
+from fagen import runtime, solver
+from fagen.bench import peers, timing
+from fagen.bench.report import reason
 from fagen.spec import Spec
 from fagen.target import from_device
 from fagen.testing import assert_matches_reference, cases
@@ -75,13 +77,13 @@ def main() -> int:
 
     import torch
     for spec in specs[len(CHECK_SPECS):] if args.top else []:
-        batch, heads = bench.shape_for(spec, args.seqlen, 16384, 2048)
-        inputs = bench.make_inputs(spec, batch, heads, args.seqlen)
-        flops = bench.spec_flops(spec, batch, heads, args.seqlen, args.pass_name)
+        batch, heads = timing.shape_for(spec, args.seqlen, 16384, 2048)
+        inputs = timing.make_inputs(spec, batch, heads, args.seqlen)
+        flops = timing.spec_flops(spec, batch, heads, args.seqlen, args.pass_name)
         if args.pass_name == "backward":
-            sdpa = bench._time_sdpa_backward("flash", spec, inputs, 5, 20)
+            sdpa = peers.time_sdpa_backward("flash", spec, inputs, 5, 20)
         else:
-            sdpa = bench._time_sdpa_forward("flash", spec, inputs, 5, 20)
+            sdpa = peers.time_sdpa_forward("flash", spec, inputs, 5, 20)
         print(f"{spec.canonical_name} N={args.seqlen} B={batch} H={heads}: sdpa-flash {flops / sdpa / 1e9:.0f} TFLOP/s", flush=True)
         solution = solver.solve(spec, target)
         for candidate in solution.candidates[args.pass_name][:args.top]:
@@ -89,15 +91,15 @@ def main() -> int:
                 kernel = runtime.Kernel(spec, target, solver.with_plan(solution, args.pass_name, candidate))
                 q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.do
                 o, lse = kernel.forward(q, k, v)
-                with bench.unchecked_launches():
+                with timing.unchecked_launches():
                     if args.pass_name == "backward":
-                        ms = bench.time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 5, 20)
+                        ms = timing.time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 5, 20)
                     else:
-                        ms = bench.time_cuda(lambda: kernel.forward(q, k, v), 5, 20)
+                        ms = timing.time_cuda(lambda: kernel.forward(q, k, v), 5, 20)
                 print(f"   {candidate.family:22s} Br={candidate.block_r:3d} Bc={candidate.block_c:3d} W={candidate.warps}: "
                       f"{flops / ms / 1e9:6.0f} TFLOP/s  {sdpa / ms:.2f}x", flush=True)
             except Exception as err:
-                print(f"   Br={candidate.block_r} W={candidate.warps}: {bench.reason(err)}", flush=True)
+                print(f"   Br={candidate.block_r} W={candidate.warps}: {reason(err)}", flush=True)
         del inputs
         torch.cuda.empty_cache()
     return 1 if failures else 0

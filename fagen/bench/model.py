@@ -22,7 +22,7 @@ from typing import Any, Callable, Optional, Sequence
 
 from rich.markup import escape
 
-from fagen.bench import _console, _fmt, _strict_json, environment, reason
+from fagen.bench.report import environment, fmt, make_console, reason, strict_json
 
 #: Implementations of the model step: fagen, SDPA held to its flash backend, SDPA as PyTorch dispatches.
 MODEL_IMPLS = ("fagen", "flash", "sdpa")
@@ -154,7 +154,7 @@ def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[i
     from fagen.integrations import transformers as fagen_hf
 
     fagen_hf.register()
-    console = console or _console()
+    console = console or make_console()
     settings = {"head_dims": list(head_dims), "seqlens": list(seqlens), "tokens": tokens, "hidden": hidden,
                 "layers": layers, "kv_groups": list(kv_groups), "vocab": vocab, "warmup": warmup, "steps": steps,
                 "dtype": "bf16", "optimizer": f"AdamW(lr={LEARNING_RATE})"}
@@ -288,15 +288,15 @@ def _per_call_us(fn: Callable[[], Any], calls: int, rounds: int) -> float:
 
 # ==== writers (CPU) ============================================================================
 def _progress_line(row: ModelRow) -> str:
-    times = ", ".join(f"{MODEL_LABELS[i]} {_fmt(row.ms.get(i), '.1f')} ms" for i in MODEL_IMPLS)
+    times = ", ".join(f"{MODEL_LABELS[i]} {fmt(row.ms.get(i), '.1f')} ms" for i in MODEL_IMPLS)
     return (f"d={row.head_dim} heads={row.heads}/{row.kv_heads} N={row.seq_len} batch={row.batch}: {times}; "
-            f"fagen/flash {_fmt(row.speedup('flash'), '.2f')}")
+            f"fagen/flash {fmt(row.speedup('flash'), '.2f')}")
 
 
 def print_model_report(report: ModelReport, console=None) -> None:
     from rich.table import Table
 
-    console = console or _console()
+    console = console or make_console()
     meta = report.meta
     title = f"fagen bench-model: {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '')}"
     if report.rows:
@@ -307,17 +307,17 @@ def print_model_report(report: ModelReport, console=None) -> None:
                              overflow="fold" if header == "notes" else None)
         for row in report.rows:
             ratio = row.speedup("flash")
-            shown = _fmt(ratio, ".2f")
+            shown = fmt(ratio, ".2f")
             if ratio is not None:
                 shown = f"[{'green' if ratio >= row.target else 'red'}]{shown}[/]"
             diff = row.loss_difference("flash")
-            diff_text = _fmt(diff, ".1e")
+            diff_text = fmt(diff, ".1e")
             if diff is not None and diff > LOSS_TOLERANCE:
                 diff_text = f"[bold red]{diff_text}[/]"
             notes = "; ".join(f"{MODEL_LABELS[i]}: {n}" for i, n in row.notes.items())
             table.add_row(str(row.head_dim), f"{row.heads}/{row.kv_heads}", str(row.seq_len), str(row.batch),
-                          *(_fmt(row.ms.get(i), ".1f") for i in MODEL_IMPLS), shown,
-                          _fmt(row.speedup("sdpa"), ".2f"), diff_text, escape(notes))
+                          *(fmt(row.ms.get(i), ".1f") for i in MODEL_IMPLS), shown,
+                          fmt(row.speedup("sdpa"), ".2f"), diff_text, escape(notes))
         console.print(table)
         console.print(f"  fagen/flash, fagen/sdpa: the other's step time over fagen's (> 1: fagen faster; target "
                       f">= {STEP_TARGET}, >= {STEP_TARGET_LONG} at N >= {LONG_SEQ}). loss diff: the largest |fagen - "
@@ -329,12 +329,12 @@ def print_model_report(report: ModelReport, console=None) -> None:
             table.add_column(header, justify="left" if header in ("mode", "notes") else "right")
         for row in report.overhead:
             ratio = row.ratio
-            shown = _fmt(ratio, ".2f")
+            shown = fmt(ratio, ".2f")
             if ratio is not None:
                 shown = f"[{'green' if ratio <= OVERHEAD_TARGET else 'red'}]{shown}[/]"
             notes = "; ".join(f"{impl}: {note}" for impl, note in row.notes.items())
-            table.add_row(row.mode, "yes" if row.compiled else "no", _fmt(row.us.get("fagen"), ".1f"),
-                          _fmt(row.us.get("sdpa"), ".1f"), shown, escape(notes))
+            table.add_row(row.mode, "yes" if row.compiled else "no", fmt(row.us.get("fagen"), ".1f"),
+                          fmt(row.us.get("sdpa"), ".1f"), shown, escape(notes))
         console.print(table)
         console.print(f"  fagen/SDPA: fagen's host time over SDPA's (target <= {OVERHEAD_TARGET}).")
 
@@ -345,5 +345,5 @@ def write_model_json(report: ModelReport, path) -> Path:
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json_module.dumps(_strict_json(report.to_dict()), indent=2, default=str) + "\n")
+    path.write_text(json_module.dumps(strict_json(report.to_dict()), indent=2, default=str) + "\n")
     return path

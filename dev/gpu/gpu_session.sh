@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call: set up PyCUDA + fagen's deps from .whl/, then run what is asked.
-#   tools/gpu_session.sh tests   -> GPU pytest suite (FAGEN_HYPOTHESIS_PROFILE picks the example budget)
-#   tools/gpu_session.sh py FILE -> a Python script
+#   dev/gpu/gpu_session.sh tests   -> GPU pytest suite (FAGEN_HYPOTHESIS_PROFILE picks the example budget)
+#   dev/gpu/gpu_session.sh py FILE -> a Python script
 # Logs go to $OUT so they come back even when the call times out.
 set -uo pipefail
 source .whl/gpu-env.sh || exit 1

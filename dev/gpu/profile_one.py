@@ -1,13 +1,14 @@
 """Run one fagen kernel a few times so that a profiler can look at it (no timing of its own).
 
     ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fagen_fwd \
-        python3 tools/profile_one.py --head-dim 128 --seqlen 4096 [--mask causal] [--block-c 128] [--family forward_wgmma]
+        python3 dev/gpu/profile_one.py --head-dim 128 --seqlen 4096 [--mask causal] [--block-c 128] [--family forward_wgmma]
 """
 import argparse
 
 import torch
 
-from fagen import bench, runtime, solver
+from fagen import runtime, solver
+from fagen.bench import timing
 from fagen.spec import Spec
 from fagen.target import from_device
 
@@ -32,8 +33,8 @@ def main() -> None:
               and (not args.block_r or c.block_r == args.block_r)][0]
     print("plan:", chosen)
     kernel = runtime.Kernel(spec, target, solver.with_plan(solution, args.pass_name, chosen))
-    batch, heads = bench.shape_for(spec, args.seqlen, 16384, 2048)
-    inputs = bench.make_inputs(spec, batch, heads, args.seqlen)
+    batch, heads = timing.shape_for(spec, args.seqlen, 16384, 2048)
+    inputs = timing.make_inputs(spec, batch, heads, args.seqlen)
     o, lse = kernel.forward(inputs.q, inputs.k, inputs.v)
     for _ in range(3):
         if args.pass_name == "forward":

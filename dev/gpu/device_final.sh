@@ -1,19 +1,19 @@
 # Device call: GPU property tests, sanitizers, then the issue-5 benchmark grid (forward + backward),
 # compile/cache-load times, the GEMM ceiling and the ptxas report. Everything lands in $OUT.
 # AUTOTUNE=1 times the solver's top candidates per spec first (fagen bench --autotune).
-source tools/device_prelude.sh
+source dev/gpu/device_prelude.sh
 python3 -c "
-import tests.test_runtime_gpu as t, tools.sanitize as s
+import tests.test_runtime_gpu as t, dev.gpu.sanitize as s
 from fagen.runtime import precompile; from fagen.spec import load_specs
 precompile(t.SPECS + t.GRAD_SPECS + s.SPECS + load_specs('benchmarks/bench.yaml'), jobs=16)" 2>&1 | grep -iv warn | tail -2
 save_cache
 [ "${1:-all}" = bench ] && SKIP_TESTS=1
 if [ -z "${SKIP_TESTS:-}" ]; then
 echo "== pytest -m gpu"
-timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_runtime_gpu.py 2>&1 | tee "$OUT/pytest.log" | tail -6
+timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -6
 for tool in memcheck racecheck; do
   echo "== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool $tool --print-limit 10 python3 tools/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
+  compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
 done
 fi
 [ "${1:-all}" = tests ] && exit 0
@@ -22,4 +22,4 @@ timeout ${BENCH_SECONDS:-330} python3 -m fagen.cli bench benchmarks/bench.yaml -
   --warmup 3 --repeats 10 ${AUTOTUNE:+--autotune} --json "$OUT/bench.json" --csv "$OUT/bench.csv" --plot "$OUT/bench.png" 2>&1 | grep -v "^  " | tail -45
 echo "== extras"
 timeout 100 python3 -m fagen.bench extras benchmarks/bench.yaml --json "$OUT/extras.json" 2>&1 | tail -8
-cp "$(python3 -c "from fagen.autotune import cache_path; print(cache_path())")" "$OUT/autotune.json" 2>/dev/null || true
+cp "$(python3 -c "from fagen.tuning import cache_path; print(cache_path())")" "$OUT/autotune.json" 2>/dev/null || true

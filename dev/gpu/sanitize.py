@@ -1,6 +1,6 @@
 """One small forward + backward per mask kind (and fa1), for compute-sanitizer memcheck / racecheck:
-    compute-sanitizer --tool memcheck python tools/sanitize.py
-    compute-sanitizer --tool racecheck python tools/sanitize.py
+    compute-sanitizer --tool memcheck python dev/gpu/sanitize.py
+    compute-sanitizer --tool racecheck python dev/gpu/sanitize.py
 Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
 import os

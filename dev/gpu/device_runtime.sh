@@ -1,6 +1,6 @@
 # Device call for the runtime work (issue 10): GPU tests of the torch integration and the runtime,
-# then tools/runtime_probe.py (host overhead, load times, fwd+bwd through autograd). Logs in $OUT.
-#   bash tools/device_runtime.sh [extra pytest files...]
+# then dev/gpu/runtime_probe.py (host overhead, load times, fwd+bwd through autograd). Logs in $OUT.
+#   bash dev/gpu/device_runtime.sh [extra pytest files...]
 source .whl/gpu-env.sh >/dev/null || exit 1
 export PYTHONPATH=$PWD:${PYTHONPATH:-} FAGEN_CACHE_DIR=/tmp/fagen-cache PYTHONUNBUFFERED=1
 mkdir -p "$FAGEN_CACHE_DIR"
@@ -13,4 +13,4 @@ precompile(t.SPECS + t.GRAD_SPECS + [Spec(head_dim=64, dtype='bf16', mask='causa
 echo "== pytest"
 timeout ${TEST_SECONDS:-300} python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore::DeprecationWarning tests/test_torch_gpu.py "$@" 2>&1 | tee "$OUT/pytest.log" | tail -25
 echo "== probe"
-timeout 200 python3 tools/runtime_probe.py --json "$OUT/runtime_probe.json" 2>&1 | tail -20
+timeout 200 python3 dev/gpu/runtime_probe.py --json "$OUT/runtime_probe.json" 2>&1 | tail -20

@@ -2,7 +2,7 @@
 cached spec (warm process, new process), cold compile of d=128, and fwd+bwd through autograd on
 real shapes. Prints a short table; `--json F` writes the numbers.
 
-    python tools/runtime_probe.py --json $OUT/runtime_probe.json
+    python dev/gpu/runtime_probe.py --json $OUT/runtime_probe.json
 """
 from __future__ import annotations
 

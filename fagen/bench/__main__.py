@@ -1,0 +1,103 @@
+"""`python -m fagen.bench`: helpers around saved `fagen bench` results.
+
+`extras` (compile and cache-load time, the bf16 GEMM rate and the ptxas report, for BENCHMARKS.md),
+`plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
+"""
+from __future__ import annotations
+
+import json as json_module
+from pathlib import Path
+from typing import Optional, Sequence
+
+from fagen.bench.extras import measure_compile_times, measure_gemm_tflops, ptxas_report
+from fagen.bench.report import BenchReport, efficiency, environment, markdown, plot_report, reason
+from fagen.spec import Spec
+
+
+def _pick_variant(specs: list[Spec], name: Optional[str]) -> Spec:
+    if name:
+        for spec in specs:
+            if spec.variant_name == name:
+                return spec
+        raise SystemExit(f"no variant named {name!r}; the file has: {', '.join(s.variant_name for s in specs)}")
+    for spec in specs:  # the issue's: the d = 128 forward, bf16, no dropout, not causal
+        if spec.head_dim == 128 and spec.dtype == "bf16" and not spec.dropout and spec.mask == "none":
+            return spec
+    return specs[0]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m fagen.bench", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    extras = sub.add_parser("extras", help="GPU: cold compile / cache-load time, bf16 GEMM rate, ptxas report")
+    extras.add_argument("spec_file")
+    extras.add_argument("--variant", help="default: the first bf16, d=128, mask none, no-dropout variant")
+    extras.add_argument("--json", dest="json_path", help="write the results here too")
+    extras.add_argument("--skip-compile-times", action="store_true")
+    redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
+    redraw.add_argument("report")
+    redraw.add_argument("png")
+    tables = sub.add_parser("markdown", help="BENCHMARKS.md's tables from a `fagen bench --json` file")
+    tables.add_argument("report")
+    tables.add_argument("--extras", help="JSON from `python -m fagen.bench extras` (efficiency section)")
+    args = parser.parse_args(argv)
+
+    if args.command == "plot":
+        plot_report(BenchReport.load(args.report), args.png)
+        return 0
+    if args.command == "markdown":
+        report = BenchReport.load(args.report)
+        meta = report.meta
+        print(f"Measured {meta.get('date')} on {meta.get('gpu')}, torch {meta.get('torch')} (CUDA {meta.get('cuda')}, "
+              f"cuDNN {meta.get('cudnn')}), fagen {meta.get('fagen')}:\n\n    {meta.get('command')}\n")
+        for title, pass_name, dropout in (("Forward", "forward", False), ("Backward", "backward", False),
+                                          ("Dropout, forward", "forward", True),
+                                          ("Dropout, backward", "backward", True)):
+            body = markdown(report, pass_name, dropout)
+            if body.count("\n") > 2:
+                print(f"### {title}\n\n{body}")
+        if args.extras:
+            data = json_module.loads(Path(args.extras).read_text())
+            if data.get("gemm_tflops"):
+                for item in efficiency(report, data["gemm_tflops"]):
+                    print(f"- {item['spec']} N={item['seq_len']}: {item['tflops']:.1f} TFLOP/s = "
+                          f"{100 * item['fraction_of_gemm']:.1f}% of the measured bf16 GEMM rate "
+                          f"({data['gemm_tflops']:.0f} TFLOP/s)")
+        return 0
+    # extras (GPU)
+    from fagen.spec import load_specs
+
+    spec = _pick_variant(load_specs(args.spec_file), args.variant)
+    import torch
+
+    torch.cuda.init()
+    result: dict = {"variant": spec.variant_name, **environment(torch)}
+    if not args.skip_compile_times:
+        result["compile"] = measure_compile_times(spec)
+        print(f"compile {spec.variant_name}: cold {result['compile']['cold_s']:.2f} s, "
+              f"warm (cache load) {result['compile']['warm_s']:.3f} s", flush=True)
+    from fagen import runtime
+
+    runtime.ensure_context()
+    result["gemm_tflops"] = measure_gemm_tflops()
+    print(f"bf16 GEMM 8192^3: {result['gemm_tflops']:.1f} TFLOP/s", flush=True)
+    try:
+        result["ptxas"] = ptxas_report(spec)
+        for pass_name, kernels in result["ptxas"]["kernels"].items():
+            for name, res in kernels.items():
+                print(f"ptxas {pass_name} {name}: {res.get('registers')} registers, "
+                      f"{res.get('spill_stores')} B spill stores, {res.get('spill_loads')} B spill loads, "
+                      f"{res.get('stack_bytes')} B stack", flush=True)
+    except Exception as err:  # no nvcc on PATH, say
+        result["ptxas"] = {"error": reason(err, 400)}
+        print(f"ptxas report unavailable: {result['ptxas']['error']}")
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json_module.dumps(result, indent=2, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
