@@ -323,19 +323,22 @@ def _int_list(ctx: click.Context, param: click.Parameter, value: str) -> tuple[i
               help="Passes to time (repeatable; default: the spec's).")
 @click.option("--warmup", default=10, show_default=True, type=click.IntRange(min=0))
 @click.option("--repeats", default=50, show_default=True, type=click.IntRange(min=1), help="Median of this many.")
+@click.option("--kv-group", default=1, show_default=True, type=click.IntRange(min=1),
+              help="Query heads per KV head: k and v get heads / this many heads (GQA; SDPA with enable_gqa).")
 @click.option("--autotune", is_flag=True, help="Time the solver's top candidates and cache the winner.")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the table as CSV.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the table as JSON.")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=Path),
               help="Draw TFLOP/s against N as a PNG.")
 def bench(spec_file: Path, seqlens: tuple[int, ...], tokens: int, model_dim: int, passes: tuple[str, ...],
-          warmup: int, repeats: int, autotune: bool, csv_path: Optional[Path], json_path: Optional[Path],
-          plot_path: Optional[Path]) -> None:
+          warmup: int, repeats: int, kv_group: int, autotune: bool, csv_path: Optional[Path],
+          json_path: Optional[Path], plot_path: Optional[Path]) -> None:
     """Time fagen against PyTorch SDPA (flash and cuDNN backends) on the same inputs."""
     specs = load_specs(spec_file)
     run_bench = _gpu_entry("fagen bench", "fagen.bench.kernels", "run_bench")
     run_bench(specs, seqlens=seqlens, tokens=tokens, model_dim=model_dim, passes=passes or None,
-              warmup=warmup, repeats=repeats, autotune=autotune, csv=csv_path, json=json_path, plot=plot_path)
+              warmup=warmup, repeats=repeats, autotune=autotune, csv=csv_path, json=json_path, plot=plot_path,
+              kv_group=kv_group)
 
 
 @cli.command("bench-model")

@@ -10,7 +10,9 @@ Four layers, each a plain transcription of the maths the CUDA templates implemen
    forward (`fa2`) and Algorithm 4 (backward) executed block by block, so a test can show that the
    recurrences the templates use give the dense answer.
 
-Layout everywhere: (batch B, heads H, sequence N, head_dim d). Inputs of any float dtype are
+Layout everywhere: (batch B, heads H, sequence N, head_dim d); k and v may have H_kv heads for any
+H_kv dividing H (grouped KV heads: query head h reads K/V head h // (H / H_kv)), and then dk, dv
+are summed over each group. Inputs of any float dtype are
 converted to float64; every result is float64. Rows with no visible key give o = 0, lse = -inf and
 zero gradient, never NaN.
 """
@@ -216,14 +218,24 @@ def _prepare(q, k, v, spec: "Spec"):
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         raise ValueError(f"q, k, v must be (B, H, N, d) arrays, got shapes {q.shape}, {k.shape}, {v.shape}")
     B, H, Nq, d = q.shape
-    if k.shape[:2] != (B, H) or v.shape[:3] != k.shape[:3]:
-        raise ValueError(f"q, k, v disagree on (B, H) or k, v on Nk: {q.shape}, {k.shape}, {v.shape}")
+    if k.shape[0] != B or H % max(k.shape[1], 1) or v.shape[:3] != k.shape[:3]:
+        raise ValueError(f"q, k, v disagree on B, k's heads do not divide q's, or k, v disagree on (H_kv, Nk): "
+                         f"{q.shape}, {k.shape}, {v.shape}")
     if not (d == k.shape[3] == v.shape[3] == spec.head_dim):
         raise ValueError(f"head_dim of q, k, v ({d}, {k.shape[3]}, {v.shape[3]}) must equal "
                          f"spec.head_dim = {spec.head_dim}")
     if Nq < 1 or k.shape[2] < 1:
         raise ValueError(f"sequence lengths must be at least 1, got Nq={Nq}, Nk={k.shape[2]}")
-    return q, k, v
+    group = H // k.shape[1]
+    # Grouped KV heads (GQA / MQA): query head h attends with K/V head h // group.
+    return q, np.repeat(k, group, axis=1), np.repeat(v, group, axis=1), group
+
+
+def _sum_groups(grad: np.ndarray, group: int) -> np.ndarray:
+    """dK or dV per query head (B, H, Nk, d) -> per K/V head (B, H // group, Nk, d): each K/V head's
+    gradient is the sum over the query heads that read it."""
+    B, H, Nk, d = grad.shape
+    return grad.reshape(B, H // group, group, Nk, d).sum(axis=2)
 
 
 def _finite_or_zero(x: np.ndarray) -> np.ndarray:
@@ -252,7 +264,7 @@ def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None
     (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by 1/(1 - p). A row with no
     visible key gives o = 0 and lse = -inf.
     """
-    q, k, v = _prepare(q, k, v, spec)
+    q, k, v, _ = _prepare(q, k, v, spec)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
@@ -275,7 +287,7 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     the gradient computed with |P * dP| + |P * D| in place of P * (dP - D): the size of the terms that
     cancel, a scale for judging errors where the exact gradient is ~0 (e.g. Nk = 1, softmax constant).
     """
-    q, k, v = _prepare(q, k, v, spec)
+    q, k, v, group = _prepare(q, k, v, spec)
     do = np.asarray(do, dtype=np.float64)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -297,8 +309,9 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     if magnitudes is not None:
         dS_abs = np.abs(P * dP) + np.abs(P * D[..., None])
         magnitudes["dq"] = float(np.linalg.norm(spec.scale * np.einsum("bhij,bhjd->bhid", dS_abs, np.abs(k))))
-        magnitudes["dk"] = float(np.linalg.norm(spec.scale * np.einsum("bhij,bhid->bhjd", dS_abs, np.abs(q))))
-    return dq, dk, dv
+        magnitudes["dk"] = float(np.linalg.norm(_sum_groups(spec.scale * np.einsum("bhij,bhid->bhjd", dS_abs,
+                                                                                     np.abs(q)), group)))
+    return dq, _sum_groups(dk, group), _sum_groups(dv, group)
 
 
 # ---- 4. tiled emulations ---------------------------------------------------------------------
@@ -330,7 +343,7 @@ def tiled_forward(q, k, v, spec: "Spec", block_r: int, block_c: int, *, kv_lengt
     kernel's grid would. A tile (i, j) with no visible element is skipped without touching K_j, V_j; pass
     a dict as `stats` to get blocks_total / blocks_skipped / blocks_computed, counted over (b, h, i, j).
     """
-    q, k, v = _prepare(q, k, v, spec)
+    q, k, v, _ = _prepare(q, k, v, spec)
     block_r, block_c = _check_tiles(block_r, block_c)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -431,7 +444,7 @@ def tiled_backward(q, k, v, o, lse, do, spec: "Spec", block_r: int, block_c: int
     accumulate on chip, dQ accumulates in "HBM" across column blocks. Tiles with no visible element are
     skipped; `stats` as in `tiled_forward`.
     """
-    q, k, v = _prepare(q, k, v, spec)
+    q, k, v, group = _prepare(q, k, v, spec)
     block_r, block_c = _check_tiles(block_r, block_c)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
@@ -472,4 +485,4 @@ def tiled_backward(q, k, v, o, lse, do, spec: "Spec", block_r: int, block_c: int
                 dk[b, h, c0:c1] = dK_j
                 dv[b, h, c0:c1] = dV_j
     _record(stats, total, skipped)
-    return dq, dk, dv
+    return dq, _sum_groups(dk, group), _sum_groups(dv, group)

@@ -59,9 +59,9 @@ def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
     main = kernel_name(spec, pass_name, plan)
     if pass_name == "backward" and not family_named(plan.family).deterministic:  # dQ by atomics only
-        return [main, f"{main}_delta", f"{main}_dq_convert"]
+        return [main, f"{main}_delta", f"{main}_dq_convert", f"{main}_kv_group_sum"]
     if pass_name == "backward":
-        return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert"]
+        return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert", f"{main}_kv_group_sum"]
     return [main]
 
 

@@ -54,7 +54,9 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
            + [(f"{t}_stride", "q", 3) for t in ("q", "k", "v", "o", "do", "dq", "dk", "dv")]
            + [(name, "q", 1) for name in ("batch", "heads", "seq_q", "seq_k")]
            + [("kv_lengths", "Q", 1), ("block_mask", "Q", 1), ("block_mask_stride", "q", 4),
-              ("seed", "Q", 1), ("offset", "Q", 1), ("row_groups", "q", 1)])
+              ("seed", "Q", 1), ("offset", "Q", 1), ("row_groups", "q", 1),
+              ("kv_group", "q", 1), ("dk_sum", "Q", 1), ("dv_sum", "Q", 1), ("dk_sum_stride", "q", 3),
+              ("dv_sum_stride", "q", 3)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -370,8 +372,11 @@ class Kernel:
         seq_k = tensors["k"].shape[2]
         if tensors["k"].shape != tensors["v"].shape:
             raise ArgumentError(f"k and v must have the same shape, got {tensors['k'].shape} and {tensors['v'].shape}")
-        if tensors["k"].shape[:2] != (batch, heads):
-            raise ArgumentError(f"q has (batch, heads) = {(batch, heads)} but k has {tensors['k'].shape[:2]}")
+        kv_heads = tensors["k"].shape[1]
+        if tensors["k"].shape[0] != batch or heads % kv_heads:
+            raise ArgumentError(f"q has (batch, heads) = {(batch, heads)} but k, v have {tensors['k'].shape[:2]}: "
+                                f"the batch must match and the heads of k, v must divide q's (grouped KV heads: "
+                                f"query head h reads K/V head h // (heads // kv_heads))")
         for key in ("o", "d_o"):
             if key in tensors and tensors[key].shape != tensors["q"].shape:
                 raise ArgumentError(f"{key}: expected shape {tensors['q'].shape} (like q), got {tensors[key].shape}")
@@ -482,6 +487,7 @@ class Kernel:
             args[key] = tensors[key].pointer
             args[f"{key}_stride"] = tensors[key].strides[:3]
         args["batch"], args["heads"], args["seq_q"], args["seq_k"] = shape
+        args["kv_group"] = shape[1] // tensors["k"].shape[1]
         return args
 
     # ---- streams and launches ----
@@ -659,7 +665,14 @@ class Kernel:
                 grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
                 delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
                 pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
-                            grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr(), delta.data_ptr()]
+                            grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
+                if k.shape[1] != q.shape[1]:   # grouped KV heads: per-query-head dK, dV, then summed
+                    expanded = (*q.shape[:2], k.shape[2], k.shape[3])
+                    # held (not just their pointers taken) until the launches are queued: a tensor freed
+                    # at once would hand the second workspace the first one's memory
+                    workspaces = [torch.empty(expanded, dtype=k.dtype, device=k.device) for _ in range(2)]
+                    pointers += [w.data_ptr() for w in workspaces]
+                pointers.append(delta.data_ptr())
                 if not self.spec.deterministic:
                     dq_accum = torch.zeros((*q.shape[:3], self.spec.head_dim), dtype=torch.float32, device=q.device)
                     pointers.append(dq_accum.data_ptr())
@@ -691,15 +704,26 @@ class Kernel:
         args["o"], args["d_o"], args["lse"] = tensors["o"].pointer, tensors["d_o"].pointer, lt.pointer
         args["o_stride"] = tensors["o"].strides[:3]
         args["do_stride"] = tensors["d_o"].strides[:3]
+        grouped = args.values[_SLOT["kv_group"][0]] > 1
+        keep = []
         for key, grad, like in zip(("dq", "dk", "dv"), grads, ("q", "k", "v")):
             gt = as_device_tensor(key, grad)
             if gt.shape != tensors[like].shape or gt.dtype != self.spec.dtype or gt.strides[3] != 1:
                 raise ArgumentError(f"out {key}: expected {self.spec.dtype} of shape {tensors[like].shape}")
             if plan.tensor_cores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
                 raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
-            args[key] = gt.pointer
-            args[f"{key}_stride"] = gt.strides[:3]
-        keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
+            if grouped and key != "dq":
+                # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense
+                # (batch, heads, seq_k, d) workspace; _kv_group_sum adds each group into the output.
+                workspace = _allocate(tensors["k"], (batch, heads, seq_k, self.spec.head_dim), self.spec.dtype, stream)
+                keep.append(workspace)
+                wt = as_device_tensor(key, workspace)
+                args[f"{key}_sum"], args[f"{key}_sum_stride"] = gt.pointer, gt.strides[:3]
+                args[key], args[f"{key}_stride"] = wt.pointer, wt.strides[:3]
+            else:
+                args[key] = gt.pointer
+                args[f"{key}_stride"] = gt.strides[:3]
+        keep += self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
         like = tensors["q"]
         delta = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         keep.append(delta)
@@ -719,14 +743,18 @@ class Kernel:
         else:
             total = rows * self.spec.head_dim
             launches.append((main + "_dq_convert", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
+        if grouped:
+            total = batch * tensors["k"].shape[1] * seq_k * self.spec.head_dim
+            launches.append((main + "_kv_group_sum", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
         for symbol, grid, threads, smem in launches:
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask)
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
+            outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped else ("dq", "dk", "dv")
             self._remember(self._fast_backward, signature, args,
-                           ("q", "k", "v", "o", "d_o", "lse", "dq", "dk", "dv") + workspaces + names, launches, device)
+                           ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces + names, launches, device)
         del keep
         return grads
 

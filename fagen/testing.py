@@ -40,6 +40,7 @@ class Case:
     offset: int                       # dropout offset
     kv_lengths: Optional[tuple] = None
     block_mask: Optional[tuple] = field(default=None, repr=True)
+    kv_heads: Optional[int] = None    # heads of k and v (grouped KV heads); None: as many as q
 
     def runtime_args(self) -> dict:
         args = {"seed": self.seed, "offset": self.offset}
@@ -51,10 +52,11 @@ class Case:
 
 
 @st.composite
-def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: int = 3) -> Case:
+def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: int = 4) -> Case:
     """Shapes (including 1 and non-multiples of any tile), layouts and run-time arguments for `spec`."""
     seq = st.one_of(st.sampled_from([1, 2, 17, 63, 64, 65, 128, 129]), st.integers(1, max_seq))
     batch, heads = draw(st.integers(1, max_batch)), draw(st.integers(1, max_heads))
+    kv_heads = draw(st.sampled_from([n for n in range(1, heads + 1) if heads % n == 0]))  # GQA, MQA, MHA
     seq_q, seq_k = draw(seq), draw(seq)
     if draw(st.booleans()):
         seq_k = seq_q
@@ -69,7 +71,7 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
         block_mask = tuple(np.array(flat, dtype=np.uint8).reshape(shape).tolist())
     return Case(batch, heads, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
                 draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                kv_lengths, block_mask)
+                kv_lengths, block_mask, kv_heads)
 
 
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
@@ -80,8 +82,8 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     tensors = []
     for name in names:
-        rows = case.seq_q if name in ("q", "do", "o") else case.seq_k
-        data = rng.standard_normal((case.batch, rows, case.heads, spec.head_dim)).astype(np.float32)
+        rows, heads = (case.seq_q, case.heads) if name in ("q", "do", "o") else (case.seq_k, case.kv_heads or case.heads)
+        data = rng.standard_normal((case.batch, rows, heads, spec.head_dim)).astype(np.float32)
         tensor = torch.from_numpy(data).to(device=device, dtype=dtype)      # (b, n, h, d) in memory
         tensor = tensor.permute(0, 2, 1, 3)                                    # strided (b, h, n, d) view
         tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)

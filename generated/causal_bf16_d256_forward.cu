@@ -73,8 +73,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   const int row0 = row_block * BLOCK_R;
   const int rows_here = min(BLOCK_R, seq_q - row0);
   const elem_t* q = static_cast<const elem_t*>(args.q) + b * args.q_stride[0] + h * args.q_stride[1];
-  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h * args.k_stride[1];
-  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h * args.v_stride[1];
+  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + kv_head(args, h) * args.k_stride[1];
+  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + kv_head(args, h) * args.v_stride[1];
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1];
   const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, h);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;

@@ -46,8 +46,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R, col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   const int first_block = blockIdx.x, block_step = (int)args.row_groups;
   const elem_t* q = static_cast<const elem_t*>(args.q) + b * args.q_stride[0] + h * args.q_stride[1];
-  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h * args.k_stride[1];
-  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h * args.v_stride[1];
+  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + kv_head(args, h) * args.k_stride[1];
+  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + kv_head(args, h) * args.v_stride[1];
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1];
   float* o_hbm = args.o_accum + bh * args.seq_q * HEAD_DIM;
   float* m_hbm = args.row_max + bh * args.seq_q;

@@ -74,8 +74,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa2_sm
   const int row0 = row_block * BLOCK_R;
   const int rows_here = min(BLOCK_R, seq_q - row0);
   const elem_t* q = static_cast<const elem_t*>(args.q) + b * args.q_stride[0] + h * args.q_stride[1];
-  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h * args.k_stride[1];
-  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h * args.v_stride[1];
+  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + kv_head(args, h) * args.k_stride[1];
+  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + kv_head(args, h) * args.v_stride[1];
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1];
   const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, h);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
@@ -349,8 +349,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   const int col0 = blockIdx.x * BLOCK_C, cols_here = min(BLOCK_C, seq_k - col0);
   const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
   const elem_t* q = static_cast<const elem_t*>(args.q) + b * args.q_stride[0] + h * args.q_stride[1];
-  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h * args.k_stride[1];
-  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h * args.v_stride[1];
+  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + kv_head(args, h) * args.k_stride[1];
+  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + kv_head(args, h) * args.v_stride[1];
   const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1];
   const float* lse = args.lse + bh * args.seq_q;
   const float* delta = args.delta + bh * args.seq_q;
@@ -554,8 +554,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   }
 }
 
-// ---- fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_delta and _dq_convert: made by templates/backward_common.cu.j2 ----
-// The two small kernels every backward template launches around its main kernel.
+// ---- fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
+// The small kernels every backward template launches around its main kernel.
 // D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_config;
@@ -582,5 +582,25 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
     const long long n = row % args.seq_q, bh = row / args.seq_q, b = bh / args.heads, h = bh % args.heads;
     elem_t* dq = static_cast<elem_t*>(args.dq) + b * args.dq_stride[0] + h * args.dq_stride[1] + n * args.dq_stride[2];
     dq[e] = from_float<elem_t>(args.dq_accum[idx]);
+  }
+}
+
+// Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which
+// the main kernel wrote into the dk/dv workspace. Added in fp32; one thread per output element.
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_kv_group_sum(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_config;
+  using namespace fagen;
+  const long long kv_heads = args.heads / args.kv_group;
+  const long long total = args.batch * kv_heads * args.seq_k * HEAD_DIM;
+  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
+    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long n = row % args.seq_k, b_hkv = row / args.seq_k, b = b_hkv / kv_heads, h_kv = b_hkv % kv_heads;
+    float dk_total = 0.f, dv_total = 0.f;
+    for (long long h = h_kv * args.kv_group; h < (h_kv + 1) * args.kv_group; ++h) {
+      dk_total += to_float(static_cast<const elem_t*>(args.dk)[b * args.dk_stride[0] + h * args.dk_stride[1] + n * args.dk_stride[2] + e]);
+      dv_total += to_float(static_cast<const elem_t*>(args.dv)[b * args.dv_stride[0] + h * args.dv_stride[1] + n * args.dv_stride[2] + e]);
+    }
+    static_cast<elem_t*>(args.dk_sum)[b * args.dk_sum_stride[0] + h_kv * args.dk_sum_stride[1] + n * args.dk_sum_stride[2] + e] = from_float<elem_t>(dk_total);
+    static_cast<elem_t*>(args.dv_sum)[b * args.dv_sum_stride[0] + h_kv * args.dv_sum_stride[1] + n * args.dv_sum_stride[2] + e] = from_float<elem_t>(dv_total);
   }
 }

@@ -39,7 +39,19 @@ struct AttentionArgs {
   long long block_mask_stride[4];     // batch, head, q block, k block (0 = broadcast)
   unsigned long long seed, offset;    // dropout: Philox key and counter word
   long long row_groups;               // fa1: blocks sharing one (batch, head)
+  // Grouped KV heads (GQA; MQA when heads == kv_group): query head h reads K/V head h / kv_group.
+  // The backward writes dK, dV per query head into dk/dv (a (batch, heads, seq_k, d) workspace), and
+  // the _kv_group_sum kernel adds each group's heads into dk_sum/dv_sum, the caller's gradients.
+  long long kv_group;
+  void* dk_sum;
+  void* dv_sum;
+  long long dk_sum_stride[3];
+  long long dv_sum_stride[3];
 };
+
+// The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
+// costs registers that the largest kernels do not have to spare.
+__device__ __forceinline__ long long kv_head(const AttentionArgs& args, long long h) { return (unsigned)h / (unsigned)args.kv_group; }
 
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_SLIDING_WINDOW = 2, MASK_PADDING = 3, MASK_BLOCK_SPARSE = 4 };
 

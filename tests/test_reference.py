@@ -522,3 +522,59 @@ def test_tiled_forward_skips_invisible_blocks(loop_order):
     tiled_backward(q, k, v, *attention_forward(q, k, v, spec, block_mask=layout),
                    rng.standard_normal(q.shape), spec, 64, 64, block_mask=layout, stats=stats)
     assert stats["blocks_skipped"] == 2
+
+
+# ---- grouped KV heads (GQA / MQA) ----------------------------------------------------------------
+@pytest.mark.parametrize("kv_heads", [1, 2])
+@pytest.mark.parametrize("mask", ["none", "causal", "sliding_window"])
+def test_grouped_kv_heads_equal_repeated_heads(mask, kv_heads):
+    """k, v with H_kv heads mean query head h reads K/V head h // (H / H_kv): the same as repeating
+    each K/V head over its group, with dk, dv the group sums of the repeated heads' gradients."""
+    spec = spec_for(mask, window=3).model_copy(update={"dropout": 0.2})
+    rng = np.random.default_rng(kv_heads)
+    B, H, Nq, Nk, group = 2, 4, 7, 9, 4 // kv_heads
+    q = rng.standard_normal((B, H, Nq, 32))
+    k, v = (rng.standard_normal((B, kv_heads, Nk, 32)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    k_rep, v_rep = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
+    kw = {"seed": 5, "offset": 1}
+    o, lse = attention_forward(q, k, v, spec, **kw)
+    o_rep, lse_rep = attention_forward(q, k_rep, v_rep, spec, **kw)
+    np.testing.assert_array_equal(o, o_rep)
+    np.testing.assert_array_equal(lse, lse_rep)
+    dq, dk, dv = attention_backward(q, k, v, do, spec, **kw)
+    dq_rep, dk_rep, dv_rep = attention_backward(q, k_rep, v_rep, do, spec, **kw)
+    assert dk.shape == k.shape and dv.shape == v.shape
+    np.testing.assert_array_equal(dq, dq_rep)
+    np.testing.assert_allclose(dk, dk_rep.reshape(B, kv_heads, group, Nk, 32).sum(axis=2), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(dv, dv_rep.reshape(B, kv_heads, group, Nk, 32).sum(axis=2), rtol=1e-12, atol=1e-12)
+    grads_t = tiled_backward(q, k, v, o, lse, do, spec, 4, 4, **kw)
+    for g_t, g in zip(grads_t, (dq, dk, dv)):
+        assert rel_err(g_t, g) < 1e-12
+    o_t, _ = tiled_forward(q, k, v, spec, 4, 4, **kw)
+    assert rel_err(o_t, o) < 1e-12
+
+
+def test_grouped_kv_heads_gradient_matches_finite_differences():
+    spec = spec_for("causal")
+    rng = np.random.default_rng(12)
+    q = rng.standard_normal((1, 3, 4, 32))
+    k, v = (rng.standard_normal((1, 1, 5, 32)) for _ in range(2))   # MQA: 3 query heads, 1 K/V head
+    do = rng.standard_normal(q.shape)
+    _, dk, dv = attention_backward(q, k, v, do, spec)
+    eps = 1e-6
+    for grad, which in ((dk, 1), (dv, 2)):
+        for index in [(0, 0, 0, 0), (0, 0, 3, 7), (0, 0, 4, 31)]:
+            plus, minus = [q, k.copy(), v.copy()], [q, k.copy(), v.copy()]
+            plus[which][index] += eps
+            minus[which][index] -= eps
+            numeric = float(((attention_forward(*plus, spec)[0] - attention_forward(*minus, spec)[0]) * do).sum()) / (2 * eps)
+            assert abs(grad[index] - numeric) < 1e-6 * max(1.0, abs(numeric))
+
+
+def test_grouped_kv_heads_must_divide_the_query_heads():
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 3, 4, 32))
+    k = v = rng.standard_normal((1, 2, 4, 32))
+    with pytest.raises(ValueError, match="heads do not divide"):
+        attention_forward(q, k, v, spec_for("none"))

@@ -286,6 +286,7 @@ def test_repeated_calls_take_the_fast_path_and_follow_new_data():
     torch = _torch()
     kernel = fagen.compile(fagen.Spec(head_dim=64, dtype="bf16", mask="padding"))
     lengths = torch.tensor([50, 257], dtype=torch.int32, device="cuda")
+    signatures_before = len(kernel._fast_forward)   # other tests in this process may share the kernel
     for trial, valid in enumerate(([50, 257], [7, 1], [257, 200])):
         lengths.copy_(torch.tensor(valid, dtype=torch.int32))   # same tensor, new values
         packed = torch.randn(2, 257, 3, 3, 64, device="cuda", dtype=torch.bfloat16)   # (b, n, qkv, h, d)
@@ -296,7 +297,7 @@ def test_repeated_calls_take_the_fast_path_and_follow_new_data():
         for b, n in enumerate(valid):
             ref = reference(q[b:b + 1], k[b:b + 1, :, :n], v[b:b + 1, :, :n], False, 64 ** -0.5)
             assert rel(o[b:b + 1], ref) < 1e-2, f"trial {trial} batch {b}"
-    assert len(kernel._fast_forward) == 1, "one signature, one cached launch"
+    assert len(kernel._fast_forward) == signatures_before + 1, "one signature, one cached launch"
     base = torch.randn(2 * 3 * 257 * 64 + 8, device="cuda", dtype=torch.bfloat16)
     q = base[4:4 + 2 * 3 * 257 * 64].view(2, 3, 257, 64)   # 8-byte aligned only: cp.async needs 16
     k, v = _inputs()[1:]
@@ -317,12 +318,62 @@ def test_repeated_backward_with_dropout_follows_the_seed():
     q, k, v = _inputs(n=130)
     do = torch.randn_like(q)
     results = []
+    before = len(kernel._fast_forward), len(kernel._fast_backward)   # other tests may share the kernel
     for seed in (1, 1, 2, 1):
         o, lse = kernel.forward(q, k, v, seed=seed)
         results.append((o, *kernel.backward(q, k, v, o, lse, do, seed=seed)))
     first, again, other, last = results
-    assert len(kernel._fast_forward) == 1 and len(kernel._fast_backward) == 1
+    assert (len(kernel._fast_forward), len(kernel._fast_backward)) == (before[0] + 1, before[1] + 1)
     for a, b in (first, again), (first, last):   # (o, dq, dk, dv); dq sums with atomics: equal up to order
         assert torch.equal(a[0], b[0]) and torch.equal(a[2], b[2]) and torch.equal(a[3], b[3]), "same seed, same bits"
         assert rel(a[1], b[1].double()) < 1e-2
     assert not torch.equal(first[0], other[0]) and not torch.equal(first[3], other[3]), "a new seed, a new mask"
+
+
+@pytest.mark.parametrize("head_dim, kv_heads", [(128, 2), (64, 1), (96, 4)])
+def test_grouped_kv_heads_without_copies(head_dim, kv_heads):
+    """GQA / MQA: k, v with fewer heads go to the kernels as they are (no repeat in memory); the
+    gradients of k, v are their groups' sums. Checked against the float64 reference through autograd,
+    twice (the second call takes the fast path), for the wgmma (d 128), mma and d 96 kernels."""
+    import numpy as np
+
+    import fagen
+    from fagen import reference as ref
+    from fagen.testing import CANCELLATION_FLOOR, relative_error
+
+    torch = _torch()
+    spec = fagen.Spec(head_dim=head_dim, dtype="bf16", mask="causal", dropout=0.1)
+    batch, heads, n_q, n_k = 2, 8, 190, 223
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    kernel = fagen.compile(spec)   # the kernel fagen.attention uses (one per spec and device)
+    before = len(kernel._fast_forward), len(kernel._fast_backward)
+    for call in range(2):
+        q = torch.randn(batch, heads, n_q, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(batch, kv_heads, n_k, head_dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        do = torch.randn_like(q)
+        o = fagen.attention(q, k, v, spec, seed=7 + call)
+        o.backward(do)
+        ref_o, _ = ref.attention_forward(as64(q), as64(k), as64(v), spec, seed=7 + call)
+        assert relative_error(as64(o), ref_o) < 1e-2, f"call {call}: o"
+        magnitudes = {}
+        grads = ref.attention_backward(as64(q), as64(k), as64(v), as64(do), spec, seed=7 + call, o=as64(o),
+                                       magnitudes=magnitudes)
+        for name, tensor, expected in zip(("dq", "dk", "dv"), (q, k, v), grads):
+            assert tensor.grad.shape == tensor.shape
+            error = relative_error(as64(tensor.grad), expected, CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
+            assert error < 1e-2, f"call {call}: {name} relative error {error:.3g}"
+    assert (len(kernel._fast_forward), len(kernel._fast_backward)) == (before[0] + 1, before[1] + 1), \
+        "the second call took the fast path"
+    assert np.isfinite(as64(o)).all()
+
+
+def test_kv_heads_that_do_not_divide_the_query_heads_are_rejected():
+    import fagen
+    from fagen.runtime import ArgumentError
+
+    torch = _torch()
+    q = torch.randn(1, 6, 32, 64, device="cuda", dtype=torch.bfloat16)
+    k = v = torch.randn(1, 4, 32, 64, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ArgumentError, match="must divide"):
+        fagen.attention(q, k, v, fagen.Spec(head_dim=64, dtype="bf16"))

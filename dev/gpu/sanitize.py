@@ -5,7 +5,8 @@ Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
 import os
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# dev/gpu/sanitize.py -> the repository root, three folders up.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from fagen.spec import Spec
 from fagen.testing import Case, assert_matches_reference

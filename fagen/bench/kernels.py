@@ -28,15 +28,16 @@ def _plan_text(kernel: Any) -> str:
 
 
 def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int, passes: Sequence[str],
-                  warmup: int, repeats: int) -> list[Row]:
+                  warmup: int, repeats: int, kv_group: int = 1) -> list[Row]:
     """Every row for one (spec, N): correctness first (checked launches), then the timings."""
     import torch
 
-    inputs = make_inputs(spec, batch, heads, seq_len, seed=seq_len)
+    inputs = make_inputs(spec, batch, heads, seq_len, seed=seq_len, kv_heads=heads // kv_group)
     args = inputs.runtime_args
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.do
     rows = {p: Row(spec.variant_name, spec.dtype, spec.head_dim, spec.mask, spec.dropout, seq_len, batch, heads, p,
-                   spec_flops(spec, batch, heads, seq_len, p), ms={i: None for i in IMPLS}, plan=_plan_text(kernel))
+                   spec_flops(spec, batch, heads, seq_len, p), ms={i: None for i in IMPLS}, plan=_plan_text(kernel),
+                   kv_heads=heads // kv_group)
             for p in passes}
     sdpa_ok = spec.mask in SDPA_MASKS
 
@@ -118,8 +119,10 @@ def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int,
 def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16384), tokens: int = 16384,
               model_dim: int = 2048, passes: Optional[Sequence[str]] = None, warmup: int = 10, repeats: int = 50,
               autotune: bool = False, csv=None, json=None, plot=None, console=None,
-              exit_on_failure: bool = True) -> BenchReport:
+              exit_on_failure: bool = True, kv_group: int = 1) -> BenchReport:
     """Time every spec at every N (batch = tokens // N, heads = model_dim // d) against SDPA flash and cuDNN.
+
+    kv_group > 1: k and v have heads // kv_group heads (grouped KV heads; SDPA runs with enable_gqa).
 
     Prints a table, writes CSV/JSON (after each spec, so that a run cut short keeps what it measured)
     and a PNG plot. A kernel that fails its check against SDPA is timed and reported but makes the
@@ -135,7 +138,7 @@ def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16
     torch.cuda.init()
     runtime.ensure_context()
     meta = environment(torch)
-    meta.update(seqlens=list(seqlens), tokens=tokens, model_dim=model_dim, warmup=warmup, repeats=repeats,
+    meta.update(seqlens=list(seqlens), tokens=tokens, model_dim=model_dim, kv_group=kv_group, warmup=warmup, repeats=repeats,
                 autotune=autotune, timing=(f"CUDA events around each call, {warmup} warm-up calls, median of "
                                            f"{repeats} timed calls (fewer, at least {MIN_REPEATS}, where one "
                                            f"measurement would exceed {MAX_SECONDS_PER_MEASUREMENT:g} s); "
@@ -175,7 +178,10 @@ def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16
             continue
         for seq_len in seqlens:
             batch, heads = shape_for(spec, seq_len, tokens, model_dim)
-            rows = _bench_config(kernel, kernel.spec, seq_len, batch, heads, wanted, warmup, repeats)
+            if heads % kv_group:
+                raise ValueError(f"kv_group {kv_group} does not divide the {heads} heads of {spec.variant_name} "
+                                 f"(heads = model_dim // head_dim)")
+            rows = _bench_config(kernel, kernel.spec, seq_len, batch, heads, wanted, warmup, repeats, kv_group)
             for row in rows:
                 row.spec = spec.variant_name  # the name in the spec file, not the device-arch copy's
                 console.print(escape(_progress_line(row)))

@@ -20,8 +20,11 @@ def _backend(name: str):
             "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
 
 
-def _sdpa_kwargs(spec: Spec, dropout: bool = True) -> dict:
-    return {"is_causal": spec.mask == "causal", "dropout_p": spec.dropout if dropout else 0.0, "scale": spec.scale}
+def _sdpa_kwargs(spec: Spec, inputs: Inputs, dropout: bool = True) -> dict:
+    kwargs = {"is_causal": spec.mask == "causal", "dropout_p": spec.dropout if dropout else 0.0, "scale": spec.scale}
+    if inputs.k.shape[1] != inputs.q.shape[1]:
+        kwargs["enable_gqa"] = True   # grouped KV heads, as fagen takes them: no repeat in memory
+    return kwargs
 
 
 def sdpa_forward(backend: str, spec: Spec, inputs: Inputs, *, dropout: bool = True, attn_mask=None):
@@ -29,7 +32,7 @@ def sdpa_forward(backend: str, spec: Spec, inputs: Inputs, *, dropout: bool = Tr
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    kwargs = _sdpa_kwargs(spec, dropout)
+    kwargs = _sdpa_kwargs(spec, inputs, dropout)
     if attn_mask is not None:
         kwargs["is_causal"] = False
     with torch.no_grad(), sdpa_kernel(_backend(backend)):
@@ -44,7 +47,7 @@ def sdpa_backward(backend: str, spec: Spec, inputs: Inputs, *, dropout: bool = T
 
     leaves = tuple(t.detach().clone().requires_grad_(True) for t in (inputs.q, inputs.k, inputs.v))
     with sdpa_kernel(_backend(backend)):
-        o = torch.nn.functional.scaled_dot_product_attention(*leaves, **_sdpa_kwargs(spec, dropout))
+        o = torch.nn.functional.scaled_dot_product_attention(*leaves, **_sdpa_kwargs(spec, inputs, dropout))
     do = inputs.do
 
     def grads():
@@ -57,7 +60,7 @@ def time_sdpa_forward(backend: str, spec: Spec, inputs: Inputs, warmup: int, rep
     import torch
     from torch.nn.attention import sdpa_kernel
 
-    kwargs = _sdpa_kwargs(spec)
+    kwargs = _sdpa_kwargs(spec, inputs)
     q, k, v = inputs.q, inputs.k, inputs.v
     with torch.no_grad(), sdpa_kernel(_backend(backend)):
         return time_cuda(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, **kwargs),

@@ -50,6 +50,11 @@ class Row:
     rel_error: Optional[float] = None             # fagen vs SDPA: o (forward) or worst of dq, dk, dv (backward)
     check: str = "not checked"                    # "ok", "FAIL", or "not checked: <why>"
     plan: str = ""                                # the tile plan fagen ran: "Br=128 Bc=64 warps=4 (...)"
+    kv_heads: Optional[int] = None                # heads of k and v where fewer than heads (grouped KV heads)
+
+    def heads_text(self) -> str:
+        """"32" or, with grouped KV heads, "32/8" (query heads / KV heads)."""
+        return f"{self.heads}/{self.kv_heads}" if self.kv_heads and self.kv_heads != self.heads else str(self.heads)
 
     def tflops(self, impl: str) -> Optional[float]:
         ms = self.ms.get(impl)
@@ -195,7 +200,7 @@ def print_table(report: BenchReport, console=None) -> None:
         check = escape(check if row.rel_error is None else f"{check} {row.rel_error:.1e}")
         if row.check == "FAIL":
             check = f"[bold red]{check}[/]"
-        table.add_row(escape(row.spec), str(row.seq_len), str(row.batch), str(row.heads), row.pass_name,
+        table.add_row(escape(row.spec), str(row.seq_len), str(row.batch), row.heads_text(), row.pass_name,
                       *(fmt(row.tflops(i), ".1f") for i in IMPLS), flash_ratio, fmt(row.ratio("cudnn"), ".2f"),
                       *(fmt(row.ms.get(i), ".3f") for i in IMPLS), check)
         for impl, note in row.notes.items():
@@ -328,7 +333,7 @@ def markdown(report: BenchReport, pass_name: str, dropout: Optional[bool] = None
         target = TARGET_RATIO.get(pass_name, 1.0)
         flash_ratio = fmt(ratio, ".2f") + ("" if ratio is None else (" ✓" if ratio >= target else " ✗"))
         check = row.check if row.rel_error is None else f"{row.check} ({row.rel_error:.1e})"
-        lines.append(f"| {row.spec} | {row.seq_len} | {row.batch} x {row.heads} | {fmt(row.tflops('fagen'), '.1f')} "
+        lines.append(f"| {row.spec} | {row.seq_len} | {row.batch} x {row.heads_text()} | {fmt(row.tflops('fagen'), '.1f')} "
                      f"| {fmt(row.tflops('flash'), '.1f')} | {fmt(row.tflops('cudnn'), '.1f')} | {flash_ratio} "
                      f"| {fmt(row.ratio('cudnn'), '.2f')} | {fmt(row.ms.get('fagen'), '.3f')} | {check} |")
     return "\n".join(lines) + "\n"

@@ -118,8 +118,9 @@ class Inputs:
     runtime_args: dict
 
 
-def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0) -> Inputs:
-    """Fresh torch.randn inputs on the GPU (never zeros: zeros make every kernel look fast).
+def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0, kv_heads: Optional[int] = None) -> Inputs:
+    """Fresh torch.randn inputs on the GPU (never zeros: zeros make every kernel look fast); k and v
+    with `kv_heads` heads (grouped KV heads) when given.
 
     padding gets every key valid and block_sparse every block on, so that their FLOPs are the dense
     count; dropout gets a fixed seed and offset."""
@@ -128,7 +129,9 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     shape = (batch, heads, seq_len, spec.head_dim)
-    q, k, v, do = (torch.randn(shape, dtype=dtype, device=DEVICE, generator=generator) for _ in range(4))
+    kv_shape = (batch, kv_heads or heads, seq_len, spec.head_dim)
+    q, k, v, do = (torch.randn(kv_shape if name in "kv" else shape, dtype=dtype, device=DEVICE, generator=generator)
+                   for name in "qkvd")
     args: dict = {"seed": DROPOUT_SEED, "offset": 0} if spec.dropout else {}
     if spec.mask == "padding":
         args["kv_lengths"] = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)

@@ -76,14 +76,9 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
 
-    batch, heads, seq_q, head_dim = query.shape
-    kv_heads, seq_k = key.shape[1], key.shape[2]
-    if kv_heads != heads:
-        # Grouped KV heads: query head h reads KV head h // groups (repeat_kv's order). Copied out for
-        # now; a kernel that indexes the shared heads itself comes later.
-        grouped, shared = (batch, kv_heads, heads // kv_heads, seq_k, head_dim), (batch, heads, seq_k, head_dim)
-        key = key[:, :, None].expand(grouped).reshape(shared)
-        value = value[:, :, None].expand(grouped).reshape(shared)
+    head_dim, seq_k = query.shape[3], key.shape[2]
+    # Grouped KV heads go to the kernels as they are: query head h reads KV head h // (H / H_kv), which
+    # is repeat_kv's order, and the backward sums each group's dK, dV.
 
     # The spec travels as a JSON string built from plain Python values, so that torch.compile folds it
     # into a constant; fagen resolves and caches the kernel per distinct string.
