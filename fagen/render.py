@@ -24,7 +24,7 @@ ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
 PTX_TYPES = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}  # the type suffix of mma/wgmma instructions
 MASK_KINDS = {"none": "MASK_NONE", "causal": "MASK_CAUSAL", "sliding_window": "MASK_SLIDING_WINDOW",
               "padding": "MASK_PADDING", "block_sparse": "MASK_BLOCK_SPARSE"}
-PASS_PREFIX = {"forward": "fwd", "backward": "bwd"}
+PASS_PREFIX = {"forward": "fwd", "backward": "bwd", "decode": "dec"}
 
 _environment = jinja2.Environment(
     loader=jinja2.FileSystemLoader(str(TEMPLATE_DIR)),
@@ -62,6 +62,8 @@ def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
         return [main, f"{main}_delta", f"{main}_dq_convert", f"{main}_kv_group_sum"]
     if pass_name == "backward":
         return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert", f"{main}_kv_group_sum"]
+    if pass_name == "decode":   # one instance per row count, then the merge of the splits
+        return [f"{main}_r{rows}" for rows in decode_rows(plan)] + [f"{main}_combine"]
     return [main]
 
 
@@ -110,6 +112,11 @@ WARPGROUP_PRODUCTS = {
 }
 
 
+def decode_rows(plan: Plan) -> list[int]:
+    """The row counts the decode template is instantiated for: powers of two up to Br."""
+    return [1 << n for n in range(plan.block_r.bit_length()) if 1 << n <= plan.block_r]
+
+
 def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
     threads = plan.threads
     pad_elements = 4 // spec.element_bytes  # one 4-byte bank word
@@ -135,6 +142,10 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
+        "decode_entry_points": "".join(
+            f'extern "C" __global__ void __launch_bounds__({threads}) {kernel_name(spec, pass_name, plan)}_r{rows}'
+            f"(const fagen::AttentionArgs args) {{ {kernel_name(spec, pass_name, plan)}_rows<{rows}>(args); }}\n"
+            for rows in decode_rows(plan)) if pass_name == "decode" else "",
         "warpgroup_mma_functions": "".join(
             warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)
             for name, n_of, a_regs, tnsp_a, tnsp_b in WARPGROUP_PRODUCTS.get(plan.template, ())),

@@ -237,15 +237,19 @@ def _small_tensor_key(value, dtype, device: int):
     return tuple(value.shape)
 
 
+#: The small kernels around a pass's main one(s): launched without the plan's dynamic shared memory.
+_HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine")
+
+
 class FastCall:
     """A call signature seen before (shapes, strides, dtypes, devices of every tensor): the packed
     argument struct with everything but the pointers, seed and offset filled in, and the launches.
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "lock")
+    __slots__ = ("values", "params", "slots", "launches", "lock", "workspaces")
 
-    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list):
+    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = ()):
         import ctypes
 
         self.values = (ctypes.c_uint64 * len(args.values))(*[v & 0xFFFFFFFFFFFFFFFF for v in args.values])
@@ -253,6 +257,7 @@ class FastCall:
         self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
         self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
+        self.workspaces = workspaces  # shapes of fp32 scratch tensors whose pointers follow the outputs'
 
     def launch(self, device: int, stream: int, values: tuple) -> None:
         with self.lock:
@@ -327,7 +332,7 @@ class Kernel:
                 for pass_name, plan in self.plans.items():
                     module = modules[pass_name]
                     for symbol in plan.symbols:
-                        big = symbol == plan.symbols[0] or symbol.endswith("_dq")  # the ones given plan.smem_bytes
+                        big = not symbol.endswith(_HELPER_KERNELS)  # the others are given plan.smem_bytes
                         functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
                 self._functions[device] = functions
             return functions
@@ -545,7 +550,7 @@ class Kernel:
             if type(t) is not tensor_type:
                 return None
             parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
-        if self.plans[pass_name].stages > 1:
+        if self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans):
             for t in aligned:
                 if t.data_ptr() & 15:
                     return None
@@ -567,10 +572,11 @@ class Kernel:
             names, pointers = names + ("block_mask",), pointers + [block_mask.data_ptr()]
         return names, pointers
 
-    def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int) -> None:
+    def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
+                  workspaces: tuple = ()) -> None:
         functions = self._functions[device]
         table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
-                                            for symbol, grid, threads, smem in launches])
+                                            for symbol, grid, threads, smem in launches], workspaces)
 
     # ---- forward ----
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None,
@@ -589,10 +595,12 @@ class Kernel:
                 device = q.get_device()
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+                # decode: the splits' partial O and LSE, held until the launches are queued
+                workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
                 _, extra = self._runtime_pointers(kv_lengths, block_mask)
                 call.launch(device, _TORCH["stream"](device),
-                            (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(), *extra, seed,
-                             offset))
+                            (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                             *[w.data_ptr() for w in workspaces], *extra, seed, offset))
                 self._finish(call.launches[0][4])
                 return o, lse
         plan = self._pass("forward")
@@ -625,6 +633,11 @@ class Kernel:
         args["o"], args["lse"] = ot.pointer, lt.pointer
         args["o_stride"] = ot.strides[:3]
         keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
+        group = heads // tensors["k"].shape[1]
+        decode = self.plans.get("decode")
+        if decode is not None and group * seq_q <= decode.block_r:
+            return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
+                                kv_lengths, block_mask)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(seq_q / plan.block_r)
         if self.spec.loop_order == "fa1":
@@ -647,6 +660,46 @@ class Kernel:
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse") + names,
                            [(symbol, grid, plan.threads, plan.smem_bytes)], device)
         del keep  # torch's allocator orders the reuse of these after the kernel on this stream
+        return o, lse
+
+    def _decode(self, plan: LaunchPlan, args: LaunchArgs, tensors: dict, shape: tuple, group: int, o, lse, keep: list,
+                device: int, stream: int, signature, kv_lengths, block_mask):
+        """The split-KV forward for few query rows (templates/decode_splitkv.cu.j2): one block per
+        (split of the keys, batch, K/V head) holds every query row of the head's group, then
+        _combine merges the splits by LSE into o and lse."""
+        batch, heads, seq_q, seq_k = shape
+        for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
+            if tensors[name].pointer % 16 or any(stride % (16 // ELEMENT_BYTES[self.spec.dtype])
+                                                 for stride in tensors[name].strides[:3]):
+                aligned = self._aligned(tensors[name], 16)
+                keep.append(aligned)
+                tensors[name] = as_device_tensor(name, aligned)
+                args[name], args[f"{name}_stride"] = tensors[name].pointer, tensors[name].strides[:3]
+        rows = 1 << max(0, group * seq_q - 1).bit_length()   # the smallest instance that holds the rows
+        main = next(symbol for symbol in plan.symbols if symbol.endswith(f"_r{rows}"))
+        combine = plan.symbols[-1]
+        # Splits: enough blocks to fill every multiprocessor once, at least one tile of keys each.
+        resident = max(1, self.target.smem_per_block // max(plan.smem_bytes, 1))
+        base = batch * (heads // group)
+        splits = max(1, min(math.ceil(self.target.sm_count * resident / base), math.ceil(seq_k / plan.block_c), 256))
+        workspaces = ((batch, heads, seq_q, splits, self.spec.head_dim), (batch, heads, seq_q, splits))
+        like = tensors["q"]
+        for name, workspace_shape in zip(("o_accum", "row_max"), workspaces):
+            workspace = _allocate(like, workspace_shape, "fp32", stream)
+            keep.append(workspace)
+            args[name] = as_device_tensor(name, workspace).pointer
+        args["row_groups"] = splits
+        launches = [(main, (splits, base, 1), plan.threads, plan.smem_bytes),
+                    (combine, (batch * heads * seq_q, 1, 1), 128, 0)]
+        arguments = args.packed()
+        for symbol, grid, threads, smem in launches:
+            self._launch(device, symbol, arguments, grid, threads, smem, stream)
+        self._finish(main)
+        if signature is not None:
+            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max") + names,
+                           launches, device, workspaces)
+        del keep
         return o, lse
 
     # ---- backward ----

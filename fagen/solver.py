@@ -145,6 +145,14 @@ FAMILIES: tuple[Family, ...] = (
            rules=(("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
                    lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
                    else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0),)),
+    # Split-KV decoding (Nq small): Br = the rows of the largest instance (group x Nq <= 16), one key per
+    # thread (Bc = 32 W); two cp.async stages of K_j, V_j with rows padded by 16 bytes, Q in fp32; the
+    # warps' (m, l, O) merge over the K/V tiles once the loop is done. Per thread: S and O of every row.
+    Family("decode_splitkv", "decode_splitkv.cu.j2", ("decode",),
+           smem_bytes=sp.Max(2 * 2 * Bc * (E * d + 16), 4 * W * Br * (d + 2)) + 4 * Br * d,
+           registers=Br * sp.ceiling(d / 32) + 3 * Br + REGISTER_OVERHEAD,
+           warps=(2, 4), stages=2, keys_per_warp=32, any_tile=False,
+           rules=(("Br = 16: the largest instance holds 16 rows", lambda r, c, hd, w: r == 16),)),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
@@ -308,6 +316,9 @@ def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = R
     """Bytes the loop order moves through HBM for one (batch, head) at Nq = Nk = n (design.md)."""
     e, hd = spec.element_bytes, spec.head_dim
     row_blocks, col_blocks = math.ceil(n / block_r), math.ceil(n / block_c)
+    if pass_name == "decode":
+        # K and V read once per K/V head group, Q read and O, LSE written once (the split partials are small).
+        return 2 * e * n * hd + e * n * hd * 2 + 4 * n
     if pass_name == "forward" and spec.loop_order == "fa2":
         # Q read and O, LSE written once; K and V read once per Q row block.
         return e * n * hd * 2 + 4 * n + row_blocks * 2 * e * n * hd

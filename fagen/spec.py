@@ -19,7 +19,9 @@ DTYPES = ("fp16", "bf16", "fp32")
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
 LOOP_ORDERS = ("fa1", "fa2")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
-PASSES = ("forward", "backward")
+PASSES = ("forward", "backward")          # the default: what a spec builds unless `passes` says otherwise
+ALL_PASSES = PASSES + ("decode",)         # decode: the split-KV forward for few query rows (opt-in)
+DECODE_MASKS = ("none", "causal", "sliding_window", "padding")
 TILE_POLICIES = ("paper", "auto")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
@@ -69,8 +71,9 @@ class Spec(BaseModel):
     tile_policy: Literal["paper", "auto"] = Field(
         "auto", description="paper: the FlashAttention-1 closed form; auto: the template's own footprint.")
     arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = Field("sm_90", description="GPU architecture to build for.")
-    passes: tuple[Literal["forward", "backward"], ...] = Field(
-        ("forward", "backward"), description="Which kernels to generate.")
+    passes: tuple[Literal["forward", "backward", "decode"], ...] = Field(
+        ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
+        "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward).")
     deterministic: bool = Field(False, description="Backward without atomics: bitwise-reproducible dq.")
 
     @field_validator("head_dim")
@@ -113,10 +116,10 @@ class Spec(BaseModel):
             value = [value]
         if isinstance(value, (list, tuple)):
             if not value:
-                raise ValueError("at least one of forward, backward is needed")
+                raise ValueError("at least one of forward, backward, decode is needed")
             if len(set(value)) != len(value):
                 raise ValueError(f"{list(value)} names a pass twice")
-            return tuple(sorted(value, key=lambda p: PASSES.index(p) if p in PASSES else 99))
+            return tuple(sorted(value, key=lambda p: ALL_PASSES.index(p) if p in ALL_PASSES else 99))
         return value
 
     @field_validator("name")
@@ -139,6 +142,10 @@ class Spec(BaseModel):
                 raise ValueError(f"mask block_sparse needs `block_size`, a power of 2 from 16 to 256 (got {size})")
         elif self.block_size is not None:
             raise ValueError(f"block_size is only for mask block_sparse, not {self.mask}")
+        if "decode" in self.passes and self.mask not in DECODE_MASKS:
+            raise ValueError(f"the decode pass takes masks {', '.join(DECODE_MASKS)}, not {self.mask}")
+        if "decode" in self.passes and "forward" not in self.passes:
+            raise ValueError("the decode pass serves forward calls with few query rows: passes must include forward")
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self

@@ -1,6 +1,7 @@
 """`python -m fagen.bench`: helpers around saved `fagen bench` results.
 
 `extras` (compile and cache-load time, the bf16 GEMM rate and the ptxas report, for BENCHMARKS.md),
+`decode` (one query against a long KV cache, against SDPA and FlexAttention, as bandwidth),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
 from __future__ import annotations
@@ -36,6 +37,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     extras.add_argument("--variant", help="default: the first bf16, d=128, mask none, no-dropout variant")
     extras.add_argument("--json", dest="json_path", help="write the results here too")
     extras.add_argument("--skip-compile-times", action="store_true")
+    decode = sub.add_parser("decode", help="GPU: decoding against SDPA and FlexAttention, as HBM bandwidth")
+    decode.add_argument("--batches", default="1,32")
+    decode.add_argument("--kv-lens", default="8192,32768")
+    decode.add_argument("--heads", type=int, default=32)
+    decode.add_argument("--kv-heads", type=int, default=8)
+    decode.add_argument("--head-dim", type=int, default=128)
+    decode.add_argument("--json", dest="json_path")
     redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
     redraw.add_argument("report")
     redraw.add_argument("png")
@@ -44,6 +52,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     tables.add_argument("--extras", help="JSON from `python -m fagen.bench extras` (efficiency section)")
     args = parser.parse_args(argv)
 
+    if args.command == "decode":
+        from fagen.bench.decode import run_decode
+
+        run_decode([int(x) for x in args.batches.split(",")], [int(x) for x in args.kv_lens.split(",")],
+                   args.heads, args.kv_heads, args.head_dim, json=args.json_path)
+        return 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)
         return 0
