@@ -62,6 +62,8 @@ def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
         return [main, f"{main}_delta", f"{main}_dq_convert", f"{main}_kv_group_sum"]
     if pass_name == "backward":
         return [main, f"{main}_delta", f"{main}_dq", f"{main}_dq_convert", f"{main}_kv_group_sum"]
+    if pass_name == "decode" and plan.tensor_cores:   # one kernel for up to 16 rows, then the merge of the splits
+        return [main, f"{main}_combine"]
     if pass_name == "decode":   # one instance per row count, then the merge of the splits
         return [f"{main}_r{rows}" for rows in decode_rows(plan)] + [f"{main}_combine"]
     return [main]

@@ -241,6 +241,10 @@ def _small_tensor_key(value, dtype, device: int):
 _HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine")
 
 
+#: Fast-path signatures kept per kernel and pass; a table that fills up is cleared (see _remember).
+FAST_CALLS_KEPT = 256
+
+
 class FastCall:
     """A call signature seen before (shapes, strides, dtypes, devices of every tensor): the packed
     argument struct with everything but the pointers, seed and offset filled in, and the launches.
@@ -272,6 +276,20 @@ class FastCall:
                         raise
                     driver.make_current(device)   # a thread that never touched CUDA before
                     driver.launch(function, grid, threads, smem, stream, self, symbol)
+
+
+def decode_splits(base_blocks: int, key_tiles: int, sm_count: int, blocks_per_sm: int, limit: int = 256) -> int:
+    """How many splits to cut each (batch, K/V head)'s keys into for the decode kernel: the count whose
+    grid fills the GPU's resident-block slots most evenly (the last wave of blocks as full as the
+    others); the smallest count within 3% of the best fill, as every split costs a partial O to write
+    and merge. At most one split per tile of keys."""
+    slots = sm_count * blocks_per_sm
+    fills = {}
+    for splits in range(1, max(1, min(limit, key_tiles, 4 * math.ceil(slots / base_blocks))) + 1):
+        waves = base_blocks * splits / slots
+        fills[splits] = waves / math.ceil(waves)   # 1.0: every wave full; fewer blocks than slots: the share busy
+    best = max(fills.values())
+    return min(splits for splits, fill in fills.items() if fill >= 0.97 * best)
 
 
 # ---- the kernel object -------------------------------------------------------------------------
@@ -575,6 +593,8 @@ class Kernel:
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
                   workspaces: tuple = ()) -> None:
         functions = self._functions[device]
+        if len(table) >= FAST_CALLS_KEPT:   # shapes that keep changing (a growing KV cache) start it over
+            table.clear()
         table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
                                             for symbol, grid, threads, smem in launches], workspaces)
 
@@ -675,13 +695,13 @@ class Kernel:
                 keep.append(aligned)
                 tensors[name] = as_device_tensor(name, aligned)
                 args[name], args[f"{name}_stride"] = tensors[name].pointer, tensors[name].strides[:3]
-        rows = 1 << max(0, group * seq_q - 1).bit_length()   # the smallest instance that holds the rows
-        main = next(symbol for symbol in plan.symbols if symbol.endswith(f"_r{rows}"))
+        # CUDA-core template: the smallest instance that holds the rows; tensor-core one: a single kernel
+        rows = 1 << max(0, group * seq_q - 1).bit_length()
+        main = next((symbol for symbol in plan.symbols if symbol.endswith(f"_r{rows}")), plan.symbols[0])
         combine = plan.symbols[-1]
-        # Splits: enough blocks to fill every multiprocessor once, at least one tile of keys each.
-        resident = max(1, self.target.smem_per_block // max(plan.smem_bytes, 1))
         base = batch * (heads // group)
-        splits = max(1, min(math.ceil(self.target.sm_count * resident / base), math.ceil(seq_k / plan.block_c), 256))
+        splits = decode_splits(base, math.ceil(seq_k / plan.block_c), self.target.sm_count,
+                               max(1, self.target.smem_per_block // max(plan.smem_bytes, 1)))
         workspaces = ((batch, heads, seq_q, splits, self.spec.head_dim), (batch, heads, seq_q, splits))
         like = tensors["q"]
         for name, workspace_shape in zip(("o_accum", "row_max"), workspaces):

@@ -145,6 +145,18 @@ FAMILIES: tuple[Family, ...] = (
            rules=(("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
                    lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
                    else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0),)),
+    # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
+    # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of
+    # K_j, V_j (rows padded by 16 bytes); the warps' (m, l, O) merge over the K/V tiles at the end.
+    Family("decode_splitkv_mma", "decode_splitkv_mma.cu.j2", ("decode",),
+           smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
+           # Q fragments (d/4), O accumulators (d/2), S of the warp's keys (Bc / 2W)
+           registers=d / 4 + d / 2 + Bc / (2 * W) + REGISTER_OVERHEAD,
+           warps=(4, 8), stages=2, tensor_cores=True, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16,
+           # a decode block streams K/V: more resident warps hide more of the memory latency
+           preference=0, occupancy_first=True,
+           rules=(("Br = 16: one MMA row slab", lambda r, c, hd, w: r == 16),
+                  ("Bc / W in (16, 32, 64) keys per warp", lambda r, c, hd, w: c in (16 * w, 32 * w, 64 * w)))),
     # Split-KV decoding (Nq small): Br = the rows of the largest instance (group x Nq <= 16), one key per
     # thread (Bc = 32 W); two cp.async stages of K_j, V_j with rows padded by 16 bytes, Q in fp32; the
     # warps' (m, l, O) merge over the K/V tiles once the loop is done. Per thread: S and O of every row.

@@ -142,6 +142,17 @@ def test_cached_generation_matches_sdpa(fagen_calls):
     first_logits = {name: out.logits[0] for name, out in generated.items()}
     assert relative_error(first_logits["fagen"], first_logits["sdpa"]) < 2e-2
     assert len(fagen_calls) == 8 * 2
+    # the 7 steps after the prefill (1 query x 2 heads per KV head) ask for the decode kernel
+    assert sum('"decode"' in spec for spec in fagen_calls) == 7 * 2
+    # every decode step's logits, as long as both have generated the same tokens so far (greedy bf16
+    # decoding may part ways at a near tie, after which the inputs differ)
+    same_prefix = 64
+    for step in range(8):
+        if not torch.equal(generated["fagen"].sequences[:, :same_prefix], generated["sdpa"].sequences[:, :same_prefix]):
+            break
+        assert relative_error(generated["fagen"].logits[step], generated["sdpa"].logits[step]) < 2e-2, step
+        same_prefix += 1
+    assert same_prefix > 64 + 1, "at least the first decode step was compared"
 
 
 def test_attention_dropout_is_reproducible_from_torchs_seed(fagen_calls):

@@ -40,6 +40,8 @@ NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past
                             "layer_idx", "max_length_q", "max_length_k"})
 SEED_HIGH = 2**62   # dropout seeds are drawn in [0, SEED_HIGH): well inside fagen.attention's int64 range
 _NOT_GIVEN = object()
+#: Calls with (query heads / KV heads) x Nq up to this many rows run the decode kernel (its plan's Br).
+DECODE_ROWS = 16
 
 _warned: set[str] = set()
 
@@ -76,7 +78,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
 
-    head_dim, seq_k = query.shape[3], key.shape[2]
+    head_dim, seq_q, seq_k = query.shape[3], query.shape[2], key.shape[2]
     # Grouped KV heads go to the kernels as they are: query head h reads KV head h // (H / H_kv), which
     # is repeat_kv's order, and the backward sums each group's dK, dV.
 
@@ -95,6 +97,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # From torch's CPU generator: torch.manual_seed reproduces a run, and activation checkpointing,
         # which restores that generator before recomputing, regenerates the same dropout mask.
         seed = int(torch.randint(SEED_HIGH, (1,)))
+    if seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
+        # generation's steps (one new token against the cache): the spec that also builds the split-KV
+        # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
+        extra += ', "passes": ["forward", "backward", "decode"]'
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
     out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0)
     return out.transpose(1, 2).contiguous(), None
