@@ -647,7 +647,7 @@ class Kernel:
             raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {like.shape}, last dim contiguous")
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"out lse: expected contiguous fp32 of shape {(batch, heads, seq_q)}")
-        if ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3]):
+        if plan.tensor_cores and (ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3])):
             raise ArgumentError("out o: rows must start on 4-byte boundaries (even strides, aligned pointer)")
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer

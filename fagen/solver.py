@@ -76,6 +76,11 @@ _forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, 
 # O_i accumulators, about twice over once ptxas unrolls the P V loop (d=256, Br=128: 255 and spills)
 _forward_registers = 2 * sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD
 
+# The CUDA-core templates take any head dim. Their fp32 tiles follow the 2-byte Q/K/V tiles in shared
+# memory, so with an odd d an odd Br or Bc would leave them off 4-byte alignment.
+_EVEN_TILES_FOR_ODD_DIMS = ("Br and Bc even when d is odd (the fp32 tiles stay 4-byte aligned)",
+                            lambda r, c, hd, w: hd % 2 == 0 or (r % 2 == 0 and c % 2 == 0))
+
 FAMILIES: tuple[Family, ...] = (
     # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
     # stages of K_j, V_j in 128-byte-swizzled shared memory (+1 KB to align the swizzle atoms), read by
@@ -163,23 +168,23 @@ FAMILIES: tuple[Family, ...] = (
     Family("decode_splitkv", "decode_splitkv.cu.j2", ("decode",),
            smem_bytes=sp.Max(2 * 2 * Bc * (E * d + 16), 4 * W * Br * (d + 2)) + 4 * Br * d,
            registers=Br * sp.ceiling(d / 32) + 3 * Br + REGISTER_OVERHEAD,
-           warps=(2, 4), stages=2, keys_per_warp=32, any_tile=False,
+           warps=(2, 4), stages=2, keys_per_warp=32, any_tile=False, head_dim_multiple=8,
            rules=(("Br = 16: the largest instance holds 16 rows", lambda r, c, hd, w: r == 16),)),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
-           warps=(4, 8), loop_orders=("fa2",)),
+           warps=(4, 8), loop_orders=("fa2",), head_dim_multiple=1, rules=(_EVEN_TILES_FOR_ODD_DIMS,)),
     # FlashAttention-1 Algorithm 1: O/l/m live in HBM between (i, j) steps; m~, l~ and two weights per row.
     Family("forward_fa1_simt", "forward_fa1_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 4 * 4 * Br, registers=_forward_registers,
-           warps=(4, 8), loop_orders=("fa1",)),
+           warps=(4, 8), loop_orders=("fa1",), head_dim_multiple=1, rules=(_EVEN_TILES_FOR_ODD_DIMS,)),
     # FlashAttention-1 Algorithm 4: Q_i, dO_i, K_j, V_j in the dtype, P and dS as fp32 tiles, LSE and D
     # per row; dK_j, dV_j accumulate in registers (and dQ_i in the deterministic second pass).
     Family("backward_simt", "backward_simt.cu.j2", ("backward",),
            smem_bytes=E * (2 * Br * d + 2 * Bc * d) + 8 * Bc + 8 * Br * Bc + 2 * 4 * Br,
            # ~5 registers per dK/dV accumulator pair: calibrated against ptxas (d=96, Bc=128, 8 warps: 242-247)
            registers=sp.Max(5 * sp.ceiling(Bc * d / (32 * W)) + 16, sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD),
-           warps=(4, 8)),
+           warps=(4, 8), head_dim_multiple=1, rules=(_EVEN_TILES_FOR_ODD_DIMS,)),
 )
 
 
@@ -374,7 +379,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
     for description, holds in family.rules:
-        if block_r % 16 == 0 and not holds(block_r, block_c, spec.head_dim, warps):
+        if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, spec.head_dim, warps):
             broken.append(description)
     if not family.min_block_c <= block_c <= family.max_block_c:
         broken.append(f"{family.min_block_c} <= Bc <= {family.max_block_c}")

@@ -56,7 +56,7 @@ def assert_one_line_error(result, status: int, *words: str) -> str:
 
 # ---- bad specs: exit 2, one line ------------------------------------------------------------------
 BAD_SPECS = {
-    "head_dim": ("head_dim: 7\n", ["head_dim", "7", "multiple of 8"]),
+    "head_dim": ("head_dim: 257\n", ["head_dim", "257", "from 1 to 256"]),
     "budget": ("head_dim: 64\nsram_budget: 1KiB\n", ["sram_budget", "1024", "smallest budget"]),
     "unknown_key": ("head_dim: 64\ndtyp: bf16\n", ["dtyp", "did you mean 'dtype'"]),
     "bad_yaml": ("head_dim: [64\n", ["not valid YAML"]),
@@ -226,7 +226,7 @@ def test_gpu_commands_without_their_module_exit_2(run, small_spec, monkeypatch, 
 
 def test_check_reports_a_bad_spec_first(run, tmp_path):
     path = tmp_path / "spec.yaml"
-    path.write_text("head_dim: 7\n")
+    path.write_text("head_dim: 300\n")
     assert_one_line_error(run("check", path), 2, "head_dim")
 
 
@@ -242,11 +242,11 @@ def console_script() -> str:
 def test_console_script(tmp_path):
     fagen = console_script()
     bad = tmp_path / "bad.yaml"
-    bad.write_text("head_dim: 7\n")
+    bad.write_text("head_dim: 0\n")
     failed = subprocess.run([fagen, "build", str(bad)], capture_output=True, text=True, cwd=tmp_path, timeout=300)
     assert failed.returncode == 2
     (line,) = failed.stderr.strip().splitlines()
-    assert line.startswith(f"fagen: error: {bad}: head_dim") and "multiple of 8" in line
+    assert line.startswith(f"fagen: error: {bad}: head_dim") and "from 1 to 256" in line
     assert "Traceback" not in failed.stdout + failed.stderr
 
     schema = subprocess.run([fagen, "schema"], capture_output=True, text=True, timeout=300)

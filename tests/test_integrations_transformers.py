@@ -258,14 +258,14 @@ def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generat
 
 
 @pytest.mark.parametrize("case, reason", [
-    ({"head_dim": 36}, "head dims"),
+    ({"head_dim": 264}, "head dims"),
     ({"dtype": torch.float64}, "dtypes"),
     ({"kwargs": {"output_attentions": True}}, "output_attentions"),
     ({"kwargs": {"softcap": 30.0}}, "softcap"),
     ({"kwargs": {"s_aux": torch.zeros(2)}}, "s_aux"),
     ({"kwargs": {"position_bias": torch.zeros(1, 2, 8, 8)}}, "position_bias"),
     ({"dropout": 1.0}, "dropout"),
-], ids=["head-dim-36", "float64", "output-attentions", "softcap", "sinks", "position-bias", "dropout-1"])
+], ids=["head-dim-264", "float64", "output-attentions", "softcap", "sinks", "position-bias", "dropout-1"])
 def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reason):
     q, k, v = qkv(head_dim=case.get("head_dim", 32), dtype=case.get("dtype", torch.float32))
     kwargs = case.get("kwargs", {})
@@ -288,8 +288,8 @@ def test_neutral_keyword_arguments_stay_on_fagen(calls):
 def test_fallback_writes_out_masks_sdpa_cannot_infer(calls):
     """A head dim fagen has no kernel for, on masks fagen_mask() skipped: sliding window, and causal with
     Nq < Nk. SDPA's is_causal would get both wrong (no window; top-left alignment)."""
-    eager, ours = model_pair(tiny(MistralConfig, hidden_size=144, num_attention_heads=4, num_key_value_heads=2,
-                                  sliding_window=5))  # head_dim 36
+    eager, ours = model_pair(tiny(MistralConfig, hidden_size=1056, num_attention_heads=4, num_key_value_heads=2,
+                                  sliding_window=5))  # head_dim 264, above fagen's 256
     x = tokens(batch=1, seq=16)
     with warnings.catch_warnings(record=True) as records:
         warnings.simplefilter("always")

@@ -31,7 +31,14 @@ def _specs():
 
 SPECS = _specs() + [  # head dims that are not multiples of 16 run on the CUDA-core fa2 template
     Spec(head_dim=40, dtype="fp16", mask="causal", dropout=0.1),
-    Spec(head_dim=72, dtype="bf16", mask="sliding_window", window=50)]
+    Spec(head_dim=72, dtype="bf16", mask="sliding_window", window=50),
+    # any head dim from 1 to 256: the user's tensors as they are (rows of odd length, no padding copy)
+    Spec(head_dim=1, dtype="fp32", mask="padding"),
+    Spec(head_dim=3, dtype="bf16", mask="none", dropout=0.1),
+    Spec(head_dim=59, dtype="fp16", mask="causal", dropout=0.1),
+    Spec(head_dim=111, dtype="bf16", mask="sliding_window", window=50),
+    Spec(head_dim=111, dtype="bf16", mask="block_sparse", block_size=64, loop_order="fa1"),
+    Spec(head_dim=255, dtype="fp16", mask="causal")]
 GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
     Spec(head_dim=64, dtype="fp16", mask="causal", dropout=0.1, deterministic=True),
     Spec(head_dim=256, dtype="bf16", mask="none"),

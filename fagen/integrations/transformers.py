@@ -33,7 +33,7 @@ NAME = "fagen"
 #: Device types fagen's kernels run on; tensors elsewhere take the SDPA path.
 DEVICE_TYPES = ("cuda",)
 DTYPES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-HEAD_DIMS = frozenset(range(32, 257, 8))   # the spec's head_dim: 32 ... 256, a multiple of 8
+HEAD_DIMS = frozenset(range(1, 257))   # the spec's head_dim: any from 1 to 256
 #: Keyword arguments transformers passes along that do not change the attention maths.
 NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values", "position_embeddings",
                             "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
@@ -140,7 +140,7 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
                 f"(fagen needs one of {', '.join(str(d) for d in DTYPES)} for all three)")
     head_dim = query.shape[-1]
     if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        return f"head dims q {head_dim}, k {key.shape[-1]}, v {value.shape[-1]} (fagen: 32 ... 256, a multiple of 8)"
+        return f"head dims q {head_dim}, k {key.shape[-1]}, v {value.shape[-1]} (fagen: one d from 1 to 256)"
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} KV heads (not a multiple)"
     if not 0.0 <= dropout < 1.0:
