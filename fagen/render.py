@@ -103,13 +103,13 @@ def warpgroup_mma_function(name: str, n: int, ptx_type: str, a_in_registers: boo
 WARPGROUP_PRODUCTS = {
     "forward_wgmma.cu.j2": (
         ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
-        ("o_product", lambda spec, plan: spec.head_dim, True, 0, 1),     # O += P~ V, V read transposed
+        ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),     # O += P~ V, V read transposed
     ),
     "backward_wgmma.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
-        ("key_grad_product", lambda spec, plan: spec.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
+        ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
         # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or one 64-dim panel
-        ("dq_product", lambda spec, plan: spec.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
+        ("dq_product", lambda spec, plan: plan.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
     ),
 }
 
@@ -127,7 +127,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "kernel_name": kernel_name(spec, pass_name, plan),
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],
-        "head_dim": spec.head_dim,
+        "head_dim": plan.head_dim or spec.head_dim,   # padded up to the template's multiple
+        "data_dim": spec.head_dim,
         "block_r": plan.block_r,
         "block_c": plan.block_c,
         "threads": threads,
@@ -146,7 +147,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
             f'extern "C" __global__ void __launch_bounds__({threads}) {kernel_name(spec, pass_name, plan)}_r{rows}'
-            f"(const fagen::AttentionArgs args) {{ {kernel_name(spec, pass_name, plan)}_rows<{rows}>(args); }}\n"
+            f"(const fagen::AttentionArgs args) {{\n  extern __shared__ float4 shared_raw[];\n"
+            f"  {kernel_name(spec, pass_name, plan)}_rows<{rows}>(args, shared_raw);\n}}\n"
             for rows in decode_rows(plan)) if pass_name == "decode" else "",
         "warpgroup_mma_functions": "".join(
             warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)

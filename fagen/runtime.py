@@ -304,11 +304,13 @@ class LaunchPlan:
     smem_bytes: int
     stages: int
     tensor_cores: bool
+    head_dim: int       # the d the kernels compute with (the spec's, padded up to the template's multiple):
+                        # the row length of their fp32 workspaces (dq_accum, the decode splits' O)
 
     @classmethod
-    def from_plan(cls, plan: dict, symbols) -> "LaunchPlan":
+    def from_plan(cls, plan: dict, symbols, head_dim: int) -> "LaunchPlan":
         return cls(tuple(symbols), plan["block_r"], plan["block_c"], plan["threads"], plan["smem_bytes"],
-                   plan["stages"], plan["tensor_cores"])
+                   plan["stages"], plan["tensor_cores"], plan.get("head_dim") or head_dim)
 
 
 class Kernel:
@@ -325,7 +327,8 @@ class Kernel:
             record, cubins = _build_record(spec, target, solution)
             self._rendered = record.pop("_rendered")
         self.record = record
-        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p]) for p in record["plans"]}
+        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p], spec.head_dim)
+                      for p in record["plans"]}
         self._cubins = cubins   # pass -> cubin
         self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
         self._lock = threading.Lock()
@@ -702,7 +705,7 @@ class Kernel:
         base = batch * (heads // group)
         splits = decode_splits(base, math.ceil(seq_k / plan.block_c), self.target.sm_count,
                                max(1, self.target.smem_per_block // max(plan.smem_bytes, 1)))
-        workspaces = ((batch, heads, seq_q, splits, self.spec.head_dim), (batch, heads, seq_q, splits))
+        workspaces = ((batch, heads, seq_q, splits, plan.head_dim), (batch, heads, seq_q, splits))
         like = tensors["q"]
         for name, workspace_shape in zip(("o_accum", "row_max"), workspaces):
             workspace = _allocate(like, workspace_shape, "fp32", stream)
@@ -747,7 +750,8 @@ class Kernel:
                     pointers += [w.data_ptr() for w in workspaces]
                 pointers.append(delta.data_ptr())
                 if not self.spec.deterministic:
-                    dq_accum = torch.zeros((*q.shape[:3], self.spec.head_dim), dtype=torch.float32, device=q.device)
+                    dq_accum = torch.zeros((*q.shape[:3], self.plans["backward"].head_dim), dtype=torch.float32,
+                                           device=q.device)
                     pointers.append(dq_accum.data_ptr())
                 _, extra = self._runtime_pointers(kv_lengths, block_mask)
                 call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
@@ -802,7 +806,7 @@ class Kernel:
         keep.append(delta)
         args["delta"] = as_device_tensor("delta", delta).pointer
         if not self.spec.deterministic:
-            dq_accum = _allocate(like, (batch, heads, seq_q, self.spec.head_dim), "fp32", stream, zero=True)
+            dq_accum = _allocate(like, (batch, heads, seq_q, plan.head_dim), "fp32", stream, zero=True)
             keep.append(dq_accum)
             args["dq_accum"] = as_device_tensor("dq_accum", dq_accum).pointer
         arguments = args.packed()

@@ -203,18 +203,21 @@ class Plan:
     resident_warps: int
     smem_reads: int = 0
     tensor_cores: bool = False
+    head_dim: int = 0                # the d the template computes with: the spec's, padded up to the family's multiple
 
     def rank_key(self) -> tuple:
         """Lower is better: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
         tensor-core plans the other way round: fewer barriers per key), fewer warps."""
         family = family_named(self.family)
+        # first the least head-dim padding: d = 72 computes as 80 on mma.sync, not as 128 on wgmma
         if family.occupancy_first:
-            return (family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
+            return (self.head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
                     -self.block_r * self.block_c, self.warps)
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
-            return (family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
+            return (self.head_dim, family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
                     -self.resident_warps, self.warps)
-        return (self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c, self.warps)
+        return (self.head_dim, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
+                self.warps)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -351,12 +354,23 @@ def family_named(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
 
 
+def padded_head_dim(family: Family, head_dim: int) -> int:
+    """The head dim `family` computes `head_dim` with: itself where it is a multiple of the family's,
+    else, for the tensor-core templates, the next multiple (zero columns in shared memory, never
+    stored), provided the user's rows are whole 16-byte copies (d a multiple of 8); 0: not supported."""
+    multiple = family.head_dim_multiple
+    if head_dim % multiple == 0:
+        return head_dim
+    padded = -(-head_dim // multiple) * multiple
+    return padded if family.tensor_cores and head_dim % 8 == 0 and padded <= 256 else 0
+
+
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
     """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
     integers, so that policy needs a family that takes any tile."""
     return [f for f in FAMILIES
             if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders
-            and spec.head_dim % f.head_dim_multiple == 0 and (policy == "auto" or f.any_tile)
+            and padded_head_dim(f, spec.head_dim) and (policy == "auto" or f.any_tile)
             and (f.deterministic or not spec.deterministic)]
 
 
@@ -364,7 +378,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
              block_r: int, block_c: int, warps: int) -> tuple[Plan, list[str]]:
     """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
     compiled = _compiled(family)
-    smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, spec.head_dim, warps,
+    head_dim = padded_head_dim(family, spec.head_dim) or spec.head_dim
+    smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
                                                               spec.element_bytes)
     smem = _exact_int(smem)
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0))
@@ -379,7 +394,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
     for description, holds in family.rules:
-        if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, spec.head_dim, warps):
+        if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):
             broken.append(description)
     if not family.min_block_c <= block_c <= family.max_block_c:
         broken.append(f"{family.min_block_c} <= Bc <= {family.max_block_c}")
@@ -392,7 +407,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
                 hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps,
-                _exact_ceiling(reads), family.tensor_cores)
+                _exact_ceiling(reads), family.tensor_cores, head_dim)
     return plan, broken
 
 

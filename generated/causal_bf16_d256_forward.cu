@@ -14,6 +14,7 @@
 namespace fagen_fwd_d256_bf16_causal_fa2_sm90_for_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 256;
+constexpr int DATA_DIM = 256;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;              // Br = 64 rows per warpgroup
 constexpr int BLOCK_C = 64;              // Bc
 constexpr int THREADS = 256;
@@ -90,7 +91,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
   auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0));
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
     tc::cp_async_wait<0>();
@@ -197,7 +198,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   // Software pipeline, per visible block j (i counts them): K_{j+1} and V_j load while S_j = Q K_j^T
   // and then O += P~_{j-1} V_{j-1} run on the tensor cores; the softmax of S_j overlaps the second.
   // Q_i and the first visible K_j load together.
-  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here);
+  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
   if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride[2], j);
   tc::cp_async_commit();
@@ -244,7 +245,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       const unsigned packed = tc::pack_pair<elem_t>(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
-      *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }

@@ -15,6 +15,7 @@
 namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;
+constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;              // Br = 64 rows per warpgroup
 constexpr int BLOCK_C = 128;              // Bc
 constexpr int THREADS = 256;
@@ -91,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
   auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0));
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
     tc::cp_async_wait<0>();
@@ -198,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
   // Software pipeline, per visible block j (i counts them): K_{j+1} and V_j load while S_j = Q K_j^T
   // and then O += P~_{j-1} V_{j-1} run on the tensor cores; the softmax of S_j overlaps the second.
   // Q_i and the first visible K_j load together.
-  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here);
+  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
   if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride[2], j);
   tc::cp_async_commit();
@@ -245,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       const unsigned packed = tc::pack_pair<elem_t>(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
-      *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }
@@ -263,6 +264,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
 namespace fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;
+constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int MAX_ROWS = 16;             // Br = 16: one MMA row slab
 constexpr int BLOCK_C = 64;              // Bc: keys per tile
 constexpr int THREADS = 128;
@@ -350,7 +352,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   total = warp_sum(total);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + i * args.o_stride[2];
-  for (int e = threadIdx.x; e < HEAD_DIM; e += blockDim.x) {
+  for (int e = threadIdx.x; e < DATA_DIM; e += blockDim.x) {   // the partials' rows are HEAD_DIM long
     float acc = 0.f;
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) acc = fmaf(__expf(lse_parts[s] - m), o_parts[s * HEAD_DIM + e], acc);
@@ -384,7 +386,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   // Q: the group's rows gathered from their heads (plain loads: 16 rows, once); rows past `rows` are 0
   for (int idx = tid; idx < MAX_ROWS * HEAD_DIM; idx += THREADS) {
     const int r = idx / HEAD_DIM, e = idx % HEAD_DIM;
-    q_tile[r * PITCH + e] = r < rows ? static_cast<const elem_t*>(args.q)[
+    q_tile[r * PITCH + e] = r < rows && e < DATA_DIM ? static_cast<const elem_t*>(args.q)[
         b * args.q_stride[0] + row_head(h_kv, group, r) * args.q_stride[1] +
         (long long)row_position(group, r) * args.q_stride[2] + e] : from_float<elem_t>(0.f);
   }
@@ -397,8 +399,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   };
   auto load_kv = [&](int col0, int stage) {
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, key_end - col0);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, key_end - col0);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, key_end - col0, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, key_end - col0, DATA_DIM);
     tc::cp_async_commit();
   };
 

@@ -159,6 +159,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_fp32_padding_fa1
 namespace fagen_bwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_config {
 using elem_t = float;
 constexpr int HEAD_DIM = 32;
+constexpr int DATA_DIM = 32;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 32;
 constexpr int BLOCK_C = 128;
 constexpr int THREADS = 256;
@@ -372,21 +373,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
   const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
   float acc = 0.f;
-  for (int e = lane; e < HEAD_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
+  for (int e = lane; e < DATA_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
   acc = warp_sum(acc);
   if (lane == 0) args.delta[row] = acc;
 }
 
-// dQ from the fp32 atomics buffer into the caller's dtype and strides.
+// dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_dq_convert(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_config;
   using namespace fagen;
-  const long long total = args.batch * args.heads * args.seq_q * HEAD_DIM;
+  const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_q, bh = row / args.seq_q, b = bh / args.heads, h = bh % args.heads;
     elem_t* dq = static_cast<elem_t*>(args.dq) + b * args.dq_stride[0] + h * args.dq_stride[1] + n * args.dq_stride[2];
-    dq[e] = from_float<elem_t>(args.dq_accum[idx]);
+    dq[e] = from_float<elem_t>(args.dq_accum[row * HEAD_DIM + e]);
   }
 }
 
@@ -396,9 +397,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   using namespace fagen_bwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_config;
   using namespace fagen;
   const long long kv_heads = args.heads / args.kv_group;
-  const long long total = args.batch * kv_heads * args.seq_k * HEAD_DIM;
+  const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_k, b_hkv = row / args.seq_k, b = b_hkv / kv_heads, h_kv = b_hkv % kv_heads;
     float dk_total = 0.f, dv_total = 0.f;
     for (long long h = h_kv * args.kv_group; h < (h_kv + 1) * args.kv_group; ++h) {

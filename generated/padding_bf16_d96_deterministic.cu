@@ -14,6 +14,7 @@
 namespace fagen_fwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w4_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 96;
+constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;              // Br = 16 * M_TILES rows per warp
 constexpr int M_TILES = 2;              // 16-row MMA slabs per warp
 constexpr bool Q_IN_REGISTERS = true;  // else Q_w is re-read from shared memory per k-step
@@ -69,12 +70,12 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
   auto load_kv = [&](int j, int stage) {
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
     const int col0 = j * BLOCK_C, cols = min(BLOCK_C, seq_k - col0);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, cols);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, cols, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols, DATA_DIM);
   };
 
   // Q_i and the first visible K_j, V_j in flight together.
-  tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here);
+  tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
   if (j < col_blocks) load_kv(j, 0);
   tc::cp_async_commit();
@@ -241,7 +242,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       const unsigned packed = tc::pack_pair<elem_t>(o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
-      *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
   }
@@ -256,6 +257,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
 namespace fagen_bwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 96;
+constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;
 constexpr int BLOCK_C = 64;
 constexpr int THREADS = 256;
@@ -469,21 +471,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
   const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
   float acc = 0.f;
-  for (int e = lane; e < HEAD_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
+  for (int e = lane; e < DATA_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
   acc = warp_sum(acc);
   if (lane == 0) args.delta[row] = acc;
 }
 
-// dQ from the fp32 atomics buffer into the caller's dtype and strides.
+// dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_dq_convert(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_config;
   using namespace fagen;
-  const long long total = args.batch * args.heads * args.seq_q * HEAD_DIM;
+  const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_q, bh = row / args.seq_q, b = bh / args.heads, h = bh % args.heads;
     elem_t* dq = static_cast<elem_t*>(args.dq) + b * args.dq_stride[0] + h * args.dq_stride[1] + n * args.dq_stride[2];
-    dq[e] = from_float<elem_t>(args.dq_accum[idx]);
+    dq[e] = from_float<elem_t>(args.dq_accum[row * HEAD_DIM + e]);
   }
 }
 
@@ -493,9 +495,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   using namespace fagen_bwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_config;
   using namespace fagen;
   const long long kv_heads = args.heads / args.kv_group;
-  const long long total = args.batch * kv_heads * args.seq_k * HEAD_DIM;
+  const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_k, b_hkv = row / args.seq_k, b = b_hkv / kv_heads, h_kv = b_hkv % kv_heads;
     float dk_total = 0.f, dv_total = 0.f;
     for (long long h = h_kv * args.kv_group; h < (h_kv + 1) * args.kv_group; ++h) {

@@ -15,6 +15,7 @@
 namespace fagen_fwd_d64_fp16_none_fa2_sm90_br128_bc64_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;
+constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;              // Br = 64 rows per warpgroup
 constexpr int BLOCK_C = 64;              // Bc
 constexpr int THREADS = 256;
@@ -91,7 +92,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa2_sm
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
   auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0));
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
     tc::cp_async_wait<0>();
@@ -198,7 +199,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa2_sm
   // Software pipeline, per visible block j (i counts them): K_{j+1} and V_j load while S_j = Q K_j^T
   // and then O += P~_{j-1} V_{j-1} run on the tensor cores; the softmax of S_j overlaps the second.
   // Q_i and the first visible K_j load together.
-  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here);
+  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
   if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride[2], j);
   tc::cp_async_commit();
@@ -245,7 +246,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa2_sm
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       const unsigned packed = tc::pack_pair<elem_t>(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
-      *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }
@@ -266,6 +267,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa2_sm
 namespace fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;
+constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 128;              // Br query rows per step
 constexpr int BLOCK_C = 128;              // Bc = 64 keys per warpgroup
 constexpr int THREADS = 256;
@@ -363,8 +365,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile(stage), q, args.q_stride[2], row0, rows);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(do_tile(stage), d_o, args.do_stride[2], row0, rows);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
@@ -374,8 +376,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   };
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(k_tile, k, args.k_stride[2], col0, cols_here);
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(v_tile, v, args.v_stride[2], col0, cols_here);
+  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
+  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
@@ -546,6 +548,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
       const int dim = n * 8 + quad * 2;
+      if (dim >= DATA_DIM) continue;   // head-dim padding
       *reinterpret_cast<unsigned*>(dk + (long long)key * args.dk_stride[2] + dim) =
           tc::pack_pair<elem_t>(dk_acc[n][2 * half] * SCALE, dk_acc[n][2 * half + 1] * SCALE);
       *reinterpret_cast<unsigned*>(dv + (long long)key * args.dv_stride[2] + dim) =
@@ -567,21 +570,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
   const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
   float acc = 0.f;
-  for (int e = lane; e < HEAD_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
+  for (int e = lane; e < DATA_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
   acc = warp_sum(acc);
   if (lane == 0) args.delta[row] = acc;
 }
 
-// dQ from the fp32 atomics buffer into the caller's dtype and strides.
+// dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_dq_convert(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_config;
   using namespace fagen;
-  const long long total = args.batch * args.heads * args.seq_q * HEAD_DIM;
+  const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_q, bh = row / args.seq_q, b = bh / args.heads, h = bh % args.heads;
     elem_t* dq = static_cast<elem_t*>(args.dq) + b * args.dq_stride[0] + h * args.dq_stride[1] + n * args.dq_stride[2];
-    dq[e] = from_float<elem_t>(args.dq_accum[idx]);
+    dq[e] = from_float<elem_t>(args.dq_accum[row * HEAD_DIM + e]);
   }
 }
 
@@ -591,9 +594,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa2_sm
   using namespace fagen_bwd_d64_fp16_none_fa2_sm90_br128_bc128_w8_config;
   using namespace fagen;
   const long long kv_heads = args.heads / args.kv_group;
-  const long long total = args.batch * kv_heads * args.seq_k * HEAD_DIM;
+  const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % HEAD_DIM, row = idx / HEAD_DIM;
+    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
     const long long n = row % args.seq_k, b_hkv = row / args.seq_k, b = b_hkv / kv_heads, h_kv = b_hkv % kv_heads;
     float dk_total = 0.f, dv_total = 0.f;
     for (long long h = h_kv * args.kv_group; h < (h_kv + 1) * args.kv_group; ++h) {

@@ -85,14 +85,16 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a padded shared tile, 16 bytes per copy;
-// rows at or past valid_rows are zero so that they add nothing to any product.
+// rows at or past valid_rows, and the columns at or past valid_cols (a head dim padded up to the
+// template's: valid_cols a multiple of 16 bytes' elements), are zero so that they add nothing to any product.
 template <int ROWS, int HEAD_DIM, int PITCH, int THREADS, typename T>
-__device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long long row_stride, int row0, int valid_rows) {
+__device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long long row_stride, int row0, int valid_rows,
+                                                int valid_cols = HEAD_DIM) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
     const int r = chunk / CHUNKS_PER_ROW, c = (chunk % CHUNKS_PER_ROW) * PER_CHUNK;
-    const bool valid = r < valid_rows;
+    const bool valid = r < valid_rows && c < valid_cols;
     cp_async_16(tile + r * PITCH + c, slice + (valid ? (long long)(row0 + r) * row_stride + c : 0), valid);
   }
 }

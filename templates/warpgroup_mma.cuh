@@ -28,7 +28,8 @@ __device__ __forceinline__ unsigned swizzled_offset(int rows, int row, int chunk
 // 16-byte column chunk of every (THREADS / chunks-per-row)-th row: when that row step is a multiple of 8
 // the swizzle phase never changes, so every copy after the first is a constant offset away.
 template <int ROWS, int HEAD_DIM, int THREADS, typename T>
-__device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T* slice, long long row_stride, int row0, int valid_rows) {
+__device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T* slice, long long row_stride, int row0, int valid_rows,
+                                                         int valid_cols = HEAD_DIM) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
@@ -39,13 +40,13 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
     const long long src_step = ROW_STEP * row_stride;
 #pragma unroll
     for (int n = 0; n < ROWS / ROW_STEP; ++n) {
-      const bool valid = r0 + n * ROW_STEP < valid_rows;
+      const bool valid = r0 + n * ROW_STEP < valid_rows && c * PER_CHUNK < valid_cols;
       tc::cp_async_16(dst + n * ROW_STEP * ROW_BYTES, valid ? src + n * src_step : slice, valid);
     }
   } else {
     for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
       const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
-      const bool valid = r < valid_rows;
+      const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
       tc::cp_async_16(tile + swizzled_offset(ROWS, r, c), slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0), valid);
     }
   }

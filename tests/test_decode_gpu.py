@@ -17,7 +17,8 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", passes=["forward", "dec
          Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.2, passes=["forward", "decode"]),
          Spec(head_dim=256, dtype="bf16", mask="sliding_window", window=300, passes=["forward", "decode"]),
          Spec(head_dim=96, dtype="fp32", mask="padding", passes=["forward", "decode"]),
-         Spec(head_dim=40, dtype="fp16", mask="causal", passes=["forward", "backward", "decode"])]
+         Spec(head_dim=40, dtype="fp16", mask="causal", passes=["forward", "backward", "decode"]),   # padded to 48
+         Spec(head_dim=104, dtype="bf16", mask="sliding_window", window=700, passes=["forward", "backward", "decode"])]
 
 
 @pytest.fixture(scope="module", autouse=True)

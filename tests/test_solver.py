@@ -81,7 +81,8 @@ def family_named(name: str) -> solver.Family:
 
 
 def substitutions(spec: Spec, plan: Plan) -> dict:
-    return {Br: plan.block_r, Bc: plan.block_c, d: spec.head_dim, W: plan.warps, solver.E: spec.element_bytes}
+    """The footprint's symbols at this plan; d is the head dim the template computes with (padded)."""
+    return {Br: plan.block_r, Bc: plan.block_c, d: plan.head_dim, W: plan.warps, solver.E: spec.element_bytes}
 
 
 def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
@@ -124,7 +125,10 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
     assert family.min_block_c <= plan.block_c <= family.max_block_c
     if not family.any_tile:
         assert plan.block_r % 16 == 0 and plan.block_c % 16 == 0
-    assert spec.head_dim % family.head_dim_multiple == 0
+    # the computed head dim: the spec's, or (tensor cores, d a multiple of 8) the next multiple of the family's
+    assert plan.head_dim % family.head_dim_multiple == 0 and spec.head_dim <= plan.head_dim <= 256
+    assert plan.head_dim == spec.head_dim or (family.tensor_cores and spec.head_dim % 8 == 0
+                                              and plan.head_dim - spec.head_dim < family.head_dim_multiple)
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
     if spec.mask == "block_sparse":
         assert spec.block_size % plan.block_r == 0 and spec.block_size % plan.block_c == 0, \
@@ -199,7 +203,8 @@ def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c,
     warps = data.draw(st.sampled_from(family.warps))
     spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0)
     plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
-    values = {Br: block_r, Bc: block_c, d: head_dim, W: warps, solver.E: spec.element_bytes}
+    values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes}   # padded d
+    assert plan.head_dim == (solver.padded_head_dim(family, head_dim) or head_dim)
     philox = sp.sympify(family.dropout_registers).subs(values) if dropout else 0
     assert plan.smem_bytes == int(family.smem_bytes.subs(values))
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + philox))
@@ -367,3 +372,13 @@ def test_targets_are_plain_data():
     for arch, target in TARGETS.items():
         assert target.arch == arch and target.registers_per_thread == REGISTER_CEILING
         assert target.smem_per_block <= target.smem_per_sm
+
+
+@pytest.mark.parametrize("head_dim, family, computed", [
+    (40, "forward_fa2_mma", 48), (72, "forward_fa2_mma", 80), (120, "forward_wgmma", 128), (8, "forward_fa2_mma", 16),
+    (59, "forward_fa2_simt", 59), (3, "forward_fa2_simt", 3), (64, "forward_wgmma", 64)])
+def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, computed):
+    """A d that is a multiple of 8 runs on tensor cores padded to the family's multiple, the least
+    padding first (72 computes as 80 on mma.sync rather than as 128 on wgmma); other d on CUDA cores."""
+    plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", passes=["forward"])).plans["forward"]
+    assert (plan.family, plan.head_dim) == (family, computed)
