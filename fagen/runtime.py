@@ -332,6 +332,10 @@ class Kernel:
         self._cubins = cubins   # pass -> cubin
         self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
         self._lock = threading.Lock()
+        # Rows of whole 16-byte chunks are copied by cp.async (they must start on 16-byte boundaries);
+        # other head dims load element by element, anywhere. An even d stores output pairs as 32 bits.
+        self._chunked_rows = spec.head_dim * ELEMENT_BYTES[spec.dtype] % 16 == 0
+        self._pair_stores = spec.head_dim % 2 == 0
         self._fast_forward: dict[tuple, FastCall] = {}
         self._fast_backward: dict[tuple, FastCall] = {}
         self._load(_default_device() if device is None else device)
@@ -571,7 +575,7 @@ class Kernel:
             if type(t) is not tensor_type:
                 return None
             parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
-        if self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans):
+        if self._chunked_rows and (self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans)):
             for t in aligned:
                 if t.data_ptr() & 15:
                     return None
@@ -636,7 +640,7 @@ class Kernel:
                                     out=out)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
-        if plan.stages > 1:  # cp.async moves 16-byte chunks: rows must start on 16-byte boundaries
+        if plan.stages > 1 and self._chunked_rows:  # cp.async moves 16-byte chunks: rows start on 16-byte boundaries
             q, k, v = (self._aligned(tensors[name], 16) for name in ("q", "k", "v"))
             tensors, shape = self._check_qkv(q, k, v, {})
         like = tensors["q"]
@@ -650,7 +654,7 @@ class Kernel:
             raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {like.shape}, last dim contiguous")
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"out lse: expected contiguous fp32 of shape {(batch, heads, seq_q)}")
-        if plan.tensor_cores and (ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3])):
+        if plan.tensor_cores and self._pair_stores and (ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3])):
             raise ArgumentError("out o: rows must start on 4-byte boundaries (even strides, aligned pointer)")
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
@@ -692,8 +696,8 @@ class Kernel:
         _combine merges the splits by LSE into o and lse."""
         batch, heads, seq_q, seq_k = shape
         for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
-            if tensors[name].pointer % 16 or any(stride % (16 // ELEMENT_BYTES[self.spec.dtype])
-                                                 for stride in tensors[name].strides[:3]):
+            if self._chunked_rows and (tensors[name].pointer % 16 or any(
+                    stride % (16 // ELEMENT_BYTES[self.spec.dtype]) for stride in tensors[name].strides[:3])):
                 aligned = self._aligned(tensors[name], 16)
                 keep.append(aligned)
                 tensors[name] = as_device_tensor(name, aligned)
@@ -767,7 +771,7 @@ class Kernel:
                                      offset=offset, out=out)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
-        if plan.stages > 1:  # cp.async moves 16-byte chunks of Q, dO, K, V
+        if plan.stages > 1 and self._chunked_rows:  # cp.async moves 16-byte chunks of Q, dO, K, V
             q, k, v, do = (self._aligned(tensors[name], 16) for name in ("q", "k", "v", "d_o"))
             tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         lt = as_device_tensor("lse", lse)
@@ -787,7 +791,7 @@ class Kernel:
             gt = as_device_tensor(key, grad)
             if gt.shape != tensors[like].shape or gt.dtype != self.spec.dtype or gt.strides[3] != 1:
                 raise ArgumentError(f"out {key}: expected {self.spec.dtype} of shape {tensors[like].shape}")
-            if plan.tensor_cores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
+            if plan.tensor_cores and self._pair_stores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
                 raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
             if grouped and key != "dq":
                 # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense

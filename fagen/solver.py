@@ -357,12 +357,12 @@ def family_named(name: str) -> Family:
 def padded_head_dim(family: Family, head_dim: int) -> int:
     """The head dim `family` computes `head_dim` with: itself where it is a multiple of the family's,
     else, for the tensor-core templates, the next multiple (zero columns in shared memory, never
-    stored), provided the user's rows are whole 16-byte copies (d a multiple of 8); 0: not supported."""
+    stored; rows that are not whole 16-byte copies load element by element); 0: not supported."""
     multiple = family.head_dim_multiple
     if head_dim % multiple == 0:
         return head_dim
     padded = -(-head_dim // multiple) * multiple
-    return padded if family.tensor_cores and head_dim % 8 == 0 and padded <= 256 else 0
+    return padded if family.tensor_cores and padded <= 256 else 0
 
 
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:

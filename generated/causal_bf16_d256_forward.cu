@@ -244,8 +244,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
     elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
-      const unsigned packed = tc::pack_pair<elem_t>(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
-      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }

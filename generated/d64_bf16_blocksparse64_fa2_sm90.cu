@@ -245,8 +245,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_bf16_blocksparse
     elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
-      const unsigned packed = tc::pack_pair<elem_t>(o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
-      if (t * 8 + quad * 2 < DATA_DIM) *reinterpret_cast<unsigned*>(o_row + t * 8 + quad * 2) = packed;
+      tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
     }
     if (quad == 0) args.lse[bh * args.seq_q + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }
@@ -548,11 +547,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
       const int dim = n * 8 + quad * 2;
-      if (dim >= DATA_DIM) continue;   // head-dim padding
-      *reinterpret_cast<unsigned*>(dk + (long long)key * args.dk_stride[2] + dim) =
-          tc::pack_pair<elem_t>(dk_acc[n][2 * half] * SCALE, dk_acc[n][2 * half + 1] * SCALE);
-      *reinterpret_cast<unsigned*>(dv + (long long)key * args.dv_stride[2] + dim) =
-          tc::pack_pair<elem_t>(dv_acc[n][2 * half], dv_acc[n][2 * half + 1]);
+      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
+                                       dk_acc[n][2 * half + 1] * SCALE);
+      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+                                       dv_acc[n][2 * half + 1]);
     }
   }
 }

@@ -432,11 +432,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
       const int dim = n * 8 + quad * 2;
-      if (dim >= DATA_DIM) continue;   // head-dim padding
-      *reinterpret_cast<unsigned*>(dk + (long long)key * args.dk_stride[2] + dim) =
-          tc::pack_pair<elem_t>(dk_acc[n][2 * half] * SCALE, dk_acc[n][2 * half + 1] * SCALE);
-      *reinterpret_cast<unsigned*>(dv + (long long)key * args.dv_stride[2] + dim) =
-          tc::pack_pair<elem_t>(dv_acc[n][2 * half], dv_acc[n][2 * half + 1]);
+      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
+                                       dk_acc[n][2 * half + 1] * SCALE);
+      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+                                       dv_acc[n][2 * half + 1]);
     }
   }
 }

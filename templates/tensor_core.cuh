@@ -87,15 +87,38 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a padded shared tile, 16 bytes per copy;
 // rows at or past valid_rows, and the columns at or past valid_cols (a head dim padded up to the
 // template's: valid_cols a multiple of 16 bytes' elements), are zero so that they add nothing to any product.
+// A valid_cols that is not whole 16-byte chunks (an odd head dim: the rows are not even 16-byte
+// aligned in global memory) takes plain element loads instead, finished before the next barrier like
+// a completed copy.
 template <int ROWS, int HEAD_DIM, int PITCH, int THREADS, typename T>
 __device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long long row_stride, int row0, int valid_rows,
                                                 int valid_cols = HEAD_DIM) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
+  if (valid_cols % PER_CHUNK != 0) {
+    for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
+      const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+      tile[r * PITCH + c] = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
+    }
+    return;
+  }
   for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
     const int r = chunk / CHUNKS_PER_ROW, c = (chunk % CHUNKS_PER_ROW) * PER_CHUNK;
     const bool valid = r < valid_rows && c < valid_cols;
     cp_async_16(tile + r * PITCH + c, slice + (valid ? (long long)(row0 + r) * row_stride + c : 0), valid);
+  }
+}
+
+// Two adjacent output columns (dim, dim + 1) of one row, from fp32: one 32-bit store where the row's
+// pairs are 4-byte aligned (DATA_DIM even), else element by element; columns past DATA_DIM (the head
+// dim's padding) are never stored.
+template <typename T, int DATA_DIM>
+__device__ __forceinline__ void store_pair(T* row, int dim, float lo, float hi) {
+  if (DATA_DIM % 2 == 0) {
+    if (dim < DATA_DIM) *reinterpret_cast<unsigned*>(row + dim) = pack_pair<T>(lo, hi);
+  } else {
+    if (dim < DATA_DIM) row[dim] = from_float<T>(lo);
+    if (dim + 1 < DATA_DIM) row[dim + 1] = from_float<T>(hi);
   }
 }
 

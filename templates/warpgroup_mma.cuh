@@ -33,6 +33,16 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  if (valid_cols % PER_CHUNK != 0) {   // an odd head dim: element loads into the same swizzled places
+    for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
+      const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+      const T value = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
+      const unsigned short bits = *reinterpret_cast<const unsigned short*>(&value);
+      asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(tile + swizzled_offset(ROWS, r, c / PER_CHUNK) + (c % PER_CHUNK) * 2),
+                   "h"(bits));
+    }
+    return;
+  }
   if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0) {
     const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
     const unsigned dst = tile + swizzled_offset(ROWS, r0, c);

@@ -168,9 +168,6 @@ KNOWN_SPILLS = {
     # forward_fa2_mma at Br=128, Bc=64, 4 warps, d=96: the solver estimates 248 registers, ptxas needs more than 255
     ("padding_bf16_d96_deterministic", "sm_90", "forward"): "72 / 60 B at 255 registers",
     ("padding_bf16_d96_deterministic", "sm_80", "forward"): "16 / 20 B at 255 registers",
-    # forward_fa2_mma_qsmem at Br=128, Bc=64, 4 warps, d=128 (two slabs per warp): 255 registers and a few
-    # spills, yet timed faster on H100 than its spill-free siblings (sm_90 now runs forward_wgmma, spill-free)
-    ("d128_fp16_slidingwindow256_fa2_sm90", "sm_80", "forward"): "12 / 12 B at 255 registers",
     # backward_fa2_mma at the edge of its register model (d + Br = 192, 255 registers): a few bytes at
     # d=64 Br=128, more with the sliding-window mask at d=128 Br=64 (on sm_90 backward_wgmma, spill-free)
     ("plain_fp16_d64_fa2", "sm_80", "backward"): "8 / 8 B at 255 registers",

@@ -127,7 +127,7 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
         assert plan.block_r % 16 == 0 and plan.block_c % 16 == 0
     # the computed head dim: the spec's, or (tensor cores, d a multiple of 8) the next multiple of the family's
     assert plan.head_dim % family.head_dim_multiple == 0 and spec.head_dim <= plan.head_dim <= 256
-    assert plan.head_dim == spec.head_dim or (family.tensor_cores and spec.head_dim % 8 == 0
+    assert plan.head_dim == spec.head_dim or (family.tensor_cores
                                               and plan.head_dim - spec.head_dim < family.head_dim_multiple)
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
     if spec.mask == "block_sparse":
@@ -376,9 +376,11 @@ def test_targets_are_plain_data():
 
 @pytest.mark.parametrize("head_dim, family, computed", [
     (40, "forward_fa2_mma", 48), (72, "forward_fa2_mma", 80), (120, "forward_wgmma", 128), (8, "forward_fa2_mma", 16),
-    (59, "forward_fa2_simt", 59), (3, "forward_fa2_simt", 3), (64, "forward_wgmma", 64)])
+    (59, "forward_wgmma", 64), (3, "forward_fa2_mma", 16), (111, "forward_fa2_mma", 112), (64, "forward_wgmma", 64)])
 def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, computed):
-    """A d that is a multiple of 8 runs on tensor cores padded to the family's multiple, the least
-    padding first (72 computes as 80 on mma.sync rather than as 128 on wgmma); other d on CUDA cores."""
+    """Any d runs on tensor cores padded to the family's multiple, the least padding first (72 computes
+    as 80 on mma.sync rather than as 128 on wgmma); fp32 stays on the CUDA cores, unpadded."""
     plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", passes=["forward"])).plans["forward"]
     assert (plan.family, plan.head_dim) == (family, computed)
+    fp32 = solve(Spec(head_dim=head_dim, dtype="fp32", mask="causal", passes=["forward"])).plans["forward"]
+    assert (fp32.family, fp32.head_dim) == ("forward_fa2_simt", head_dim)
