@@ -20,8 +20,13 @@ SPECS = [
     Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", dropout=0.2),
     Spec(head_dim=64, dtype="fp16", mask="causal", deterministic=True),
     Spec(head_dim=128, dtype="bf16", mask="causal"),  # d=128 warpgroup-MMA forward and backward on sm_90
+    # head dims padded inside the tensor-core kernels: cp.async with zero columns (40), element loads (59)
+    Spec(head_dim=40, dtype="fp16", mask="none", dropout=0.1, passes=["forward", "backward", "decode"]),
+    Spec(head_dim=59, dtype="bf16", mask="causal", passes=["forward", "backward", "decode"]),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
+GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
+DECODE = dict(CASE, heads=8, kv_heads=2, seq_q=2, seq_k=3001)   # 4 x 2 rows per block: the split-KV kernel
 
 for spec in SPECS:
     extra = {}
@@ -29,6 +34,10 @@ for spec in SPECS:
         extra["kv_lengths"] = (133, 70)
     if spec.mask == "block_sparse":
         extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
-    errors = assert_matches_reference(spec, Case(**CASE, **extra), backward=True)
-    print(spec.variant_name, {k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
+    cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
+    cases += [DECODE] if "decode" in spec.passes else []
+    for case in cases:
+        errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
+        print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
+              flush=True)
 print("sanitize run complete", file=sys.stderr)
