@@ -576,8 +576,11 @@ class Kernel:
                 return None
             parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
         if self._chunked_rows and (self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans)):
+            # exactly where the full path would copy a tensor to align it (_aligned): a call remembered
+            # from that copy would launch with the copy's strides on the caller's pointer
+            items = 16 // ELEMENT_BYTES[self.spec.dtype]
             for t in aligned:
-                if t.data_ptr() & 15:
+                if t.data_ptr() & 15 or any(stride % items for stride in t.stride()[:3]):
                     return None
         if type(seed) is not int or type(offset) is not int or not (0 <= seed < 2**64 and 0 <= offset < 2**32):
             return None

@@ -144,6 +144,11 @@ class Spec(BaseModel):
             raise ValueError(f"block_size is only for mask block_sparse, not {self.mask}")
         if "decode" in self.passes and self.mask not in DECODE_MASKS:
             raise ValueError(f"the decode pass takes masks {', '.join(DECODE_MASKS)}, not {self.mask}")
+        if "decode" in self.passes and self.dtype == "fp32" and self.head_dim % 8:
+            raise ValueError(f"the decode pass in fp32 takes head dims that are multiples of 8, not {self.head_dim} "
+                             "(fp16 and bf16 take any)")
+        if "decode" in self.passes and self.tile_policy == "paper":
+            raise ValueError("the decode pass has no paper tiles: use tile_policy auto")
         if "decode" in self.passes and "forward" not in self.passes:
             raise ValueError("the decode pass serves forward calls with few query rows: passes must include forward")
         if self.deterministic and "backward" not in self.passes:

@@ -269,3 +269,16 @@ def test_schema_validates_the_examples(path):
 def test_schema_rejects_what_the_loader_rejects(document):
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(document, json_schema())
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"head_dim": 59, "dtype": "fp32", "passes": ["forward", "decode"]}, ["decode", "fp32", "multiples of 8"]),
+    ({"head_dim": 64, "tile_policy": "paper", "passes": ["forward", "decode"]}, ["decode", "paper"]),
+    ({"head_dim": 64, "passes": ["decode"]}, ["decode", "forward"]),
+    ({"head_dim": 64, "mask": "block_sparse", "block_size": 64, "passes": ["forward", "decode"]}, ["decode", "block_sparse"]),
+])
+def test_decode_combinations_no_template_builds_are_rejected_up_front(fields, words):
+    with pytest.raises(ValueError) as err:
+        Spec(**fields)
+    for word in words:
+        assert word in str(err.value)

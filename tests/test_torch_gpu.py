@@ -377,3 +377,19 @@ def test_kv_heads_that_do_not_divide_the_query_heads_are_rejected():
     k = v = torch.randn(1, 4, 32, 64, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="must divide"):
         fagen.attention(q, k, v, fagen.Spec(head_dim=64, dtype="bf16"))
+
+
+def test_fast_path_never_reuses_the_strides_of_an_aligned_copy():
+    """q whose rows are 68 elements apart (not 16-byte multiples) is copied to an aligned tensor by the
+    full path; a later call must not launch with that copy's strides on the caller's own q."""
+    import fagen
+
+    torch = _torch()
+    kernel = fagen.compile(fagen.Spec(head_dim=64, dtype="bf16", mask="causal"))
+    for trial in range(3):
+        wide = torch.randn(2, 3, 200, 68, device="cuda", dtype=torch.bfloat16)
+        q = wide[..., :64]
+        _, k, v = _inputs(n=200)
+        o, _ = kernel.forward(q, k, v)
+        error = rel(o, reference(q, k, v, True, 64 ** -0.5))
+        assert error < 1e-2, f"trial {trial}: relative error {error:.3g}"
