@@ -121,10 +121,11 @@ def decode_rows(plan: Plan) -> list[int]:
 
 def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
     threads = plan.threads
+    name = kernel_name(spec, pass_name, plan)
     pad_elements = 4 // spec.element_bytes  # one 4-byte bank word
     return {
         **dict(family_named(plan.family).options),
-        "kernel_name": kernel_name(spec, pass_name, plan),
+        "kernel_name": name,
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],
         "head_dim": plan.head_dim or spec.head_dim,   # padded up to the template's multiple
@@ -146,9 +147,9 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "deterministic": "true" if spec.deterministic else "false",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
-            f'extern "C" __global__ void __launch_bounds__({threads}) {kernel_name(spec, pass_name, plan)}_r{rows}'
+            f'extern "C" __global__ void __launch_bounds__({threads}) {name}_r{rows}'
             f"(const fagen::AttentionArgs args) {{\n  extern __shared__ float4 shared_raw[];\n"
-            f"  {kernel_name(spec, pass_name, plan)}_rows<{rows}>(args, shared_raw);\n}}\n"
+            f"  {name}_rows<{rows}>(args, shared_raw);\n}}\n"
             for rows in decode_rows(plan)) if pass_name == "decode" else "",
         "warpgroup_mma_functions": "".join(
             warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)

@@ -497,11 +497,15 @@ class Kernel:
             raise ArgumentError(f"{name}: expected integers or booleans, got {array.dtype}")
         return gpuarray.to_gpu(np.ascontiguousarray(array.astype(dtype)))
 
+    def _rows_aligned(self, pointer: int, strides, alignment: int = 16) -> bool:
+        """Does every row start on an `alignment`-byte boundary (pointer and the three outer strides)?"""
+        items = max(1, alignment // ELEMENT_BYTES[self.spec.dtype])
+        return pointer % alignment == 0 and all(stride % items == 0 for stride in strides[:3])
+
     def _aligned(self, tensor: DeviceTensor, alignment: int):
         """The tensor itself if every row starts on an `alignment`-byte boundary; else an aligned copy
         (torch) or a clear error."""
-        items = max(1, alignment // ELEMENT_BYTES[self.spec.dtype])
-        if tensor.pointer % alignment == 0 and all(stride % items == 0 for stride in tensor.strides[:3]):
+        if self._rows_aligned(tensor.pointer, tensor.strides, alignment):
             return tensor.owner
         if tensor.is_torch:
             import torch
@@ -578,10 +582,8 @@ class Kernel:
         if self._chunked_rows and (self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans)):
             # exactly where the full path would copy a tensor to align it (_aligned): a call remembered
             # from that copy would launch with the copy's strides on the caller's pointer
-            items = 16 // ELEMENT_BYTES[self.spec.dtype]
-            for t in aligned:
-                if t.data_ptr() & 15 or any(stride % items for stride in t.stride()[:3]):
-                    return None
+            if not all(self._rows_aligned(t.data_ptr(), t.stride()) for t in aligned):
+                return None
         if type(seed) is not int or type(offset) is not int or not (0 <= seed < 2**64 and 0 <= offset < 2**32):
             return None
         device = parts[0][3]
@@ -699,9 +701,8 @@ class Kernel:
         _combine merges the splits by LSE into o and lse."""
         batch, heads, seq_q, seq_k = shape
         for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
-            if self._chunked_rows and (tensors[name].pointer % 16 or any(
-                    stride % (16 // ELEMENT_BYTES[self.spec.dtype]) for stride in tensors[name].strides[:3])):
-                aligned = self._aligned(tensors[name], 16)
+            aligned = self._aligned(tensors[name], 16) if self._chunked_rows else tensors[name].owner
+            if aligned is not tensors[name].owner:
                 keep.append(aligned)
                 tensors[name] = as_device_tensor(name, aligned)
                 args[name], args[f"{name}_stride"] = tensors[name].pointer, tensors[name].strides[:3]
@@ -788,7 +789,7 @@ class Kernel:
         args["o"], args["d_o"], args["lse"] = tensors["o"].pointer, tensors["d_o"].pointer, lt.pointer
         args["o_stride"] = tensors["o"].strides[:3]
         args["do_stride"] = tensors["d_o"].strides[:3]
-        grouped = args.values[_SLOT["kv_group"][0]] > 1
+        grouped = tensors["k"].shape[1] != heads
         keep = []
         for key, grad, like in zip(("dq", "dk", "dv"), grads, ("q", "k", "v")):
             gt = as_device_tensor(key, grad)

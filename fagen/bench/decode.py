@@ -11,6 +11,7 @@ import json as json_module
 from pathlib import Path
 from typing import Optional, Sequence
 
+from fagen.bench.peers import _backend
 from fagen.bench.report import environment, make_console, reason
 from fagen.bench.timing import DEVICE, relative_error, time_cuda
 from fagen.spec import Spec
@@ -37,7 +38,7 @@ def run_decode(batches: Sequence[int] = (1, 32), kv_lens: Sequence[int] = (8192,
                json: Optional[str] = None) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.nn.attention import sdpa_kernel
 
     from fagen import runtime
 
@@ -57,8 +58,6 @@ def run_decode(batches: Sequence[int] = (1, 32), kv_lens: Sequence[int] = (8192,
         flex = torch.compile(flex_attention, dynamic=False)
     except Exception as err:  # no FlexAttention in this torch
         console.print(f"FlexAttention unavailable: {reason(err)}")
-    backends = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-                "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     rows, queries = [], 1
     for batch in batches:
         for kv_len in kv_lens:
@@ -69,7 +68,7 @@ def run_decode(batches: Sequence[int] = (1, 32), kv_lens: Sequence[int] = (8192,
             kv_bytes = 2 * k.numel() * k.element_size()
 
             def sdpa(backend):
-                with sdpa_kernel(backends[backend]):
+                with sdpa_kernel(_backend(backend)):
                     # one query: causal (bottom-right) sees every key, so no mask (SDPA aligns top-left)
                     return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
 

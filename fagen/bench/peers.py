@@ -17,7 +17,7 @@ def _backend(name: str):
     from torch.nn.attention import SDPBackend
 
     return {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+            "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
 def _sdpa_kwargs(spec: Spec, inputs: Inputs, dropout: bool = True) -> dict:
