@@ -62,7 +62,8 @@ def _load():
             "cuModuleLoadData": [ctypes.POINTER(p), p], "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
             "cuFuncSetAttribute": [p, i, i],
             "cuLaunchKernel": [p, u, u, u, u, u, u, u, p, ctypes.POINTER(p), ctypes.POINTER(p)],
-            "cuMemsetD32Async": [ctypes.c_uint64, u, s, p], "cuStreamSynchronize": [p],
+            "cuMemsetD32Async": [ctypes.c_uint64, u, s, p], "cuMemsetD8Async": [ctypes.c_uint64, ctypes.c_ubyte, s, p],
+            "cuStreamSynchronize": [p],
             "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
             "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
         }
@@ -183,3 +184,7 @@ def launch(function: int, grid: tuple, threads: int, smem: int, stream: int, arg
 
 def memset_d32(pointer: int, value: int, count: int, stream: int) -> None:
     check(_load().cuMemsetD32Async(pointer, value, count, stream), "clearing a workspace (cuMemsetD32Async)")
+
+
+def memset_d8(pointer: int, value: int, count: int, stream: int) -> None:
+    check(_load().cuMemsetD8Async(pointer, value, count, stream), "clearing an output (cuMemsetD8Async)")

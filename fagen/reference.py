@@ -34,6 +34,8 @@ __all__ = [
     "visible_mask",
     "attention_forward",
     "attention_backward",
+    "packed_forward",
+    "packed_backward",
     "tiled_forward",
     "tiled_backward",
 ]
@@ -114,25 +116,27 @@ def dropout_bits(seed: int, offset: int, num_heads: int, b, h, i, j) -> np.ndarr
     return np.take_along_axis(lanes, (j % 4)[..., None], axis=-1)[..., 0]
 
 
-def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, p: float) -> np.ndarray:
-    """bool (B, H, Nq, Nk): True where element (b, h, i, j) is kept (r >= dropout_threshold(p)).
+def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, p: float,
+                      first_batch: int = 0) -> np.ndarray:
+    """bool (B, H, Nq, Nk): True where element (first_batch + b, h, i, j) is kept (r >= dropout_threshold(p)).
 
     Same bits as `dropout_bits`, computed with one Philox call per group of four columns.
     """
     threshold = dropout_threshold(p)
     groups = -(-Nk // 4)
-    b, h, i, g = np.meshgrid(np.arange(B), np.arange(H), np.arange(Nq), np.arange(groups), indexing="ij")
+    b, h, i, g = np.meshgrid(np.arange(B) + first_batch, np.arange(H), np.arange(Nq), np.arange(groups),
+                             indexing="ij")
     words = [g, i, b * H + h, np.full(b.shape, operator.index(offset) % 2**32)]
     lanes = philox4x32_10(np.stack([w % 2**32 for w in words], axis=-1), _philox_key(seed))
     bits = lanes.reshape(B, H, Nq, groups * 4)[..., :Nk]
     return bits >= np.uint32(threshold) if threshold else np.ones((B, H, Nq, Nk), dtype=bool)
 
 
-def _dropout_scale(spec: "Spec", seed: int, offset: int, B: int, H: int, Nq: int, Nk: int):
+def _dropout_scale(spec: "Spec", seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, first_batch: int = 0):
     """Z / (1 - p) as float64 (B, H, Nq, Nk), or None when the spec has no dropout."""
     if not spec.dropout:
         return None
-    keep = dropout_keep_mask(seed, offset, B, H, Nq, Nk, spec.dropout)
+    keep = dropout_keep_mask(seed, offset, B, H, Nq, Nk, spec.dropout, first_batch)
     return keep / (1.0 - spec.dropout)
 
 
@@ -257,25 +261,27 @@ def _softmax_stats(q, k, spec: "Spec", visible):
 
 
 def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                      seed: int = 0, offset: int = 0):
+                      seed: int = 0, offset: int = 0, first_batch: int = 0):
     """(o, lse): o = dropout(softmax(spec.scale * q k^T, masked)) v, lse = logsumexp of the visible scores.
 
     o is (B, H, Nq, d), lse is (B, H, Nq), both float64. Dropout (only when spec.dropout > 0) is keyed by
     (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by 1/(1 - p). A row with no
-    visible key gives o = 0 and lse = -inf.
+    visible key gives o = 0 and lse = -inf. `first_batch`: the batch index of q[0] in the dropout
+    stream (a packed batch's sequence b is computed as a batch of one at first_batch = b).
     """
     q, k, v, _ = _prepare(q, k, v, spec)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
     visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
     _, lse, P = _softmax_stats(q, k, spec, visible)
-    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk)
+    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
     P_drop = P if scale is None else P * scale
     return np.einsum("bhij,bhjd->bhid", P_drop, v), lse
 
 
 def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                       seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None):
+                       seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None,
+                       first_batch: int = 0):
     """(dq, dk, dv): the exact gradients of sum(o * do) for `attention_forward` with the same arguments.
 
     FlashAttention-1 Algorithm 4's maths on whole matrices: dV = P_drop^T dO, dP = (dO V^T) * Z/(1-p),
@@ -295,7 +301,7 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
         raise ValueError(f"do must have the shape of o, {(B, H, Nq, v.shape[3])}, got {do.shape}")
     visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
     _, _, P = _softmax_stats(q, k, spec, visible)
-    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk)
+    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
     P_drop = P if scale is None else P * scale
     o = np.einsum("bhij,bhjd->bhid", P_drop, v) if o is None else np.asarray(o, dtype=np.float64)
     dv = np.einsum("bhij,bhid->bhjd", P_drop, do)
@@ -312,6 +318,82 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
         magnitudes["dk"] = float(np.linalg.norm(_sum_groups(spec.scale * np.einsum("bhij,bhid->bhjd", dS_abs,
                                                                                      np.abs(q)), group)))
     return dq, _sum_groups(dk, group), _sum_groups(dv, group)
+
+
+# ---- packed variable-length batches ----------------------------------------------------------
+def _packed_sequences(cu_seqlens_q, cu_seqlens_k, total_q: int, total_k: int):
+    """[(b, query rows, key rows)] from FlashAttention-2's varlen offsets (B + 1 non-decreasing integers)."""
+    bounds = []
+    for name, offsets, total in (("cu_seqlens_q", cu_seqlens_q, total_q), ("cu_seqlens_k", cu_seqlens_k, total_k)):
+        array = np.asarray(offsets, dtype=np.int64)
+        if array.ndim != 1 or array.size < 2 or array[0] < 0 or (np.diff(array) < 0).any() or array[-1] > total:
+            raise ValueError(f"{name} must hold B + 1 non-decreasing offsets from >= 0 to <= {total}, got {offsets!r}")
+        bounds.append(array)
+    if bounds[0].size != bounds[1].size:
+        raise ValueError("cu_seqlens_q and cu_seqlens_k must describe the same number of sequences")
+    return [(b, slice(bounds[0][b], bounds[0][b + 1]), slice(bounds[1][b], bounds[1][b + 1]))
+            for b in range(bounds[0].size - 1)]
+
+
+def _sequence_runtime(kv_lengths, block_mask, spec: "Spec", b: int, nq: int, nk: int) -> dict:
+    """Sequence b's kv_lengths / block_mask, as a batch of one: the block mask is laid out over the
+    longest sequence's blocks, so each sequence takes its own top-left corner of it."""
+    out = {}
+    if kv_lengths is not None:
+        out["kv_lengths"] = np.asarray(kv_lengths)[b:b + 1]
+    if block_mask is not None:
+        layout = np.asarray(block_mask)
+        layout = layout[None, None] if layout.ndim == 2 else layout[b:b + 1] if layout.shape[0] > 1 else layout
+        out["block_mask"] = layout[..., :-(-nq // spec.block_size), :-(-nk // spec.block_size)]
+    return out
+
+
+def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_lengths=None, block_mask=None,
+                   seed: int = 0, offset: int = 0):
+    """(o, lse) of a packed batch (spec layout packed): q (total_q, H, d), k and v (total_k, H_kv, d);
+    sequence b is query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b + 1],
+    computed as `attention_forward` computes a batch of one (its own bottom-right alignment, masks and
+    dropout indices (b, h, i, j) with positions i, j within the sequence). o is (total_q, H, d), lse
+    (H, total_q); rows outside every sequence, and sequences without keys, give o = 0 and lse = -inf."""
+    q, k, v = (np.asarray(x, dtype=np.float64) for x in (q, k, v))
+    total_q, H, d = q.shape
+    o = np.zeros((total_q, H, v.shape[2]))
+    lse = np.full((H, total_q), -np.inf)
+    for b, rows, keys in _packed_sequences(cu_seqlens_q, cu_seqlens_k, total_q, k.shape[0]):
+        nq, nk = rows.stop - rows.start, keys.stop - keys.start
+        if nq == 0 or nk == 0:
+            continue
+        as_batch = (x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys]))
+        o_b, lse_b = attention_forward(*as_batch, spec, seed=seed, offset=offset, first_batch=b,
+                                       **_sequence_runtime(kv_lengths, block_mask, spec, b, nq, nk))
+        o[rows] = o_b[0].transpose(1, 0, 2)
+        lse[:, rows] = lse_b[0]
+    return o, lse
+
+
+def packed_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_lengths=None, block_mask=None,
+                    seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None):
+    """(dq, dk, dv) of `packed_forward`, in its layout: `attention_backward` per sequence, zero for rows
+    outside every sequence. `o` and `magnitudes` as in `attention_backward` (magnitudes: over all sequences)."""
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    dq, dk, dv = np.zeros_like(q), np.zeros_like(k), np.zeros_like(v)
+    totals = {"dq": 0.0, "dk": 0.0}
+    for b, rows, keys in _packed_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        nq, nk = rows.stop - rows.start, keys.stop - keys.start
+        if nq == 0 or nk == 0:
+            continue
+        as_batch = [x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys], do[rows])]
+        o_b = None if o is None else np.asarray(o, dtype=np.float64)[rows][None].transpose(0, 2, 1, 3)
+        sizes = {}
+        grads = attention_backward(*as_batch, spec, seed=seed, offset=offset, first_batch=b, o=o_b, magnitudes=sizes,
+                                   **_sequence_runtime(kv_lengths, block_mask, spec, b, nq, nk))
+        for name in totals:
+            totals[name] += sizes[name] ** 2
+        for out, grad, span in zip((dq, dk, dv), grads, (rows, keys, keys)):
+            out[span] = grad[0].transpose(1, 0, 2)
+    if magnitudes is not None:
+        magnitudes.update({name: float(np.sqrt(total)) for name, total in totals.items()})
+    return dq, dk, dv
 
 
 # ---- 4. tiled emulations ---------------------------------------------------------------------

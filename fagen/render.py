@@ -145,6 +145,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "dropout_threshold": f"{dropout_threshold(spec.dropout)}u",
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
+        "packed": "true" if spec.layout == "packed" else "false",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
             f'extern "C" __global__ void __launch_bounds__({threads}) {name}_r{rows}'

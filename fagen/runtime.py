@@ -56,7 +56,8 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
            + [("kv_lengths", "Q", 1), ("block_mask", "Q", 1), ("block_mask_stride", "q", 4),
               ("seed", "Q", 1), ("offset", "Q", 1), ("row_groups", "q", 1),
               ("kv_group", "q", 1), ("dk_sum", "Q", 1), ("dv_sum", "Q", 1), ("dk_sum_stride", "q", 3),
-              ("dv_sum_stride", "q", 3)])
+              ("dv_sum_stride", "q", 3), ("cu_seqlens_q", "Q", 1), ("cu_seqlens_k", "Q", 1),
+              ("max_seq_q", "q", 1), ("max_seq_k", "q", 1)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -113,6 +114,8 @@ def _torch_dtype_name(tensor) -> str:
 
 
 def as_device_tensor(name: str, value: Any) -> DeviceTensor:
+    if isinstance(value, DeviceTensor):
+        return value
     if type(value).__module__.startswith("torch"):
         if not value.is_cuda:
             raise ArgumentError(f"{name}: tensor is on {value.device}; fagen kernels need CUDA tensors")
@@ -185,8 +188,10 @@ def _default_device() -> int:
     return 0 if current is None else current
 
 
-def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: bool = False):
-    """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`.
+def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: bool = False,
+              fill: Optional[float] = None):
+    """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`;
+    zeroed with `zero`, or every element `fill` (fp32 only).
 
     A torch output of `like`'s own shape and dtype is `torch.empty_like`: it keeps a dense input's
     memory layout, so (batch, seq, heads, d) activations viewed as (batch, heads, seq, d) give an
@@ -194,9 +199,11 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
     if like.is_torch:
         import torch
 
-        if shape == like.shape and dtype == like.dtype and not zero:
+        if shape == like.shape and dtype == like.dtype and not zero and fill is None:
             return torch.empty_like(like.owner)
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
+        if fill is not None:
+            return torch.full(shape, fill, dtype=torch_dtype, device=like.owner.device)
         make = torch.zeros if zero else torch.empty
         return make(shape, dtype=torch_dtype, device=like.owner.device)
     import numpy as np
@@ -207,8 +214,10 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
     if np_dtype is None:
         raise ArgumentError(f"{like.name}: allocating {dtype} outputs needs torch tensors as inputs")
     out = gpuarray.empty(shape, np_dtype)  # cuMemAlloc: fresh memory, safe on any stream
-    if zero:
-        driver.memset_d32(int(out.gpudata), 0, out.nbytes // 4, stream)
+    if fill is not None:
+        driver.memset_d32(int(out.gpudata), struct.unpack("<I", struct.pack("<f", fill))[0], out.size, stream)
+    elif zero:
+        driver.memset_d8(int(out.gpudata), 0, out.nbytes, stream)
     return out
 
 
@@ -290,6 +299,41 @@ def decode_splits(base_blocks: int, key_tiles: int, sm_count: int, blocks_per_sm
         fills[splits] = waves / math.ceil(waves)   # 1.0: every wave full; fewer blocks than slots: the share busy
     best = max(fills.values())
     return min(splits for splits, fill in fills.items() if fill >= 0.97 * best)
+
+
+# ---- packed variable-length batches ------------------------------------------------------------
+@dataclass
+class Sequences:
+    """The sequences of one packed call (spec layout packed): how many, the longest query and key
+    lengths (the grid is sized for them), and cu_seqlens_q / cu_seqlens_k on the device."""
+
+    count: int
+    max_q: int
+    max_k: int
+    pointers: tuple          # (cu_seqlens_q, cu_seqlens_k) device pointers
+    keep: list               # the device tensors behind them, held until the launches are queued
+    covers_q: bool = False   # known (host offsets) to cover every query row from 0 to total_q
+    covers_k: bool = False   # ... every key row: no output row is left unwritten by the kernels
+
+    @property
+    def has_work(self) -> bool:
+        return self.max_q > 0 and self.max_k > 0
+
+
+def _packed_view(tensor: DeviceTensor, rows_dim: int = 0) -> DeviceTensor:
+    """(total, heads, d) -> the (1, heads, total, d) view the kernels address as (batch, head, row);
+    lse (heads, total) -> (1, heads, total). No copy: torch tensors become torch views (so that an
+    aligned copy, if one is needed, is made of the view), other arrays a DeviceTensor with the strides."""
+    if len(tensor.shape) == 3:
+        shape = (1, tensor.shape[1], tensor.shape[0], tensor.shape[2])
+        strides = (0, tensor.strides[1], tensor.strides[0], tensor.strides[2])
+        owner = tensor.owner.unsqueeze(0).transpose(1, 2) if tensor.is_torch else tensor.owner
+    else:
+        shape, strides = (1, *tensor.shape), (tensor.shape[0] * tensor.shape[1], *tensor.strides)
+        owner = tensor.owner.unsqueeze(0) if tensor.is_torch else tensor.owner
+    if tensor.is_torch:
+        return owner
+    return DeviceTensor(tensor.name, tensor.pointer, shape, strides, tensor.dtype, owner, False, tensor.stream)
 
 
 # ---- the kernel object -------------------------------------------------------------------------
@@ -416,10 +460,16 @@ class Kernel:
                 raise ArgumentError(f"q, k, v are on different devices: {sorted(map(str, devices))}")
         return tensors, (batch, heads, seq_q, seq_k)
 
-    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, seed, offset):
+    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, seed, offset,
+                      sequences: Optional["Sequences"] = None):
+        """The run-time inputs into `args`; `shape` is (sequences, heads, longest Nq, longest Nk)."""
         spec = self.spec
         batch, heads, seq_q, seq_k = shape
         keep = []
+        if sequences is not None:
+            args["cu_seqlens_q"], args["cu_seqlens_k"] = sequences.pointers
+            args["max_seq_q"], args["max_seq_k"] = sequences.max_q, sequences.max_k
+            keep += sequences.keep
         try:
             seed, offset = int(seed), int(offset)
         except (TypeError, ValueError):
@@ -610,13 +660,165 @@ class Kernel:
         table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
                                             for symbol, grid, threads, smem in launches], workspaces)
 
+    # ---- packed variable-length batches ----
+    def _is_packed_call(self, cu_seqlens_q, cu_seqlens_k) -> bool:
+        packed = self.spec.layout == "packed"
+        if packed and (cu_seqlens_q is None or cu_seqlens_k is None):
+            raise ArgumentError(f"{self.spec.variant_name} has layout packed: pass cu_seqlens_q and cu_seqlens_k "
+                                "(int32, batch + 1 offsets of each sequence's first query / key row)")
+        if not packed and (cu_seqlens_q is not None or cu_seqlens_k is not None):
+            raise ArgumentError(f"cu_seqlens_q / cu_seqlens_k are for specs with layout packed; "
+                                f"{self.spec.variant_name} has layout padded")
+        return packed
+
+    def _check_packed(self, names_values: dict) -> dict:
+        """(total, heads, d) tensors of the spec's dtype, last dim contiguous."""
+        tensors = {}
+        for name, value in names_values.items():
+            t = tensors[name] = as_device_tensor(name, value)
+            if len(t.shape) != 3:
+                raise ArgumentError(f"{name}: layout packed takes 3 dimensions (total rows, heads, head_dim), "
+                                    f"got shape {t.shape}")
+            if t.dtype != self.spec.dtype:
+                raise ArgumentError(f"{name}: dtype {t.dtype} does not match the spec's dtype {self.spec.dtype}")
+            empty = t.shape[0] == 0   # a batch of empty sequences: its strides are whatever the allocator chose
+            if t.shape[2] != self.spec.head_dim or (t.strides[2] != 1 and not empty) or t.shape[1] < 1:
+                raise ArgumentError(f"{name}: expected (total rows, heads >= 1, {self.spec.head_dim}) with the last "
+                                    f"dim contiguous, got shape {t.shape}, strides {t.strides}")
+        return tensors
+
+    def _sequences(self, like: DeviceTensor, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                   total_q: int, total_k: int) -> Sequences:
+        """cu_seqlens_q / cu_seqlens_k: int32, batch + 1 non-decreasing offsets: sequence b is query rows
+        [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and key rows [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
+        Host arrays (lists, numpy, CPU tensors) are checked here and max_seqlen_q / _k are computed from
+        them. Device tensors cannot be read without synchronising: they need max_seqlen_q / _k, and the
+        kernels clamp what they read (offsets into [0, total], each sequence to its max_seqlen)."""
+        import numpy as np
+
+        offsets, maxima, covers = [], [], []
+        for name, value, given, total in (("cu_seqlens_q", cu_seqlens_q, max_seqlen_q, total_q),
+                                           ("cu_seqlens_k", cu_seqlens_k, max_seqlen_k, total_k)):
+            on_device = (type(value).__module__.startswith("torch") and value.is_cuda) or \
+                hasattr(value, "__cuda_array_interface__")
+            if given is not None and (isinstance(given, bool) or not isinstance(given, (int, np.integer))
+                                      or given < 0):
+                raise ArgumentError(f"max_seqlen_{name[-1]}: expected a non-negative integer, got {given!r}")
+            if on_device:
+                if given is None:
+                    raise ArgumentError(f"{name} is on the GPU: pass max_seqlen_{name[-1]} too (the longest "
+                                        f"sequence; reading {name} back would synchronise the device)")
+                tensor = as_device_tensor(name, value)
+                if tensor.dtype != "int32" or len(tensor.shape) != 1 or tensor.shape[0] < 2:
+                    raise ArgumentError(f"{name}: expected int32 of shape (batch + 1,), got {tensor.dtype} "
+                                        f"{tensor.shape}")
+                device_value, maximum = value, int(given)
+                covers.append(False)
+            else:
+                array = np.asarray(value.cpu() if hasattr(value, "cpu") else value)
+                if array.ndim != 1 or array.size < 2 or array.dtype.kind not in "iu":
+                    raise ArgumentError(f"{name}: expected integers of shape (batch + 1,), got {array.dtype} "
+                                        f"{array.shape}")
+                lengths = np.diff(array.astype(np.int64))
+                if array[0] < 0 or (lengths < 0).any() or array[-1] > total:
+                    raise ArgumentError(f"{name}: offsets must be non-decreasing, from >= 0 to <= {total} (the "
+                                        f"rows of {'q' if name.endswith('q') else 'k and v'}), got {array.tolist()}")
+                maximum = int(lengths.max())
+                if given is not None and given < maximum:
+                    raise ArgumentError(f"max_seqlen_{name[-1]} = {given} is shorter than the longest sequence in "
+                                        f"{name} ({maximum})")
+                device_value = array
+                covers.append(bool(array[0] == 0 and array[-1] == total))
+            offsets.append(self._small_int_tensor(name, device_value, like, "int32"))
+            maxima.append(maximum)
+        counts = [int(as_device_tensor(name, t).shape[0]) - 1 for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
+        if counts[0] != counts[1]:
+            raise ArgumentError(f"cu_seqlens_q and cu_seqlens_k describe {counts[0]} and {counts[1]} sequences; "
+                                "they must describe the same batch")
+        pointers = tuple(as_device_tensor(name, t).pointer for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets))
+        return Sequences(counts[0], maxima[0], maxima[1], pointers, offsets, *covers)
+
+    def _packed_outputs(self, like: DeviceTensor, shapes: dict, out, stream: int, fills: dict) -> tuple:
+        """Outputs of a packed call: given ones checked against `shapes`; new ones filled with `fills`
+        where that is not None (rows outside every sequence, which no kernel writes, read 0 and lse -inf)."""
+        if out is None:
+            return tuple(_allocate(like, shape, dtype, stream, zero=fills[name] == 0, fill=fills[name] or None)
+                         for name, (shape, dtype) in shapes.items())
+        out = tuple(out)
+        for (name, (shape, dtype)), value in zip(shapes.items(), out):
+            t = as_device_tensor(f"out {name}", value)
+            if t.shape != shape or t.dtype != dtype:
+                raise ArgumentError(f"out {name}: expected {dtype} of shape {shape}, got {t.dtype} {t.shape}")
+        return out
+
+    def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
+                        block_mask, seed, offset, out, stream):
+        tensors = self._check_packed({"q": q, "k": k, "v": v})
+        like = tensors["q"]
+        if stream is not None and like.is_torch:
+            import torch
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=like.owner.device)):
+                return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                            kv_lengths, block_mask, seed, offset, out, None)
+        _, launch_stream = self._stream(tensors, stream)
+        total_q, heads, _ = like.shape
+        sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
+                                    tensors["k"].shape[0])
+        o, lse = self._packed_outputs(like, {"o": (like.shape, self.spec.dtype), "lse": ((heads, total_q), "fp32")},
+                                      out, launch_stream,
+                                      {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
+                                      else {"o": 0, "lse": -math.inf})
+        if total_q == 0 or tensors["k"].shape[0] == 0:
+            return o, lse
+        views = [_packed_view(tensors[name]) for name in ("q", "k", "v")]
+        self._forward(*views, kv_lengths, block_mask, seed, offset,
+                      (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))),
+                      stream, None, sequences)
+        return o, lse
+
+    def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         kv_lengths, block_mask, seed, offset, out, stream):
+        tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
+        like = tensors["q"]
+        if stream is not None and like.is_torch:
+            import torch
+
+            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=like.owner.device)):
+                return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                             max_seqlen_k, kv_lengths, block_mask, seed, offset, out, None)
+        _, launch_stream = self._stream(tensors, stream)
+        total_q, heads, _ = like.shape
+        total_k = tensors["k"].shape[0]
+        lt = as_device_tensor("lse", lse)
+        if lt.shape != (heads, total_q) or lt.dtype != "fp32" or (tuple(lt.strides) != (total_q, 1) and total_q):
+            raise ArgumentError(f"lse: expected the forward's contiguous fp32 lse of shape {(heads, total_q)}")
+        sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, total_k)
+        grads = self._packed_outputs(like, {name: (tensors[name[1:]].shape, self.spec.dtype) for name in ("dq", "dk", "dv")},
+                                     out, launch_stream, {"dq": None if sequences.covers_q and sequences.has_work else 0,
+                                                          "dk": None if sequences.covers_k and sequences.has_work else 0,
+                                                          "dv": None if sequences.covers_k and sequences.has_work else 0})
+        if total_q == 0 or total_k == 0:
+            return grads
+        views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
+        self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, seed, offset,
+                       tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
+                       stream, None, sequences)
+        return grads
+
     # ---- forward ----
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None,
-                stream=None):
+                stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse): o like q; lse float32 (batch, heads, seq_q), natural log, -inf for rows that see no key.
 
         `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
-        `stream` overrides the stream the call runs on (default: see the module docstring)."""
+        `stream` overrides the stream the call runs on (default: see the module docstring).
+
+        Specs with layout packed take q (total_q, heads, d), k and v (total_k, kv_heads, d) and
+        cu_seqlens_q / cu_seqlens_k (see `_sequences`); o is (total_q, heads, d) and lse (heads, total_q)."""
+        if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
+            return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                        kv_lengths, block_mask, seed, offset, out, stream)
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
             signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, seed, offset)
@@ -635,16 +837,22 @@ class Kernel:
                              *[w.data_ptr() for w in workspaces], *extra, seed, offset))
                 self._finish(call.launches[0][4])
                 return o, lse
+        return self._forward(q, k, v, kv_lengths, block_mask, seed, offset, out, stream, signature, None)
+
+    def _forward(self, q, k, v, kv_lengths, block_mask, seed, offset, out, stream, signature,
+                 sequences: Optional["Sequences"]):
+        """The full forward path (everything the fast path skips); `sequences` for packed batches,
+        whose q, k, v arrive here as (1, heads, total, d) views."""
         plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
             import torch
 
             with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
-                return self.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset,
-                                    out=out)
+                return self._forward(q, k, v, kv_lengths, block_mask, seed, offset, out, None, signature, sequences)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
+        problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
         if plan.stages > 1 and self._chunked_rows:  # cp.async moves 16-byte chunks: rows start on 16-byte boundaries
             q, k, v = (self._aligned(tensors[name], 16) for name in ("q", "k", "v"))
             tensors, shape = self._check_qkv(q, k, v, {})
@@ -664,14 +872,16 @@ class Kernel:
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
         args["o_stride"] = ot.strides[:3]
-        keep = self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
+        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, seed, offset, sequences)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
         if decode is not None and group * seq_q <= decode.block_r:
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
                                 kv_lengths, block_mask)
         symbol = plan.symbols[0]
-        row_blocks = math.ceil(seq_q / plan.block_r)
+        row_blocks = math.ceil(problems[2] / plan.block_r)
+        if sequences is not None and not sequences.has_work:   # every sequence empty of queries or keys
+            return o, lse                                      # (o, lse arrive as 0 and -inf)
         if self.spec.loop_order == "fa1":
             workspace = [_allocate(like, (batch, heads, seq_q, self.spec.head_dim), "fp32", stream),
                          _allocate(like, (batch, heads, seq_q), "fp32", stream),
@@ -680,11 +890,11 @@ class Kernel:
             for key, tensor in zip(("o_accum", "row_max", "row_sum"), workspace):
                 args[key] = as_device_tensor(key, tensor).pointer
             # Enough row groups to fill the GPU twice over; each group walks j outer, i inner.
-            row_groups = max(1, min(row_blocks, math.ceil(2 * self.target.sm_count / (batch * heads))))
+            row_groups = max(1, min(row_blocks, math.ceil(2 * self.target.sm_count / (problems[0] * heads))))
             args["row_groups"] = row_groups
-            grid = (row_groups, batch * heads, 1)
+            grid = (row_groups, problems[0] * heads, 1)
         else:
-            grid = (row_blocks, batch * heads, 1)
+            grid = (row_blocks, problems[0] * heads, 1)
         self._launch(device, symbol, args.packed(), grid, plan.threads, plan.smem_bytes, stream)
         self._finish(symbol)
         if signature is not None:   # the next call with this signature skips everything above
@@ -735,8 +945,11 @@ class Kernel:
 
     # ---- backward ----
     def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
-                 out=None, stream=None):
+                 out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do."""
+        if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
+            return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         kv_lengths, block_mask, seed, offset, out, stream)
         signature = None
         if out is None and stream is None and "backward" in self.plans:
             signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask, seed,
@@ -765,16 +978,22 @@ class Kernel:
                 call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
                 self._finish(call.launches[1][4])
                 return grads
+        return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, stream, signature, None)
+
+    def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, stream, signature,
+                  sequences: Optional["Sequences"]):
+        """The full backward path; `sequences` as in `_forward`."""
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
             import torch
 
             with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
-                return self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed,
-                                     offset=offset, out=out)
+                return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, None, signature,
+                                      sequences)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
+        problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
         if plan.stages > 1 and self._chunked_rows:  # cp.async moves 16-byte chunks of Q, dO, K, V
             q, k, v, do = (self._aligned(tensors[name], 16) for name in ("q", "k", "v", "d_o"))
             tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
@@ -800,7 +1019,9 @@ class Kernel:
             if grouped and key != "dq":
                 # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense
                 # (batch, heads, seq_k, d) workspace; _kv_group_sum adds each group into the output.
-                workspace = _allocate(tensors["k"], (batch, heads, seq_k, self.spec.head_dim), self.spec.dtype, stream)
+                # (zeroed for packed batches: keys outside every sequence are summed too, and must add 0)
+                workspace = _allocate(tensors["k"], (batch, heads, seq_k, self.spec.head_dim), self.spec.dtype, stream,
+                                      zero=sequences is not None and not sequences.covers_k)
                 keep.append(workspace)
                 wt = as_device_tensor(key, workspace)
                 args[f"{key}_sum"], args[f"{key}_sum_stride"] = gt.pointer, gt.strides[:3]
@@ -808,7 +1029,9 @@ class Kernel:
             else:
                 args[key] = gt.pointer
                 args[f"{key}_stride"] = gt.strides[:3]
-        keep += self._runtime_args(args, tensors, shape, kv_lengths, block_mask, seed, offset)
+        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, seed, offset, sequences)
+        if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
+            return grads
         like = tensors["q"]
         delta = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         keep.append(delta)
@@ -821,10 +1044,11 @@ class Kernel:
         main = plan.symbols[0]
         rows = batch * heads * seq_q
         launches = [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0),
-                    (main, (math.ceil(seq_k / plan.block_c), batch * heads, 1), plan.threads, plan.smem_bytes)]
+                    (main, (math.ceil(problems[3] / plan.block_c), problems[0] * heads, 1), plan.threads,
+                     plan.smem_bytes)]
         if self.spec.deterministic:
-            launches.append((main + "_dq", (math.ceil(seq_q / plan.block_r), batch * heads, 1), plan.threads,
-                             plan.smem_bytes))
+            launches.append((main + "_dq", (math.ceil(problems[2] / plan.block_r), problems[0] * heads, 1),
+                             plan.threads, plan.smem_bytes))
         else:
             total = rows * self.spec.head_dim
             launches.append((main + "_dq_convert", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))

@@ -33,6 +33,10 @@ RANKING_SEQ_LEN = 4096
 
 TILE_CHOICES = (16, 32, 64, 128)
 REGISTER_OVERHEAD = 40  # indices, pointers, loop state: measured against ptxas on the SIMT templates
+# Packed batches: each sequence's offsets and lengths come from cu_seqlens into registers, where a padded
+# batch re-reads them from the argument bank. Calibrated against ptxas on sm_80: the d=128 mma.sync
+# forward at Br=128, Bc=64 went from 255 registers without spills to 192 B of spills when packed.
+PACKED_REGISTERS = 24
 
 
 class InfeasibleSpec(SpecError):
@@ -54,6 +58,7 @@ class Family:
     m_tiles: tuple[int, ...] = ()    # Br == 16 * W * m for m in these (MMA row slabs per warp); (): free
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
+    packed_registers: int = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above)
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -93,6 +98,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
            warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=56, min_block_c=64, max_block_c=128,
+           packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
@@ -127,6 +133,7 @@ FAMILIES: tuple[Family, ...] = (
            registers=d + Br + Br * d / (32 * W) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
+           packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",
@@ -382,7 +389,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
                                                               spec.element_bytes)
     smem = _exact_int(smem)
-    regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0))
+    regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
+                          + (family.packed_registers if spec.layout == "packed" else 0))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

@@ -23,6 +23,7 @@ PASSES = ("forward", "backward")          # the default: what a spec builds unle
 ALL_PASSES = PASSES + ("decode",)         # decode: the split-KV forward for few query rows (opt-in)
 DECODE_MASKS = ("none", "causal", "sliding_window", "padding")
 TILE_POLICIES = ("paper", "auto")
+LAYOUTS = ("padded", "packed")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
@@ -75,6 +76,10 @@ class Spec(BaseModel):
         ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
         "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward).")
     deterministic: bool = Field(False, description="Backward without atomics: bitwise-reproducible dq.")
+    layout: Literal["padded", "packed"] = Field(
+        "padded", description="padded: q (batch, heads, Nq, d), every batch entry Nq queries and Nk keys. packed: "
+        "sequences of different lengths back to back, q (total_q, heads, d), k and v (total_k, kv_heads, d), "
+        "located by cu_seqlens_q / cu_seqlens_k at run time (FlashAttention-2's varlen convention).")
 
     @field_validator("head_dim")
     @classmethod
@@ -151,6 +156,9 @@ class Spec(BaseModel):
             raise ValueError("the decode pass has no paper tiles: use tile_policy auto")
         if "decode" in self.passes and "forward" not in self.passes:
             raise ValueError("the decode pass serves forward calls with few query rows: passes must include forward")
+        if self.layout == "packed" and "decode" in self.passes:
+            raise ValueError("the decode pass reads a padded KV cache: use layout padded (with mask padding for "
+                             "per-sequence lengths)")
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self
@@ -185,6 +193,8 @@ class Spec(BaseModel):
             parts.append("".join(p[:3] for p in self.passes))
         if self.deterministic:
             parts.append("det")
+        if self.layout != "padded":
+            parts.append(self.layout)
         return "_".join(parts)
 
     @property

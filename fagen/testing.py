@@ -41,9 +41,25 @@ class Case:
     kv_lengths: Optional[tuple] = None
     block_mask: Optional[tuple] = field(default=None, repr=True)
     kv_heads: Optional[int] = None    # heads of k and v (grouped KV heads); None: as many as q
+    # layout packed: each sequence's query and key count (batch = len), and rows after the last sequence
+    # that belong to none (they must come back as o = 0, lse = -inf, zero gradients)
+    q_lengths: Optional[tuple] = None
+    k_lengths: Optional[tuple] = None
+    spare_rows: int = 0
+
+    @property
+    def packed(self) -> bool:
+        return self.q_lengths is not None
+
+    def cu_seqlens(self) -> tuple:
+        """(cu_seqlens_q, cu_seqlens_k) as int32 arrays."""
+        return tuple(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+                     for lengths in (self.q_lengths, self.k_lengths))
 
     def runtime_args(self) -> dict:
         args = {"seed": self.seed, "offset": self.offset}
+        if self.packed:
+            args["cu_seqlens_q"], args["cu_seqlens_k"] = self.cu_seqlens()
         if self.kv_lengths is not None:
             args["kv_lengths"] = np.array(self.kv_lengths, dtype=np.int32)
         if self.block_mask is not None:
@@ -60,7 +76,16 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
     seq_q, seq_k = draw(seq), draw(seq)
     if draw(st.booleans()):
         seq_k = seq_q
-    kv_lengths = block_mask = None
+    kv_lengths = block_mask = q_lengths = k_lengths = None
+    spare_rows = 0
+    if spec.layout == "packed":   # lengths 0 and 1 included; seq_q / seq_k are the longest
+        lengths = st.one_of(st.sampled_from([0, 1, 17, 64, 65]), st.integers(0, max_seq))
+        q_lengths = tuple(draw(st.lists(lengths, min_size=batch, max_size=batch + 2)))
+        batch = len(q_lengths)
+        k_lengths = q_lengths if draw(st.booleans()) else tuple(draw(st.lists(lengths, min_size=batch,
+                                                                              max_size=batch)))
+        seq_q, seq_k = max(max(q_lengths), 1), max(max(k_lengths), 1)
+        spare_rows = draw(st.sampled_from([0, 0, 3]))
     if spec.mask == "padding":
         kv_lengths = tuple(draw(st.lists(st.integers(0, seq_k), min_size=batch, max_size=batch)))
     if spec.mask == "block_sparse":
@@ -71,7 +96,7 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
         block_mask = tuple(np.array(flat, dtype=np.uint8).reshape(shape).tolist())
     return Case(batch, heads, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
                 draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                kv_lengths, block_mask, kv_heads)
+                kv_lengths, block_mask, kv_heads, q_lengths, k_lengths, spare_rows)
 
 
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
@@ -81,6 +106,15 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
     rng = np.random.default_rng(case.data_seed)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     tensors = []
+    if case.packed:   # (total rows, heads, d); "bnhd": a strided view of a (heads, total, d) tensor
+        for name in names:
+            queries = name in ("q", "do", "o")
+            rows = sum(case.q_lengths if queries else case.k_lengths) + case.spare_rows
+            heads = case.heads if queries else (case.kv_heads or case.heads)
+            data = rng.standard_normal((heads, rows, spec.head_dim)).astype(np.float32)
+            tensor = torch.from_numpy(data).to(device=device, dtype=dtype).permute(1, 0, 2)
+            tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)
+        return tensors
     for name in names:
         rows, heads = (case.seq_q, case.heads) if name in ("q", "do", "o") else (case.seq_k, case.kv_heads or case.heads)
         data = rng.standard_normal((case.batch, rows, heads, spec.head_dim)).astype(np.float32)
@@ -126,6 +160,8 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
 
     kernel = spec_or_kernel if isinstance(spec_or_kernel, Kernel) else compile_spec(spec_or_kernel)
     spec = kernel.spec
+    if case.packed:
+        return _assert_packed_matches_reference(kernel, case, backward)
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
     o = torch.full_like(q.contiguous(), float("nan"))
@@ -147,12 +183,57 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
         for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             floor = CANCELLATION_FLOOR * magnitudes.get(name, 0.0)
             errors[name] = relative_error(_to_numpy(got), ref, floor)
+    return _check_errors(spec, case, errors)
+
+
+def _check_errors(spec: Spec, case: Case, errors: dict) -> dict:
     tolerance = TOLERANCES[spec.dtype]
     worst = max(errors, key=errors.get)
     assert errors[worst] <= tolerance, (
         f"{spec.variant_name}: {worst} relative error {errors[worst]:.3g} > {tolerance:g} "
         f"(all: { {k: float(f'{v:.3g}') for k, v in errors.items()} }) for {case!r}")
     return errors
+
+
+def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict:
+    """`assert_matches_reference` for layout packed: (total, heads, d) tensors and cu_seqlens."""
+    import torch
+
+    spec = kernel.spec
+    q, k, v = make_inputs(spec, case)
+    runtime = case.runtime_args()
+    o = torch.full_like(q.contiguous(), float("nan"))
+    lse = torch.full((case.heads, q.shape[0]), float("nan"), device=q.device)
+    kernel.forward(q, k, v, out=(o, lse), **runtime)
+    cu_q, cu_k = runtime.pop("cu_seqlens_q"), runtime.pop("cu_seqlens_k")
+    qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
+    ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
+                "seed": case.seed, "offset": case.offset}
+    # Rows outside every sequence are the caller's: with out= given, the kernels leave them as they were.
+    covered = int(cu_q[-1])
+    ref_o, ref_lse = reference.packed_forward(qn, kn, vn, cu_q, cu_k, spec, **ref_args)
+    errors = {"o": relative_error(_to_numpy(o)[:covered], ref_o[:covered]),
+              "lse": _lse_error(_to_numpy(lse)[:, :covered], ref_lse[:, :covered])}
+    # Without out=: fresh outputs, where rows outside every sequence must read o = 0 and lse = -inf.
+    o_new, lse_new = kernel.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime)
+    errors["o (new)"] = relative_error(_to_numpy(o_new), ref_o)
+    errors["lse (new)"] = _lse_error(_to_numpy(lse_new), ref_lse)
+    if backward:
+        (do,) = make_inputs(spec, Case(**{**case.__dict__, "data_seed": case.data_seed + 1}), names=("do",))
+        grads = tuple(torch.full_like(t.contiguous(), float("nan")) for t in (q, k, v))
+        kernel.backward(q, k, v, o_new, lse_new, do, out=grads, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime)
+        magnitudes = {}
+        ref_grads = reference.packed_backward(qn, kn, vn, _to_numpy(do), cu_q, cu_k, spec, **ref_args,
+                                              o=_to_numpy(o_new), magnitudes=magnitudes)
+        covers = {"dq": covered, "dk": int(cu_k[-1]), "dv": int(cu_k[-1])}
+        for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
+            floor = CANCELLATION_FLOOR * magnitudes.get(name, 0.0)
+            errors[name] = relative_error(_to_numpy(got)[:covers[name]], ref[:covers[name]], floor)
+        fresh = kernel.backward(q, k, v, o_new, lse_new, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime)
+        for name, got, ref in zip(("dq", "dk", "dv"), fresh, ref_grads):
+            errors[f"{name} (new)"] = relative_error(_to_numpy(got), ref,
+                                                     CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
+    return _check_errors(spec, case, errors)
 
 
 def check_specs(specs, examples: int = 50, backward: Optional[bool] = None, print_table: bool = True) -> bool:

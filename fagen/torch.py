@@ -2,8 +2,11 @@
 
 Two ops are registered through `torch.library`, with fake (meta) implementations and autograd:
 
-    fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset) -> (o, lse)
-    fagen::attention_backward(q, k, v, o, lse, grad_o, spec, kv_lengths?, block_mask?, seed, offset) -> (dq, dk, dv)
+    fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, cu_seqlens_q?,
+                             cu_seqlens_k?, max_seqlen_q, max_seqlen_k) -> (o, lse)
+    fagen::attention_backward(q, k, v, o, lse, grad_o, spec, (the same run-time arguments)) -> (dq, dk, dv)
+
+(cu_seqlens and max_seqlen: specs with layout packed; a max_seqlen of -1 means "not given".)
 
 `spec` is a string (JSON of spec fields) so that the ops have a schema torch.compile understands;
 a string is resolved to a compiled kernel once per process and device. So `torch.compile(model,
@@ -78,22 +81,37 @@ def _grad(tensor):
 
 # ---- the ops ---------------------------------------------------------------------------------
 _library = torch.library.Library("fagen", "DEF")
-_library.define("attention_forward(Tensor q, Tensor k, Tensor v, str spec, Tensor? kv_lengths=None, "
-                "Tensor? block_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor)")
-_library.define("attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
-                "Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0, int offset=0) -> (Tensor, Tensor, Tensor)")
+_RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0, int offset=0, "
+                   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1")
+_library.define(f"attention_forward(Tensor q, Tensor k, Tensor v, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
+_library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
+                f"{_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
-def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+def _runtime_kwargs(kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+    """The ops' run-time arguments as Kernel.forward / backward keywords (packed ones only when given)."""
+    kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
+    if cu_seqlens_q is not None or cu_seqlens_k is not None:
+        kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                      max_seqlen_q=None if max_seqlen_q < 0 else max_seqlen_q,
+                      max_seqlen_k=None if max_seqlen_k < 0 else max_seqlen_k)
+    return kwargs
+
+
+def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
     kernel = kernel_for(spec, q.get_device())
-    return kernel.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset)
+    return kernel.forward(q, k, v, **_runtime_kwargs(kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k,
+                                                     max_seqlen_q, max_seqlen_k))
 
 
-def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
     kernel = kernel_for(spec, q.get_device())
-    return kernel.backward(q, k, v, o, lse, grad_o, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed,
-                           offset=offset)
+    return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kv_lengths, block_mask, seed, offset,
+                                                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                                      max_seqlen_k))
 
 
 _library.impl("attention_forward", _forward_cuda, "CUDA")
@@ -101,30 +119,38 @@ _library.impl("attention_backward", _backward_cuda, "CUDA")
 
 
 @torch.library.register_fake("fagen::attention_forward")
-def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
-    # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout.
+def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout;
+    # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
+    if cu_seqlens_q is not None:
+        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
     return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fagen::attention_backward")
-def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+    if cu_seqlens_q is not None:
+        return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, spec, kv_lengths, block_mask, seed, offset = inputs
+    q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k = inputs
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask)
-    ctx.spec, ctx.seed, ctx.offset = spec, seed, offset
+    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k)
+    ctx.spec, ctx.seed, ctx.offset, ctx.max_seqlens = spec, seed, offset, (max_q, max_k)
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_rule(ctx, grad_o, grad_lse):
     # Gradients through the LSE output are not supported (it is returned for inspection only).
-    q, k, v, o, lse, kv_lengths, block_mask = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
     dq, dk, dv = torch.ops.fagen.attention_backward(q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask,
-                                                    ctx.seed, ctx.offset)
-    return dq, dk, dv, None, None, None, None, None
+                                                    ctx.seed, ctx.offset, cu_seqlens_q, cu_seqlens_k,
+                                                    *ctx.max_seqlens)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fagen::attention_forward", _backward_rule, setup_context=_setup_context)
@@ -135,9 +161,9 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels as the ops, without the dispatcher round trip (eager calls only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, kv_lengths, block_mask, seed, offset):
-        o, lse = kernel.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset)
-        ctx.kernel, ctx.runtime_args = kernel, (kv_lengths, block_mask, seed, offset)
+    def forward(ctx, q, k, v, kernel, runtime_kwargs):
+        o, lse = kernel.forward(q, k, v, **runtime_kwargs)
+        ctx.kernel, ctx.runtime_kwargs = kernel, runtime_kwargs
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.mark_non_differentiable(lse)
         return o, lse
@@ -145,10 +171,8 @@ class _EagerAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse = ctx.saved_tensors
-        kv_lengths, block_mask, seed, offset = ctx.runtime_args
-        dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), kv_lengths=kv_lengths, block_mask=block_mask,
-                                         seed=seed, offset=offset)
-        return dq, dk, dv, None, None, None, None, None
+        dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **ctx.runtime_kwargs)
+        return dq, dk, dv, None, None
 
 
 #: Eager calls take the autograd.Function above; False routes them through the ops as well.
@@ -165,24 +189,39 @@ def _as_tensor_or_none(value, name: str):
 
 
 def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
-              return_lse: bool = False):
+              return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
     """Attention of q, k, v (batch, heads, seq, head_dim) under `spec`, differentiable in q, k and v.
 
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
-    torch.compile pass a JSON string (or a Spec made outside the compiled function)."""
+    torch.compile pass a JSON string (or a Spec made outside the compiled function).
+
+    Specs with layout packed: q (total_q, heads, d), k and v (total_k, kv_heads, d), with
+    cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
+    max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
+    torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
     if not 0 <= seed < SEED_LIMIT:
         raise runtime.ArgumentError(f"seed must be in [0, 2**63) when called through torch, got {seed}")
     kv_lengths = _as_tensor_or_none(kv_lengths, "kv_lengths")
     block_mask = _as_tensor_or_none(block_mask, "block_mask")
+    packed = cu_seqlens_q is not None or cu_seqlens_k is not None
     if EAGER_FAST_PATH and type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if not q.is_cuda:
             raise runtime.ArgumentError(f"q: tensor is on {q.device}; fagen kernels need CUDA tensors")
         kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.get_device())
+        kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
+        if packed:
+            kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
+                          max_seqlen_k=max_seqlen_k)
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            o, lse = _EagerAttention.apply(q, k, v, kernel, kv_lengths, block_mask, seed, offset)
+            o, lse = _EagerAttention.apply(q, k, v, kernel, kwargs)
         else:   # nothing to differentiate: no autograd node
-            o, lse = kernel.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset)
+            o, lse = kernel.forward(q, k, v, **kwargs)
     else:
         key = spec if isinstance(spec, str) else _constant_spec_key(spec)
-        o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset)
+        if packed:
+            cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
+            cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
+        o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
+                                                   cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
+                                                   -1 if max_seqlen_k is None else max_seqlen_k)
     return (o, lse) if return_lse else o

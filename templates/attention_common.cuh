@@ -47,11 +47,69 @@ struct AttentionArgs {
   void* dv_sum;
   long long dk_sum_stride[3];
   long long dv_sum_stride[3];
+  // Packed variable-length batches (spec layout packed, FlashAttention-2's varlen convention): the
+  // tensors hold one batch entry of seq_q (seq_k) rows in which sequence b is rows
+  // [cu_seqlens_q[b], cu_seqlens_q[b + 1]) (keys likewise), at most max_seq_q (max_seq_k) long.
+  const int* cu_seqlens_q;
+  const int* cu_seqlens_k;
+  long long max_seq_q, max_seq_k;
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
 // costs registers that the largest kernels do not have to spare.
 __device__ __forceinline__ long long kv_head(const AttentionArgs& args, long long h) { return (unsigned)h / (unsigned)args.kv_group; }
+
+// ---- the problem one block works on -------------------------------------------------------
+// One (sequence, query head) pair, blockIdx.y = b * heads + h. Padded batches: sequence b is rows
+// [0, seq_q) of batch entry b. Packed batches: every sequence lives in batch entry 0, sequence b at
+// rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
+// Those offsets arrive in device memory unchecked (reading them back would synchronise), so they are
+// clamped here, the one place any kernel reads them: into [0, rows of the tensor], non-decreasing,
+// and each sequence to the max_seq_q / max_seq_k the grid was sized for. Masks, dropout and the
+// bottom-right alignment use positions within the sequence, so a sequence is computed exactly as a
+// padded batch entry of its own lengths would be.
+template <bool PACKED>
+struct Problem {
+  long long b, h, h_kv, bh;  // sequence, query head, the K/V head it reads, b * heads + h (dropout's stream)
+  long long entry;           // the batch entry holding the rows: b, or 0 when packed
+  long long q_row0, k_row0;  // the sequence's first query / key row within that entry
+  int seq_q, seq_k;          // its lengths
+  long long row_offset;      // index of its query row 0 in (batch, heads, seq_q) buffers: lse, delta, dq_accum
+
+  __device__ __forceinline__ Problem(const AttentionArgs& args, long long bh_) : bh(bh_) {
+    b = bh / args.heads;
+    h = bh % args.heads;
+    h_kv = kv_head(args, h);
+    if (PACKED) {
+      entry = 0;
+      const int rows_q = (int)args.seq_q, rows_k = (int)args.seq_k;
+      const int q_begin = min(max(args.cu_seqlens_q[b], 0), rows_q), q_end = min(max(args.cu_seqlens_q[b + 1], q_begin), rows_q);
+      const int k_begin = min(max(args.cu_seqlens_k[b], 0), rows_k), k_end = min(max(args.cu_seqlens_k[b + 1], k_begin), rows_k);
+      q_row0 = q_begin;
+      k_row0 = k_begin;
+      seq_q = min(q_end - q_begin, (int)args.max_seq_q);
+      seq_k = min(k_end - k_begin, (int)args.max_seq_k);
+      row_offset = h * args.seq_q + q_begin;
+    } else {
+      entry = b;
+      q_row0 = k_row0 = 0;
+      seq_q = (int)args.seq_q;
+      seq_k = (int)args.seq_k;
+      row_offset = bh * args.seq_q;
+    }
+  }
+  // Row 0 of this problem in a tensor with (batch, head, row) strides: queries (q, o, dO, dQ) of head
+  // h, keys (k, v) of head h_kv, and per-query-head key gradients (the GQA dK/dV workspace) of head h.
+  template <typename T> __device__ __forceinline__ T* query_rows(T* base, const long long (&stride)[3]) const {
+    return base + entry * stride[0] + h * stride[1] + q_row0 * stride[2];
+  }
+  template <typename T> __device__ __forceinline__ T* key_rows(T* base, const long long (&stride)[3]) const {
+    return base + entry * stride[0] + h_kv * stride[1] + k_row0 * stride[2];
+  }
+  template <typename T> __device__ __forceinline__ T* key_grad_rows(T* base, const long long (&stride)[3]) const {
+    return base + entry * stride[0] + h * stride[1] + k_row0 * stride[2];
+  }
+};
 
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_SLIDING_WINDOW = 2, MASK_PADDING = 3, MASK_BLOCK_SPARSE = 4 };
 
@@ -124,13 +182,12 @@ __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long lon
 // LSE = -inf, zero gradients), a length past the end means every key, and neither can move a K/V
 // load out of bounds. fagen/reference.py applies the same clamp.
 template <int MASK>
-__device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long b) {
-  const int seq_k = (int)args.seq_k;
+__device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long b, int seq_k) {
   return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;
 }
 
-// Which keys a query sees, for one (batch, head). Queries and keys are aligned bottom-right
-// (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
+// Which keys a query sees, for one (sequence, head) of lengths seq_q, seq_k. Queries and keys are
+// aligned bottom-right (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
 template <int MASK, int WINDOW, int GRAIN>
 struct Visibility {
   int shift;
@@ -138,9 +195,13 @@ struct Visibility {
   const unsigned char* layout;
   long long layout_q_stride, layout_k_stride;
 
-  __device__ Visibility(const AttentionArgs& args, long long b, long long h) {
-    shift = (int)(args.seq_k - args.seq_q);
-    key_count = visible_keys<MASK>(args, b);
+  template <bool PACKED>
+  __device__ Visibility(const AttentionArgs& args, const Problem<PACKED>& problem)
+      : Visibility(args, problem.b, problem.h, problem.seq_q, problem.seq_k) {}
+
+  __device__ Visibility(const AttentionArgs& args, long long b, long long h, int seq_q, int seq_k) {
+    shift = seq_k - seq_q;
+    key_count = visible_keys<MASK>(args, b, seq_k);
     layout = nullptr;
     layout_q_stride = layout_k_stride = 0;
     if (MASK == MASK_BLOCK_SPARSE) {

@@ -21,6 +21,8 @@ from fagen.reference import (
     dropout_bits,
     dropout_keep_mask,
     dropout_threshold,
+    packed_backward,
+    packed_forward,
     philox4x32_10,
     tiled_backward,
     tiled_forward,
@@ -578,3 +580,49 @@ def test_grouped_kv_heads_must_divide_the_query_heads():
     k = v = rng.standard_normal((1, 2, 4, 32))
     with pytest.raises(ValueError, match="heads do not divide"):
         attention_forward(q, k, v, spec_for("none"))
+
+
+# ---- packed variable-length batches ------------------------------------------------------------
+def test_packed_batch_is_each_sequence_as_its_own_batch_entry():
+    """Sequence b of a packed batch is what a padded batch entry b of its own lengths gives: its own
+    bottom-right alignment, and dropout indexed by (b, h, i, j) with positions inside the sequence."""
+    spec = Spec(head_dim=8, mask="causal", dropout=0.25, layout="packed")
+    rng = np.random.default_rng(5)
+    q_lengths, k_lengths = [3, 0, 5, 2], [4, 2, 5, 0]
+    cu_q, cu_k = (np.concatenate([[0], np.cumsum(n)]) for n in (q_lengths, k_lengths))
+    H, H_kv = 4, 2
+    q = rng.standard_normal((cu_q[-1] + 2, H, 8))   # two spare rows after the last sequence
+    k, v = (rng.standard_normal((cu_k[-1], H_kv, 8)) for _ in range(2))
+    do = rng.standard_normal(q.shape)
+    o, lse = packed_forward(q, k, v, cu_q, cu_k, spec, seed=9, offset=4)
+    dq, dk, dv = packed_backward(q, k, v, do, cu_q, cu_k, spec, seed=9, offset=4)
+    padded = Spec(head_dim=8, mask="causal", dropout=0.25)
+    for b in range(4):
+        rows, keys = slice(cu_q[b], cu_q[b + 1]), slice(cu_k[b], cu_k[b + 1])
+        if q_lengths[b] == 0:
+            continue
+        if k_lengths[b] == 0:   # queries without keys: o = 0, lse = -inf, no gradient
+            assert not o[rows].any() and np.isneginf(lse[:, rows]).all() and not dq[rows].any()
+            continue
+        entry = [x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys], do[rows])]
+        o_b, lse_b = attention_forward(*entry[:3], padded, seed=9, offset=4, first_batch=b)
+        grads_b = attention_backward(*entry, padded, seed=9, offset=4, first_batch=b)
+        np.testing.assert_allclose(o[rows], o_b[0].transpose(1, 0, 2), atol=1e-12)
+        np.testing.assert_allclose(lse[:, rows], lse_b[0], atol=1e-12)
+        for got, want, span in zip((dq, dk, dv), grads_b, (rows, keys, keys)):
+            np.testing.assert_allclose(got[span], want[0].transpose(1, 0, 2), atol=1e-12)
+    assert not o[-2:].any() and np.isneginf(lse[:, -2:]).all() and not dq[-2:].any()
+    # the dropout stream really is indexed by the sequence: sequence 2 as batch entry 0 differs
+    entry = [x[None].transpose(0, 2, 1, 3) for x in (q[3:8], k[6:11], v[6:11])]
+    assert not np.allclose(attention_forward(*entry, padded, seed=9, offset=4)[0][0].transpose(1, 0, 2), o[3:8])
+
+
+def test_packed_offsets_are_checked():
+    spec = Spec(head_dim=8, layout="packed")
+    q = np.ones((4, 1, 8))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        packed_forward(q, q, q, [0, 3, 2], [0, 2, 4], spec)
+    with pytest.raises(ValueError, match="<= 4"):
+        packed_forward(q, q, q, [0, 5], [0, 4], spec)
+    with pytest.raises(ValueError, match="same number"):
+        packed_forward(q, q, q, [0, 2, 4], [0, 4], spec)

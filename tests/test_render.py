@@ -249,9 +249,31 @@ def test_kv_lengths_are_read_only_through_the_clamp():
     code = [line.strip() for line in common.splitlines() if not line.strip().startswith("//")]
     assert [line for line in code if "kv_lengths" in line and not line.startswith("const int* kv_lengths;")] == [
         "return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;"]
-    assert "key_count = visible_keys<MASK>(args, b);" in code
+    assert "key_count = visible_keys<MASK>(args, b, seq_k);" in code
     for family in FAMILIES:
-        assert "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, " in templates[family.template]
+        text = templates[family.template]
+        assert ("const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);" in text
+                or "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, " in text), family.template
+
+
+def test_cu_seqlens_are_read_only_through_the_clamp():
+    """Packed batches: cu_seqlens arrive in device memory unchecked; the one reader, Problem, clamps each
+    offset into [0, rows] (non-decreasing) and each length to the max_seqlen the grid was sized for."""
+    templates = {path.name: path.read_text() for path in Path(TEMPLATE_DIR).iterdir() if path.is_file()}
+    common = templates.pop(COMMON_HEADER)
+    assert not [name for name, text in templates.items() if "cu_seqlens" in text]
+    code = [line.strip() for line in common.splitlines() if not line.strip().startswith("//")]
+    readers = [line for line in code if "cu_seqlens" in line and not line.startswith("const int* cu_seqlens")]
+    assert readers == [
+        "const int q_begin = min(max(args.cu_seqlens_q[b], 0), rows_q), "
+        "q_end = min(max(args.cu_seqlens_q[b + 1], q_begin), rows_q);",
+        "const int k_begin = min(max(args.cu_seqlens_k[b], 0), rows_k), "
+        "k_end = min(max(args.cu_seqlens_k[b + 1], k_begin), rows_k);"]
+    assert "seq_q = min(q_end - q_begin, (int)args.max_seq_q);" in code
+    assert "seq_k = min(k_end - k_begin, (int)args.max_seq_k);" in code
+    for family in FAMILIES:
+        if "forward" in family.passes or "backward" in family.passes:
+            assert "const Problem<PACKED> problem(args, blockIdx.y);" in templates[family.template], family.template
 
 
 def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():

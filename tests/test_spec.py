@@ -10,8 +10,8 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fagen.spec import (ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
-                        load_specs, parse_bytes)
+from fagen.spec import (ARCHS, DTYPES, LAYOUTS, LOOP_ORDERS, MASKS, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
+                        load_specs, parse_bytes, spec_from_dict)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
 
@@ -247,6 +247,7 @@ def test_examples_exist_and_cover_the_spec():
     assert {s.mask for s in specs} == set(MASKS)
     assert {s.dtype for s in specs} == set(DTYPES)
     assert {s.loop_order for s in specs} == set(LOOP_ORDERS)
+    assert {s.layout for s in specs} == set(LAYOUTS)
     assert {32, 64, 96, 128, 256} <= {s.head_dim for s in specs}
     assert any(s.dropout > 0 for s in specs)
     assert any(len(load_specs(path)) > 1 for path in EXAMPLES), "one example file holds a list of variants"
@@ -282,3 +283,13 @@ def test_decode_combinations_no_template_builds_are_rejected_up_front(fields, wo
         Spec(**fields)
     for word in words:
         assert word in str(err.value)
+
+
+def test_packed_layout_is_named_and_excludes_decode():
+    spec = Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed")
+    assert spec.canonical_name.endswith("_packed") and spec.canonical_name != Spec(head_dim=128, dtype="bf16",
+                                                                                     mask="causal").canonical_name
+    with pytest.raises(SpecError, match="decode pass reads a padded KV cache"):
+        spec_from_dict({"head_dim": 128, "layout": "packed", "passes": ["forward", "decode"]})
+    with pytest.raises(SpecError, match="layout"):
+        spec_from_dict({"head_dim": 128, "layout": "ragged"})

@@ -23,6 +23,9 @@ SPECS = [
     # head dims padded inside the tensor-core kernels: cp.async with zero columns (40), element loads (59)
     Spec(head_dim=40, dtype="fp16", mask="none", dropout=0.1, passes=["forward", "backward", "decode"]),
     Spec(head_dim=59, dtype="bf16", mask="causal", passes=["forward", "backward", "decode"]),
+    # packed variable-length batches: empty and length-1 sequences, spare rows after the last one
+    Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),
+    Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1, layout="packed", arch="sm_80"),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
@@ -35,6 +38,8 @@ for spec in SPECS:
     if spec.mask == "block_sparse":
         extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
     cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
+    if spec.layout == "packed":
+        cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
     cases += [DECODE] if "decode" in spec.passes else []
     for case in cases:
         errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)

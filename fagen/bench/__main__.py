@@ -2,6 +2,7 @@
 
 `extras` (compile and cache-load time, the bf16 GEMM rate and the ptxas report, for BENCHMARKS.md),
 `decode` (one query against a long KV cache, against SDPA and FlexAttention, as bandwidth),
+`varlen` (packed variable-length batches against SDPA on the padded batch),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
 from __future__ import annotations
@@ -44,6 +45,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     decode.add_argument("--kv-heads", type=int, default=8)
     decode.add_argument("--head-dim", type=int, default=128)
     decode.add_argument("--json", dest="json_path")
+    varlen = sub.add_parser("varlen", help="GPU: packed variable-length batches against SDPA on the padded batch")
+    varlen.add_argument("--heads", type=int, default=32)
+    varlen.add_argument("--kv-heads", type=int, default=8)
+    varlen.add_argument("--head-dim", type=int, default=128)
+    varlen.add_argument("--no-causal", action="store_true")
+    varlen.add_argument("--json", dest="json_path")
     redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
     redraw.add_argument("report")
     redraw.add_argument("png")
@@ -57,6 +64,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_decode([int(x) for x in args.batches.split(",")], [int(x) for x in args.kv_lens.split(",")],
                    args.heads, args.kv_heads, args.head_dim, json=args.json_path)
+        return 0
+    if args.command == "varlen":
+        from fagen.bench.varlen import run_varlen
+
+        run_varlen(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, causal=not args.no_causal,
+                   json=args.json_path)
         return 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)
