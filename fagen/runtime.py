@@ -556,7 +556,7 @@ class Kernel:
         """The tensor itself if every row starts on an `alignment`-byte boundary; else an aligned copy
         (torch) or a clear error."""
         if self._rows_aligned(tensor.pointer, tensor.strides, alignment):
-            return tensor.owner
+            return tensor.owner if tensor.is_torch else tensor   # (a packed batch's view keeps its strides)
         if tensor.is_torch:
             import torch
 

@@ -1,0 +1,30 @@
+"""A/B timing of the padded forward / backward kernels of two fagen trees on one GPU, e.g. before and
+after a template change (bf16, batch 4, N = 4096, d 64 and 128, causal and not; median of 30 calls):
+
+    git archive <commit> | tar x -C ab_old        # the tree to compare with (a throw-away copy)
+    FAGEN_CACHE_DIR=/tmp/cache-old python3 dev/gpu/ab_time.py $PWD/ab_old old
+    python3 dev/gpu/ab_time.py $PWD new
+"""
+import sys, statistics
+sys.path.insert(0, sys.argv[1])
+import torch
+from fagen import runtime
+from fagen.spec import Spec
+runtime.ensure_context()
+def t(fn, n=30):
+    for _ in range(5): fn()
+    torch.cuda.synchronize()
+    es=[(torch.cuda.Event(enable_timing=True),torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for a,b in es:
+        a.record(); fn(); b.record()
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a,b in es)
+out=[]
+for d,h,mask in ((64,32,"causal"),(64,32,"none"),(128,16,"causal"),(128,16,"none")):
+    k=runtime.compile(Spec(head_dim=d,dtype="bf16",mask=mask))
+    g=torch.Generator(device="cuda").manual_seed(0)
+    q,kk,v,do=(torch.randn(4,h,4096,d,device="cuda",dtype=torch.bfloat16,generator=g) for _ in range(4))
+    o,lse=k.forward(q,kk,v)
+    f=t(lambda: k.forward(q,kk,v)); b=t(lambda: k.backward(q,kk,v,o,lse,do))
+    out.append(f"d{d} {mask}: fwd {f:.3f} ms bwd {b:.3f} ms")
+print(sys.argv[2], " | ".join(out))
