@@ -751,8 +751,29 @@ class Kernel:
                 raise ArgumentError(f"out {name}: expected {dtype} of shape {shape}, got {t.dtype} {t.shape}")
         return out
 
+    def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
+                          block_mask, seed, offset):
+        """The fast-path key of a packed call, or None: only torch tensors with offsets already on the
+        GPU (int32, contiguous) and max_seqlen given, rows 16-byte aligned where cp.async reads them."""
+        torch_types = _torch_types()
+        if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 1:
+            return None
+        offsets = []
+        for cu in (cu_seqlens_q, cu_seqlens_k):
+            if (type(cu) is not torch_types["Tensor"] or cu.dtype is not torch_types["int32"] or cu.dim() != 1
+                    or not cu.is_cuda or not cu.is_contiguous()):
+                return None
+            offsets.append(cu.shape[0])
+        key = self._signature("forward", tensors, (), kv_lengths, block_mask, seed, offset)
+        if key is None or any(len(t.shape) != 3 for t in tensors):
+            return None
+        if self._chunked_rows and not all(self._rows_aligned(t.data_ptr(), (0, t.stride(1), t.stride(0)))
+                                          for t in tensors):
+            return None
+        return ("packed", key, tuple(offsets), max_seqlen_q, max_seqlen_k)
+
     def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                        block_mask, seed, offset, out, stream):
+                        block_mask, seed, offset, out, stream, signature=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v})
         like = tensors["q"]
         if stream is not None and like.is_torch:
@@ -774,7 +795,7 @@ class Kernel:
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v")]
         self._forward(*views, kv_lengths, block_mask, seed, offset,
                       (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))),
-                      stream, None, sequences)
+                      stream, signature, sequences)
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -817,8 +838,26 @@ class Kernel:
         Specs with layout packed take q (total_q, heads, d), k and v (total_k, kv_heads, d) and
         cu_seqlens_q / cu_seqlens_k (see `_sequences`); o is (total_q, heads, d) and lse (heads, total_q)."""
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
+            signature = None
+            if out is None and stream is None and self.spec.loop_order != "fa1":
+                signature = self._packed_signature((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                                   kv_lengths, block_mask, seed, offset)
+                call = self._fast_forward.get(signature) if signature is not None else None
+                if call is not None:
+                    import torch
+
+                    device = q.get_device()
+                    # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
+                    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
+                    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+                    _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                    call.launch(device, _TORCH["stream"](device),
+                                (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, seed, offset))
+                    self._finish(call.launches[0][4])
+                    return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        kv_lengths, block_mask, seed, offset, out, stream)
+                                        kv_lengths, block_mask, seed, offset, out, stream, signature)
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
             signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, seed, offset)
@@ -899,6 +938,8 @@ class Kernel:
         self._finish(symbol)
         if signature is not None:   # the next call with this signature skips everything above
             names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            if sequences is not None:
+                names = ("cu_seqlens_q", "cu_seqlens_k") + names
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse") + names,
                            [(symbol, grid, plan.threads, plan.smem_bytes)], device)
         del keep  # torch's allocator orders the reuse of these after the kernel on this stream

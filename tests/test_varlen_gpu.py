@@ -183,3 +183,29 @@ def test_arrays_without_torch_take_the_packed_path():
         got = got.get().astype(np.float64)
         assert np.linalg.norm(got - want) / np.linalg.norm(want) < 1e-2
     assert np.allclose(lse.get()[:, :201], ref_lse[:, :201], atol=1e-3)
+
+
+def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monkeypatch):
+    """A packed call whose signature was seen before (shapes, strides, max_seqlen; offsets on the GPU)
+    skips the checks and launches at once; the offsets' contents are read by the kernel on every call."""
+    import torch
+
+    from fagen import reference, runtime
+
+    kernel = runtime.compile(SPECS[0])
+    first, second = [100, 50, 0, 78], [10, 200, 17, 1]      # same total, same count: one signature
+    q, k, v, (cu_first, _) = _packed_inputs(first, first, seed=5)
+    cu_second = torch.tensor(np.concatenate([[0], np.cumsum(second)]), dtype=torch.int32, device="cuda")
+    kernel.forward(q, k, v, cu_seqlens_q=cu_first, cu_seqlens_k=cu_first, max_seqlen_q=200, max_seqlen_k=200)
+
+    def full_path(*args, **kwargs):
+        raise AssertionError("the second call with this signature took the full path")
+
+    monkeypatch.setattr(runtime.Kernel, "_forward_packed", full_path)
+    o, lse = kernel.forward(q, k, v, cu_seqlens_q=cu_second, cu_seqlens_k=cu_second, max_seqlen_q=200,
+                            max_seqlen_k=200)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    ref_o, ref_lse = reference.packed_forward(as64(q), as64(k), as64(v), cu_second.cpu().numpy(),
+                                              cu_second.cpu().numpy(), SPECS[0])
+    assert np.linalg.norm(as64(o) - ref_o) / np.linalg.norm(ref_o) < 1e-2
+    assert np.array_equal(np.isneginf(as64(lse)), np.isneginf(ref_lse))
