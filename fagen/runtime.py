@@ -153,6 +153,14 @@ def stream_handle(stream) -> int:
     raise ArgumentError(f"stream: expected an int handle, a torch.cuda.Stream or a pycuda Stream, got {type(stream).__name__}")
 
 
+def _caller_stream(like: DeviceTensor, stream):
+    """A context that makes `stream` PyTorch's current stream on `like`'s device: a torch call given an
+    explicit stream runs (allocations included) as if the caller had entered torch.cuda.stream(stream)."""
+    import torch
+
+    return torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=like.owner.device))
+
+
 _pycuda_context = None
 
 
@@ -320,7 +328,7 @@ class Sequences:
         return self.max_q > 0 and self.max_k > 0
 
 
-def _packed_view(tensor: DeviceTensor, rows_dim: int = 0) -> DeviceTensor:
+def _packed_view(tensor: DeviceTensor) -> DeviceTensor:
     """(total, heads, d) -> the (1, heads, total, d) view the kernels address as (batch, head, row);
     lse (heads, total) -> (1, heads, total). No copy: torch tensors become torch views (so that an
     aligned copy, if one is needed, is made of the view), other arrays a DeviceTensor with the strides."""
@@ -731,12 +739,12 @@ class Kernel:
                 covers.append(bool(array[0] == 0 and array[-1] == total))
             offsets.append(self._small_int_tensor(name, device_value, like, "int32"))
             maxima.append(maximum)
-        counts = [int(as_device_tensor(name, t).shape[0]) - 1 for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
+        described = [as_device_tensor(name, t) for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets)]
+        counts = [t.shape[0] - 1 for t in described]
         if counts[0] != counts[1]:
             raise ArgumentError(f"cu_seqlens_q and cu_seqlens_k describe {counts[0]} and {counts[1]} sequences; "
                                 "they must describe the same batch")
-        pointers = tuple(as_device_tensor(name, t).pointer for name, t in zip(("cu_seqlens_q", "cu_seqlens_k"), offsets))
-        return Sequences(counts[0], maxima[0], maxima[1], pointers, offsets, *covers)
+        return Sequences(counts[0], maxima[0], maxima[1], tuple(t.pointer for t in described), offsets, *covers)
 
     def _packed_outputs(self, like: DeviceTensor, shapes: dict, out, stream: int, fills: dict) -> tuple:
         """Outputs of a packed call: given ones checked against `shapes`; new ones filled with `fills`
@@ -777,9 +785,7 @@ class Kernel:
         tensors = self._check_packed({"q": q, "k": k, "v": v})
         like = tensors["q"]
         if stream is not None and like.is_torch:
-            import torch
-
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=like.owner.device)):
+            with _caller_stream(like, stream):
                 return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                             kv_lengths, block_mask, seed, offset, out, None)
         _, launch_stream = self._stream(tensors, stream)
@@ -803,9 +809,7 @@ class Kernel:
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
-            import torch
-
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=like.owner.device)):
+            with _caller_stream(like, stream):
                 return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, kv_lengths, block_mask, seed, offset, out, None)
         _, launch_stream = self._stream(tensors, stream)
@@ -885,9 +889,7 @@ class Kernel:
         plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
-            import torch
-
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
+            with _caller_stream(tensors["q"], stream):
                 return self._forward(q, k, v, kv_lengths, block_mask, seed, offset, out, None, signature, sequences)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
@@ -1027,9 +1029,7 @@ class Kernel:
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
-            import torch
-
-            with torch.cuda.stream(torch.cuda.ExternalStream(stream_handle(stream), device=tensors["q"].owner.device)):
+            with _caller_stream(tensors["q"], stream):
                 return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, None, signature,
                                       sequences)
         device, stream = self._stream(tensors, stream)
