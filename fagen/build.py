@@ -191,6 +191,8 @@ def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rende
             "kernels": rendered.kernels,
         },
     }
+    if spec.modifiers.active:   # the expressions as parsed, and the backward's derivative sympy derived
+        report["modifiers"] = spec.modifiers.record()
     if compile_record is not None:
         report["compile"] = compile_record
     return report

@@ -151,7 +151,7 @@ def _dropout_scale_block(spec: "Spec", seed: int, offset: int, H: int, b: int, h
 
 # ---- 3. Masks --------------------------------------------------------------------------------
 def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
-                 kv_lengths=None, block_mask=None) -> np.ndarray:
+                 kv_lengths=None, block_mask=None, inputs: Optional[dict] = None, first_batch: int = 0) -> np.ndarray:
     """bool array broadcastable to (B, H, Nq, Nk): True where query i may attend to key j.
 
     Keys are aligned bottom-right (shift = Nk - Nq, as PyTorch and FlashAttention do for Nq != Nk):
@@ -163,8 +163,37 @@ def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
       block_sparse    block_mask[..., i // G, j // G] != 0 with G = spec.block_size; block_mask of shape
                       (ceil(Nq/G), ceil(Nk/G)) or (B or 1, H or 1, ceil(Nq/G), ceil(Nk/G)), required
     Only the spec's own mask is applied: kv_lengths is ignored unless spec.mask == "padding", and
-    block_mask unless spec.mask == "block_sparse".
+    block_mask unless spec.mask == "block_sparse". A spec's mask_mod is ANDed in, evaluated (by
+    fagen/expressions.py, from the same sympy expression the kernels are rendered from) at
+    (first_batch + b, h, i, j) with `inputs` (name -> array or number), positions not shifted.
     """
+    visible = _mask_kind(spec, B, H, Nq, Nk, kv_lengths, block_mask)
+    mods = spec.modifiers
+    if mods.mask is None:
+        return visible
+    b, h, i, j = _index_grids(B, H, Nq, Nk, first_batch)
+    return visible & mods.mask_numpy(b, h, i, j, Nq, Nk, _input_values(inputs))
+
+
+def _index_grids(B: int, H: int, Nq: int, Nk: int, first_batch: int = 0):
+    """(b, h, i, j) index arrays broadcasting to (B, H, Nq, Nk)."""
+    return (np.arange(B)[:, None, None, None] + first_batch, np.arange(H)[None, :, None, None],
+            np.arange(Nq)[None, None, :, None], np.arange(Nk)[None, None, None, :])
+
+
+def _input_values(inputs: Optional[dict]) -> dict:
+    """A mask_mod / score_mod's run-time inputs as numpy arrays (tensors) or floats (scalars)."""
+    values = {}
+    for name, value in (inputs or {}).items():
+        if hasattr(value, "detach"):        # a torch tensor
+            value = value.detach().cpu().numpy()
+        elif hasattr(value, "get"):         # a PyCUDA array
+            value = value.get()
+        values[name] = float(value) if np.ndim(value) == 0 else np.asarray(value)
+    return values
+
+
+def _mask_kind(spec: "Spec", B: int, H: int, Nq: int, Nk: int, kv_lengths, block_mask) -> np.ndarray:
     for name, value in (("B", B), ("H", H), ("Nq", Nq), ("Nk", Nk)):
         if operator.index(value) < 1:
             raise ValueError(f"visible_mask: {name} must be at least 1, got {value}")
@@ -248,40 +277,50 @@ def _finite_or_zero(x: np.ndarray) -> np.ndarray:
     return np.where(np.isneginf(x), 0.0, x)
 
 
-def _softmax_stats(q, k, spec: "Spec", visible):
-    """S (masked with -inf), lse (natural log, -inf for a row with no visible key) and P = exp(S - lse)."""
+def _softmax_stats(q, k, spec: "Spec", visible, inputs: Optional[dict] = None, first_batch: int = 0):
+    """S (score_mod applied, masked with -inf), lse (natural log, -inf for a row with no visible key),
+    P = exp(S - lse) and d(score_mod)/d(score) at each element (None without a score_mod)."""
     S = spec.scale * np.einsum("bhid,bhjd->bhij", q, k)
+    mods, score_grad = spec.modifiers, None
+    if mods.score is not None:
+        B, H, Nq, Nk = S.shape
+        b, h, i, j = _index_grids(B, H, Nq, Nk, first_batch)
+        values = _input_values(inputs)
+        with np.errstate(all="ignore"):   # masked elements may overflow; they are dropped below
+            score_grad = np.broadcast_to(mods.score_grad_numpy(S, b, h, i, j, Nq, Nk, values), S.shape)
+            S = np.broadcast_to(mods.score_numpy(S, b, h, i, j, Nq, Nk, values), S.shape)
     S = np.where(visible, S, -np.inf)
     m = S.max(axis=-1)
     with np.errstate(divide="ignore"):
         lse = m + np.log(np.exp(S - _finite_or_zero(m)[..., None]).sum(axis=-1))
     lse = np.where(np.isneginf(m), -np.inf, lse)
     P = np.exp(S - _finite_or_zero(lse)[..., None])
-    return S, lse, P
+    return S, lse, P, score_grad
 
 
-def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None,
+def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None, inputs: Optional[dict] = None,
                       seed: int = 0, offset: int = 0, first_batch: int = 0):
     """(o, lse): o = dropout(softmax(spec.scale * q k^T, masked)) v, lse = logsumexp of the visible scores.
 
     o is (B, H, Nq, d), lse is (B, H, Nq), both float64. Dropout (only when spec.dropout > 0) is keyed by
     (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by 1/(1 - p). A row with no
     visible key gives o = 0 and lse = -inf. `first_batch`: the batch index of q[0] in the dropout
-    stream (a packed batch's sequence b is computed as a batch of one at first_batch = b).
+    stream and in mask_mod / score_mod (a packed batch's sequence b is computed as a batch of one at
+    first_batch = b). `inputs`: the run-time inputs a spec's mask_mod / score_mod declare.
     """
     q, k, v, _ = _prepare(q, k, v, spec)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
-    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
-    _, lse, P = _softmax_stats(q, k, spec, visible)
+    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask, inputs, first_batch)
+    _, lse, P, _ = _softmax_stats(q, k, spec, visible, inputs, first_batch)
     scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
     P_drop = P if scale is None else P * scale
     return np.einsum("bhij,bhjd->bhid", P_drop, v), lse
 
 
 def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                       seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None,
-                       first_batch: int = 0):
+                       inputs: Optional[dict] = None, seed: int = 0, offset: int = 0, o=None,
+                       magnitudes: Optional[dict] = None, first_batch: int = 0):
     """(dq, dk, dv): the exact gradients of sum(o * do) for `attention_forward` with the same arguments.
 
     FlashAttention-1 Algorithm 4's maths on whole matrices: dV = P_drop^T dO, dP = (dO V^T) * Z/(1-p),
@@ -299,8 +338,8 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     Nk = k.shape[2]
     if do.shape != (B, H, Nq, v.shape[3]):
         raise ValueError(f"do must have the shape of o, {(B, H, Nq, v.shape[3])}, got {do.shape}")
-    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask)
-    _, _, P = _softmax_stats(q, k, spec, visible)
+    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask, inputs, first_batch)
+    _, _, P, score_grad = _softmax_stats(q, k, spec, visible, inputs, first_batch)
     scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
     P_drop = P if scale is None else P * scale
     o = np.einsum("bhij,bhjd->bhid", P_drop, v) if o is None else np.asarray(o, dtype=np.float64)
@@ -310,10 +349,14 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
         dP = dP * scale
     D = (do * o).sum(axis=-1)
     dS = P * (dP - D[..., None])
+    if score_grad is not None:   # the chain rule through score_mod: dS (of the raw score) = dS' * mod'(S)
+        dS = dS * np.where(visible, score_grad, 0.0)
     dq = spec.scale * np.einsum("bhij,bhjd->bhid", dS, k)
     dk = spec.scale * np.einsum("bhij,bhid->bhjd", dS, q)
     if magnitudes is not None:
         dS_abs = np.abs(P * dP) + np.abs(P * D[..., None])
+        if score_grad is not None:
+            dS_abs = dS_abs * np.abs(np.where(visible, score_grad, 0.0))
         magnitudes["dq"] = float(np.linalg.norm(spec.scale * np.einsum("bhij,bhjd->bhid", dS_abs, np.abs(k))))
         magnitudes["dk"] = float(np.linalg.norm(_sum_groups(spec.scale * np.einsum("bhij,bhid->bhjd", dS_abs,
                                                                                      np.abs(q)), group)))
@@ -349,7 +392,7 @@ def _sequence_runtime(kv_lengths, block_mask, spec: "Spec", b: int, nq: int, nk:
 
 
 def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                   seed: int = 0, offset: int = 0):
+                   inputs: Optional[dict] = None, seed: int = 0, offset: int = 0):
     """(o, lse) of a packed batch (spec layout packed): q (total_q, H, d), k and v (total_k, H_kv, d);
     sequence b is query rows cu_seqlens_q[b]:cu_seqlens_q[b + 1] and key rows cu_seqlens_k[b]:cu_seqlens_k[b + 1],
     computed as `attention_forward` computes a batch of one (its own bottom-right alignment, masks and
@@ -364,7 +407,7 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_leng
         if nq == 0 or nk == 0:
             continue
         as_batch = (x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys]))
-        o_b, lse_b = attention_forward(*as_batch, spec, seed=seed, offset=offset, first_batch=b,
+        o_b, lse_b = attention_forward(*as_batch, spec, seed=seed, offset=offset, first_batch=b, inputs=inputs,
                                        **_sequence_runtime(kv_lengths, block_mask, spec, b, nq, nk))
         o[rows] = o_b[0].transpose(1, 0, 2)
         lse[:, rows] = lse_b[0]
@@ -372,7 +415,8 @@ def packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_leng
 
 
 def packed_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_lengths=None, block_mask=None,
-                    seed: int = 0, offset: int = 0, o=None, magnitudes: Optional[dict] = None):
+                    inputs: Optional[dict] = None, seed: int = 0, offset: int = 0, o=None,
+                    magnitudes: Optional[dict] = None):
     """(dq, dk, dv) of `packed_forward`, in its layout: `attention_backward` per sequence, zero for rows
     outside every sequence. `o` and `magnitudes` as in `attention_backward` (magnitudes: over all sequences)."""
     q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
@@ -386,6 +430,7 @@ def packed_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv
         o_b = None if o is None else np.asarray(o, dtype=np.float64)[rows][None].transpose(0, 2, 1, 3)
         sizes = {}
         grads = attention_backward(*as_batch, spec, seed=seed, offset=offset, first_batch=b, o=o_b, magnitudes=sizes,
+                                   inputs=inputs,
                                    **_sequence_runtime(kv_lengths, block_mask, spec, b, nq, nk))
         for name in totals:
             totals[name] += sizes[name] ** 2
@@ -429,6 +474,8 @@ def tiled_forward(q, k, v, spec: "Spec", block_r: int, block_c: int, *, kv_lengt
     block_r, block_c = _check_tiles(block_r, block_c)
     B, H, Nq, _ = q.shape
     Nk = k.shape[2]
+    if spec.modifiers.active:
+        raise ValueError("the tiled emulations model the mask kinds, not mask_mod / score_mod: use attention_forward")
     visible = np.broadcast_to(visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask), (B, H, Nq, Nk))
     run = _forward_fa1 if spec.loop_order == "fa1" else _forward_fa2
     o, lse, total, skipped = run(q, k, v, spec, visible, block_r, block_c, seed, offset)
@@ -534,6 +581,8 @@ def tiled_backward(q, k, v, o, lse, do, spec: "Spec", block_r: int, block_c: int
     if o.shape != (B, H, Nq, v.shape[3]) or do.shape != o.shape or lse.shape != (B, H, Nq):
         raise ValueError(f"o and do must be {(B, H, Nq, v.shape[3])} and lse {(B, H, Nq)}, "
                          f"got {o.shape}, {do.shape}, {lse.shape}")
+    if spec.modifiers.active:
+        raise ValueError("the tiled emulations model the mask kinds, not mask_mod / score_mod: use attention_forward")
     visible = np.broadcast_to(visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask), (B, H, Nq, Nk))
     dq = np.zeros_like(q)                  # "HBM", accumulated across column blocks
     dk = np.zeros_like(k)

@@ -146,6 +146,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "packed": "true" if spec.layout == "packed" else "false",
+        "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
             f'extern "C" __global__ void __launch_bounds__({threads}) {name}_r{rows}'
@@ -156,6 +157,20 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
             warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)
             for name, n_of, a_regs, tnsp_a, tnsp_b in WARPGROUP_PRODUCTS.get(plan.template, ())),
     }
+
+
+def mods_namespace(spec: Spec) -> str:
+    return f"fagen_mods_{spec.canonical_name}"
+
+
+def mods_source(spec: Spec) -> str:
+    """The spec's mask_mod / score_mod as C++ (fagen/expressions.py), once per file, or nothing."""
+    mods = spec.modifiers
+    if not mods.active:
+        return ""
+    lines = [f"// {key}: {value}" for key, value in mods.record().items() if value]
+    return "\n".join([*lines, f"namespace {mods_namespace(spec)} {{", mods.cuda_struct("SpecMods"),
+                      f"}}  // namespace {mods_namespace(spec)}", ""])
 
 
 def render(spec: Spec, solution: Solution) -> Rendered:
@@ -170,7 +185,7 @@ def render(spec: Spec, solution: Solution) -> Rendered:
         *plan_lines,
         f'#include "{COMMON_HEADER}"',
         "",
-    ])
+    ]) + mods_source(spec)
     bodies = {p: _environment.get_template(solution.plans[p].template).render(template_context(spec, p, solution.plans[p]))
               for p in spec.passes}
     return Rendered(

@@ -57,11 +57,15 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("seed", "Q", 1), ("offset", "Q", 1), ("row_groups", "q", 1),
               ("kv_group", "q", 1), ("dk_sum", "Q", 1), ("dv_sum", "Q", 1), ("dk_sum_stride", "q", 3),
               ("dv_sum_stride", "q", 3), ("cu_seqlens_q", "Q", 1), ("cu_seqlens_k", "Q", 1),
-              ("max_seq_q", "q", 1), ("max_seq_k", "q", 1)])
+              ("max_seq_q", "q", 1), ("max_seq_k", "q", 1),
+              ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
     _SLOT[_name] = (sum(c for _, _, c in _FIELDS[:[f[0] for f in _FIELDS].index(_name)]), _count)
+for _n in range(4):   # one slot per mod_tensor entry, for the fast path's pointer refills
+    _SLOT[f"mod_tensor{_n}"] = (_SLOT["mod_tensor"][0] + _n, 1)
+_FLOAT_SLOTS = frozenset(range(_SLOT["mod_scalar"][0], _SLOT["mod_scalar"][0] + 4))
 
 
 class LaunchArgs:
@@ -74,10 +78,11 @@ class LaunchArgs:
 
     def __setitem__(self, name: str, value) -> None:
         start, count = _SLOT[name]
+        convert = float if start in _FLOAT_SLOTS else int
         if count == 1:
-            self.values[start] = int(value)
+            self.values[start] = convert(value)
         else:
-            self.values[start:start + count] = [int(x) for x in value]
+            self.values[start:start + count] = [convert(x) for x in value]
 
     def packed(self) -> "driver.LaunchArguments":
         arguments = driver.LaunchArguments(ARGS_STRUCT.size)
@@ -238,6 +243,7 @@ def _torch_types():
         import torch
 
         _TORCH["Tensor"], _TORCH["int32"], _TORCH["uint8"] = torch.Tensor, torch.int32, torch.uint8
+        _TORCH["float32"] = torch.float32
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         _TORCH["stream"] = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
     return _TORCH
@@ -273,7 +279,7 @@ class FastCall:
     def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = ()):
         import ctypes
 
-        self.values = (ctypes.c_uint64 * len(args.values))(*[v & 0xFFFFFFFFFFFFFFFF for v in args.values])
+        self.values = (ctypes.c_uint64 * len(args.values)).from_buffer_copy(ARGS_STRUCT.pack(*args.values))
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
         self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
@@ -390,7 +396,15 @@ class Kernel:
         self._pair_stores = spec.head_dim % 2 == 0
         self._fast_forward: dict[tuple, FastCall] = {}
         self._fast_backward: dict[tuple, FastCall] = {}
+        self._modifiers = None
         self._load(_default_device() if device is None else device)
+
+    @property
+    def modifiers(self):
+        """The spec's mask_mod / score_mod and their inputs (fagen/expressions.py), parsed on first use."""
+        if self._modifiers is None:
+            self._modifiers = self.spec.modifiers
+        return self._modifiers
 
     def _load(self, device: int) -> dict:
         """This kernel's functions in the device's primary context (modules are per context)."""
@@ -468,7 +482,7 @@ class Kernel:
                 raise ArgumentError(f"q, k, v are on different devices: {sorted(map(str, devices))}")
         return tensors, (batch, heads, seq_q, seq_k)
 
-    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, seed, offset,
+    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, inputs, seed, offset,
                       sequences: Optional["Sequences"] = None):
         """The run-time inputs into `args`; `shape` is (sequences, heads, longest Nq, longest Nk)."""
         spec = self.spec
@@ -518,7 +532,71 @@ class Kernel:
             args["block_mask_stride"] = strides
         elif block_mask is not None:
             raise ArgumentError(f"block_mask is only for mask block_sparse; this spec's mask is {spec.mask}")
+        keep += self._mod_inputs(args, inputs, tensors["q"])
         return keep
+
+    def _mod_inputs(self, args: LaunchArgs, inputs, like: DeviceTensor) -> list:
+        """The run-time inputs a spec's mask_mod / score_mod declare (`inputs` in the spec), from a dict
+        name -> tensor (the declared dtype, as many dimensions as the expressions index) or number."""
+        mods = self.modifiers
+        declared = [name for name, _, _ in mods.tensors] + list(mods.scalars)
+        given = dict(inputs or {})
+        if not declared:
+            if given:
+                raise ArgumentError(f"inputs {sorted(given)} given, but {self.spec.variant_name} declares no inputs")
+            return []
+        missing = [name for name in declared if name not in given]
+        unknown = [name for name in given if name not in declared]
+        if missing or unknown:
+            raise ArgumentError(f"inputs: {self.spec.variant_name} declares {declared}; "
+                                + (f"missing {missing}" if missing else f"unknown {unknown}"))
+        keep, pointers, sizes, strides = [], [0] * 4, [1] * 8, [0] * 8
+        for n, (name, dtype, ndim) in enumerate(mods.tensors):
+            tensor = self._input_tensor(name, given[name], like, dtype)
+            dt = as_device_tensor(name, tensor)
+            if len(dt.shape) != ndim or 0 in dt.shape:
+                raise ArgumentError(f"inputs {name}: the expressions index it with {ndim} subscript(s): expected a "
+                                    f"non-empty {ndim}-dimensional tensor, got shape {dt.shape}")
+            keep.append(tensor)
+            pointers[n] = dt.pointer
+            sizes[2 * n:2 * n + ndim] = dt.shape
+            strides[2 * n:2 * n + ndim] = dt.strides
+        scalars = [0.0] * 4
+        for n, name in enumerate(mods.scalars):
+            try:
+                scalars[n] = float(given[name])
+            except (TypeError, ValueError):
+                raise ArgumentError(f"inputs {name}: a scalar input takes a number, got {type(given[name]).__name__}") from None
+            if not math.isfinite(scalars[n]):
+                raise ArgumentError(f"inputs {name}: must be finite, got {scalars[n]}")
+        args["mod_tensor"], args["mod_size"], args["mod_stride"], args["mod_scalar"] = pointers, sizes, strides, scalars
+        return keep
+
+    @staticmethod
+    def _input_tensor(name: str, value, like: DeviceTensor, dtype: str):
+        """A tensor input on the device in the declared dtype ('float32' / 'int32'): device tensors of
+        that dtype as they are, anything else converted (a copy)."""
+        import numpy as np
+
+        kind = {"float32": "f", "int32": "i"}[dtype]
+        if like.is_torch:
+            import torch
+
+            tensor = value if isinstance(value, torch.Tensor) else torch.as_tensor(np.asarray(value))
+            if tensor.is_complex() or tensor.dtype == torch.bool and kind == "f":
+                raise ArgumentError(f"inputs {name}: expected {dtype}, got {tensor.dtype}")
+            if kind == "i" and tensor.dtype.is_floating_point:
+                raise ArgumentError(f"inputs {name}: declared int32, got {tensor.dtype} (convert it explicitly)")
+            return tensor.to(device=like.owner.device, dtype=getattr(torch, dtype))
+        import pycuda.gpuarray as gpuarray
+
+        ensure_context()
+        if hasattr(value, "__cuda_array_interface__"):
+            value = value.get() if hasattr(value, "get") else np.asarray(value)
+        array = np.asarray(value)
+        if kind == "i" and array.dtype.kind == "f":
+            raise ArgumentError(f"inputs {name}: declared int32, got {array.dtype} (convert it explicitly)")
+        return gpuarray.to_gpu(np.ascontiguousarray(array.astype(dtype)))
 
     @staticmethod
     def _small_int_tensor(name: str, value, like: DeviceTensor, dtype: str, upper: Optional[int] = None):
@@ -627,7 +705,7 @@ class Kernel:
         return plan
 
     # ---- the fast path: a call whose signature was seen before ----
-    def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, seed, offset):
+    def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, inputs, seed, offset):
         """The key of a FastCall for these torch tensors, or None where the full path must run (other
         array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
         torch_types = _torch_types()
@@ -649,15 +727,34 @@ class Kernel:
         mask_key = _small_tensor_key(block_mask, torch_types["uint8"], device)
         if lengths_key is False or mask_key is False:
             return None
-        return (tuple(parts), lengths_key, mask_key)
+        inputs_key = None
+        if inputs:   # tensors by shape and strides (their pointers are refilled), scalars by value
+            mods = self.modifiers
+            if set(inputs) != {name for name, _, _ in mods.tensors} | set(mods.scalars):
+                return None
+            inputs_key = []
+            for name, dtype, _ in mods.tensors:
+                value = inputs[name]
+                if (type(value) is not tensor_type or value.dtype is not torch_types[dtype]
+                        or value.get_device() != device):
+                    return None
+                inputs_key.append((value.shape, value.stride()))
+            for name in mods.scalars:
+                if type(inputs[name]) not in (int, float):
+                    return None
+                inputs_key.append(float(inputs[name]))
+            inputs_key = tuple(inputs_key)
+        return (tuple(parts), lengths_key, mask_key, inputs_key)
 
-    @staticmethod
-    def _runtime_pointers(kv_lengths, block_mask) -> tuple[tuple, list]:
+    def _runtime_pointers(self, kv_lengths, block_mask, inputs) -> tuple[tuple, list]:
         names, pointers = (), []
         if kv_lengths is not None:
             names, pointers = names + ("kv_lengths",), pointers + [kv_lengths.data_ptr()]
         if block_mask is not None:
             names, pointers = names + ("block_mask",), pointers + [block_mask.data_ptr()]
+        if inputs:
+            for n, (name, _, _) in enumerate(self.modifiers.tensors):
+                names, pointers = names + (f"mod_tensor{n}",), pointers + [inputs[name].data_ptr()]
         return names, pointers
 
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
@@ -760,7 +857,7 @@ class Kernel:
         return out
 
     def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                          block_mask, seed, offset):
+                          block_mask, inputs, seed, offset):
         """The fast-path key of a packed call, or None: only torch tensors with offsets already on the
         GPU (int32, contiguous) and max_seqlen given, rows 16-byte aligned where cp.async reads them."""
         torch_types = _torch_types()
@@ -772,7 +869,7 @@ class Kernel:
                     or not cu.is_cuda or not cu.is_contiguous()):
                 return None
             offsets.append(cu.shape[0])
-        key = self._signature("forward", tensors, (), kv_lengths, block_mask, seed, offset)
+        key = self._signature("forward", tensors, (), kv_lengths, block_mask, inputs, seed, offset)
         if key is None or any(len(t.shape) != 3 for t in tensors):
             return None
         if self._chunked_rows and not all(self._rows_aligned(t.data_ptr(), (0, t.stride(1), t.stride(0)))
@@ -781,13 +878,13 @@ class Kernel:
         return ("packed", key, tuple(offsets), max_seqlen_q, max_seqlen_k)
 
     def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                        block_mask, seed, offset, out, stream, signature=None):
+                        block_mask, inputs, seed, offset, out, stream, signature=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            kv_lengths, block_mask, seed, offset, out, None)
+                                            kv_lengths, block_mask, inputs, seed, offset, out, None)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
@@ -799,19 +896,19 @@ class Kernel:
         if total_q == 0 or tensors["k"].shape[0] == 0:
             return o, lse
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v")]
-        self._forward(*views, kv_lengths, block_mask, seed, offset,
+        self._forward(*views, kv_lengths, block_mask, inputs, seed, offset,
                       (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))),
                       stream, signature, sequences)
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         kv_lengths, block_mask, seed, offset, out, stream):
+                         kv_lengths, block_mask, inputs, seed, offset, out, stream):
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, kv_lengths, block_mask, seed, offset, out, None)
+                                             max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, None)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         total_k = tensors["k"].shape[0]
@@ -826,14 +923,14 @@ class Kernel:
         if total_q == 0 or total_k == 0:
             return grads
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
-        self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, seed, offset,
+        self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, inputs, seed, offset,
                        tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
                        stream, None, sequences)
         return grads
 
     # ---- forward ----
-    def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0, out=None,
-                stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0, offset: int = 0,
+                out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse): o like q; lse float32 (batch, heads, seq_q), natural log, -inf for rows that see no key.
 
         `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
@@ -845,7 +942,7 @@ class Kernel:
             signature = None
             if out is None and stream is None and self.spec.loop_order != "fa1":
                 signature = self._packed_signature((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   kv_lengths, block_mask, seed, offset)
+                                                   kv_lengths, block_mask, inputs, seed, offset)
                 call = self._fast_forward.get(signature) if signature is not None else None
                 if call is not None:
                     import torch
@@ -854,17 +951,17 @@ class Kernel:
                     # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
                     o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
                     lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
-                    _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                    _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                     call.launch(device, _TORCH["stream"](device),
                                 (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                  cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, seed, offset))
                     self._finish(call.launches[0][4])
                     return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        kv_lengths, block_mask, seed, offset, out, stream, signature)
+                                        kv_lengths, block_mask, inputs, seed, offset, out, stream, signature)
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
-            signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, seed, offset)
+            signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
                 import torch
@@ -874,15 +971,15 @@ class Kernel:
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
                 # decode: the splits' partial O and LSE, held until the launches are queued
                 workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
-                _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                 call.launch(device, _TORCH["stream"](device),
                             (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                              *[w.data_ptr() for w in workspaces], *extra, seed, offset))
                 self._finish(call.launches[0][4])
                 return o, lse
-        return self._forward(q, k, v, kv_lengths, block_mask, seed, offset, out, stream, signature, None)
+        return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
-    def _forward(self, q, k, v, kv_lengths, block_mask, seed, offset, out, stream, signature,
+    def _forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
                  sequences: Optional["Sequences"]):
         """The full forward path (everything the fast path skips); `sequences` for packed batches,
         whose q, k, v arrive here as (1, heads, total, d) views."""
@@ -890,7 +987,7 @@ class Kernel:
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
-                return self._forward(q, k, v, kv_lengths, block_mask, seed, offset, out, None, signature, sequences)
+                return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, None, signature, sequences)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -913,12 +1010,12 @@ class Kernel:
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
         args["o_stride"] = ot.strides[:3]
-        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, seed, offset, sequences)
+        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
         if decode is not None and group * seq_q <= decode.block_r:
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
-                                kv_lengths, block_mask)
+                                kv_lengths, block_mask, inputs)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(problems[2] / plan.block_r)
         if sequences is not None and not sequences.has_work:   # every sequence empty of queries or keys
@@ -939,7 +1036,7 @@ class Kernel:
         self._launch(device, symbol, args.packed(), grid, plan.threads, plan.smem_bytes, stream)
         self._finish(symbol)
         if signature is not None:   # the next call with this signature skips everything above
-            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             if sequences is not None:
                 names = ("cu_seqlens_q", "cu_seqlens_k") + names
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse") + names,
@@ -948,7 +1045,7 @@ class Kernel:
         return o, lse
 
     def _decode(self, plan: LaunchPlan, args: LaunchArgs, tensors: dict, shape: tuple, group: int, o, lse, keep: list,
-                device: int, stream: int, signature, kv_lengths, block_mask):
+                device: int, stream: int, signature, kv_lengths, block_mask, inputs):
         """The split-KV forward for few query rows (templates/decode_splitkv.cu.j2): one block per
         (split of the keys, batch, K/V head) holds every query row of the head's group, then
         _combine merges the splits by LSE into o and lse."""
@@ -980,23 +1077,24 @@ class Kernel:
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main)
         if signature is not None:
-            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max") + names,
                            launches, device, workspaces)
         del keep
         return o, lse
 
     # ---- backward ----
-    def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
-                 out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+    def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
+                 offset: int = 0, out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                 max_seqlen_k=None):
         """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do."""
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         kv_lengths, block_mask, seed, offset, out, stream)
+                                         kv_lengths, block_mask, inputs, seed, offset, out, stream)
         signature = None
         if out is None and stream is None and "backward" in self.plans:
-            signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask, seed,
-                                  offset)
+            signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask,
+                                        inputs, seed, offset)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
                 import torch
@@ -1017,20 +1115,20 @@ class Kernel:
                     dq_accum = torch.zeros((*q.shape[:3], self.plans["backward"].head_dim), dtype=torch.float32,
                                            device=q.device)
                     pointers.append(dq_accum.data_ptr())
-                _, extra = self._runtime_pointers(kv_lengths, block_mask)
+                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                 call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
                 self._finish(call.launches[1][4])
                 return grads
-        return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, stream, signature, None)
+        return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
-    def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, stream, signature,
+    def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
                   sequences: Optional["Sequences"]):
         """The full backward path; `sequences` as in `_forward`."""
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
-                return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, seed, offset, out, None, signature,
+                return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, None, signature,
                                       sequences)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
@@ -1070,7 +1168,7 @@ class Kernel:
             else:
                 args[key] = gt.pointer
                 args[f"{key}_stride"] = gt.strides[:3]
-        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, seed, offset, sequences)
+        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences)
         if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
             return grads
         like = tensors["q"]
@@ -1100,7 +1198,7 @@ class Kernel:
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main)
         if signature is not None:
-            names, _ = self._runtime_pointers(kv_lengths, block_mask)
+            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
             outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped else ("dq", "dk", "dv")
             self._remember(self._fast_backward, signature, args,

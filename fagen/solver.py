@@ -37,6 +37,12 @@ REGISTER_OVERHEAD = 40  # indices, pointers, loop state: measured against ptxas 
 # batch re-reads them from the argument bank. Calibrated against ptxas on sm_80: the d=128 mma.sync
 # forward at Br=128, Bc=64 went from 255 registers without spills to 192 B of spills when packed.
 PACKED_REGISTERS = 24
+# mask_mod / score_mod: the inputs' pointers and sizes, the expression's temporaries. Calibrated against
+# ptxas on forward_fa2_mma at d = 128 (ALiBi and soft-capping spilled 92-108 B at 255 registers without
+# it). A score_mod whose derivative is not 1 also keeps it per score in the backward; no family reserves
+# registers for that (score_grad_registers): at the plans the backward families have, it costs 4-32 B of
+# spills (tests/test_compiler.py KNOWN_SPILLS), cheaper than the smaller tiles a reservation forces.
+MODIFIER_REGISTERS = 24
 
 
 class InfeasibleSpec(SpecError):
@@ -59,6 +65,8 @@ class Family:
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     packed_registers: int = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above)
+    modifier_registers: int = MODIFIER_REGISTERS  # mask_mod / score_mod (see above)
+    score_grad_registers: object = 0  # backward: d score_mod / d score per score a lane holds
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -99,6 +107,7 @@ FAMILIES: tuple[Family, ...] = (
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
            warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=56, min_block_c=64, max_block_c=128,
            packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
+           modifier_registers=4,  # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
@@ -134,6 +143,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
            packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
+           modifier_registers=0,  # the template's only plan at d = 128: soft-capping spills 32 B there
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",
@@ -389,8 +399,13 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
                                                               spec.element_bytes)
     smem = _exact_int(smem)
+    mods = spec.modifiers
+    score_grad_regs = (family.score_grad_registers if mods.score_grad is not None and mods.score_grad != 1 else 0)
+    if not isinstance(score_grad_regs, int):
+        score_grad_regs = score_grad_regs.subs({Br: block_r})
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
-                          + (family.packed_registers if spec.layout == "packed" else 0))
+                          + (family.packed_registers if spec.layout == "packed" else 0)
+                          + (family.modifier_registers if mods.active else 0) + score_grad_regs)
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

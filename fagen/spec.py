@@ -7,13 +7,16 @@ canonical name that is a pure function of every field.
 from __future__ import annotations
 
 import difflib
+import functools
+import hashlib
 import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+                      model_validator)
 
 DTYPES = ("fp16", "bf16", "fp32")
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
@@ -76,6 +79,19 @@ class Spec(BaseModel):
         ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
         "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward).")
     deterministic: bool = Field(False, description="Backward without atomics: bitwise-reproducible dq.")
+    mask_mod: Optional[str] = Field(
+        None, description="A boolean expression over b, h, i, j (sequence, query head, query and key position; "
+        "positions count from 0 in each of q and k, not shifted when Nq != Nk), Nq, Nk and the declared inputs, "
+        "ANDed with `mask`. Example: 'doc[b, i] == doc[b, j]'.")
+    score_mod: Optional[str] = Field(
+        None, description="An expression of `score` (tau * q.k) and the names mask_mod may use: the score the "
+        "softmax sees. Its derivative in score (sympy's) drives the backward. Example: 'cap * tanh(score / cap)'.")
+    inputs: Annotated[Optional[tuple[tuple[str, Literal["scalar", "float32", "int32"]], ...]],
+                      WithJsonSchema({"anyOf": [{"type": "object", "additionalProperties": {
+                          "enum": ["scalar", "float32", "int32"]}}, {"type": "null"}]})] = Field(
+        None, description="Run-time inputs of mask_mod / score_mod, name -> kind: scalar (a number), float32 or "
+        "int32 (a tensor of 1 or 2 dimensions, indexed in the expression as name[...]; indices are clamped "
+        "into the tensor).")
     layout: Literal["padded", "packed"] = Field(
         "padded", description="padded: q (batch, heads, Nq, d), every batch entry Nq queries and Nk keys. packed: "
         "sequences of different lengths back to back, q (total_q, heads, d), k and v (total_k, kv_heads, d), "
@@ -134,6 +150,24 @@ class Spec(BaseModel):
             raise ValueError(f"{value!r} is not allowed: a name is a C identifier (letters, digits, _)")
         return value
 
+    @field_validator("mask_mod", "score_mod", mode="before")
+    @classmethod
+    def _expression_text(cls, value: Any) -> Any:
+        if value is not None and not isinstance(value, str) and type(value).__module__.startswith("sympy"):
+            return str(value)   # a sympy expression from the API: its text, which the parser reads back
+        if isinstance(value, str) and not value.strip():
+            raise ValueError("is empty: write an expression or leave the field out")
+        return value
+
+    @field_validator("inputs", mode="before")
+    @classmethod
+    def _inputs(cls, value: Any) -> Any:
+        if isinstance(value, dict):   # YAML / Python mapping -> pairs in declaration order (hashable)
+            return tuple((name, kind) for name, kind in value.items())
+        if isinstance(value, (list, tuple)) and not value:
+            return None
+        return value
+
     @model_validator(mode="after")
     def _mask_parameters(self) -> "Spec":
         if self.mask == "sliding_window":
@@ -159,6 +193,14 @@ class Spec(BaseModel):
         if self.layout == "packed" and "decode" in self.passes:
             raise ValueError("the decode pass reads a padded KV cache: use layout padded (with mask padding for "
                              "per-sequence lengths)")
+        if self.mask_mod is not None or self.score_mod is not None or self.inputs:
+            if "decode" in self.passes:
+                raise ValueError("the decode pass does not take mask_mod / score_mod yet: leave decode out of passes")
+            from fagen.expressions import ExpressionError
+            try:
+                _modifiers(self.mask_mod, self.score_mod, self.inputs)
+            except ExpressionError as err:
+                raise ValueError(str(err)) from None
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self
@@ -167,6 +209,11 @@ class Spec(BaseModel):
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def modifiers(self):
+        """mask_mod, score_mod and inputs parsed (fagen.expressions.Modifiers; inactive without them)."""
+        return _modifiers(self.mask_mod, self.score_mod, self.inputs)
 
     @property
     def element_bytes(self) -> int:
@@ -195,6 +242,10 @@ class Spec(BaseModel):
             parts.append("det")
         if self.layout != "padded":
             parts.append(self.layout)
+        if self.mask_mod is not None or self.score_mod is not None or self.inputs:
+            # the expressions are too long for a name: a digest of their text stands for them
+            text = json.dumps([self.mask_mod, self.score_mod, self.inputs])
+            parts.append("mod" + hashlib.sha256(text.encode()).hexdigest()[:8])
         return "_".join(parts)
 
     @property
@@ -205,10 +256,22 @@ class Spec(BaseModel):
         """Every field, defaults included, JSON-ready."""
         data = self.model_dump(mode="json")
         data["passes"] = list(self.passes)
+        for field in ("mask_mod", "score_mod", "inputs"):   # a spec without expressions reads as before them
+            if data[field] is None:
+                del data[field]
+        if self.inputs:
+            data["inputs"] = dict(self.inputs)
         return data
 
     def canonical_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+
+@functools.lru_cache(maxsize=256)
+def _modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optional[tuple]):
+    from fagen.expressions import modifiers   # sympy: only specs with expressions pay for importing it
+
+    return modifiers(mask_mod, score_mod, dict(inputs) if inputs else None)
 
 
 def _number_slug(value: float) -> str:

@@ -46,6 +46,10 @@ class Case:
     q_lengths: Optional[tuple] = None
     k_lengths: Optional[tuple] = None
     spare_rows: int = 0
+    # mask_mod / score_mod inputs: the seed their tensors are drawn from, and each scalar's value
+    inputs_seed: Optional[int] = None
+    scalars: Optional[tuple] = None
+    input_shapes: Optional[tuple] = None   # ((name, kind, shape), ...): tensors' shapes for this case
 
     @property
     def packed(self) -> bool:
@@ -64,7 +68,23 @@ class Case:
             args["kv_lengths"] = np.array(self.kv_lengths, dtype=np.int32)
         if self.block_mask is not None:
             args["block_mask"] = np.array(self.block_mask, dtype=np.uint8)
+        if self.inputs_seed is not None:
+            args["inputs"] = self.inputs()
         return args
+
+    def inputs(self) -> dict:
+        """The mask_mod / score_mod inputs: float32 tensors uniform in [-2, 2]; int32 tensors small
+        non-decreasing integers along their last dimension (document ids, segment numbers); scalars
+        as drawn."""
+        rng = np.random.default_rng(self.inputs_seed)
+        values = {}
+        for name, kind, shape in self.input_shapes or ():
+            if kind == "float32":
+                values[name] = rng.uniform(-2.0, 2.0, shape).astype(np.float32)
+            else:
+                values[name] = np.sort(rng.integers(0, 4, shape), axis=-1).astype(np.int32)
+        values.update(dict(self.scalars or ()))
+        return values
 
 
 @st.composite
@@ -94,9 +114,16 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
         shape = (batch, heads, *blocks) if per_head else blocks
         flat = draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
         block_mask = tuple(np.array(flat, dtype=np.uint8).reshape(shape).tolist())
+    inputs_seed = scalars = input_shapes = None
+    mods = spec.modifiers
+    if mods.tensors or mods.scalars:
+        inputs_seed = draw(st.integers(0, 2**31 - 1))
+        scalars = tuple((name, draw(st.sampled_from([1.0, 2.5, 8.0, 30.0]))) for name in mods.scalars)
+        shapes = mods.input_shapes(batch, heads, seq_q, seq_k)
+        input_shapes = tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors)
     return Case(batch, heads, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
                 draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                kv_lengths, block_mask, kv_heads, q_lengths, k_lengths, spare_rows)
+                kv_lengths, block_mask, kv_heads, q_lengths, k_lengths, spare_rows, inputs_seed, scalars, input_shapes)
 
 
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
@@ -168,7 +195,7 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
     lse = torch.full((case.batch, case.heads, case.seq_q), float("nan"), device=q.device)
     kernel.forward(q, k, v, out=(o, lse), **runtime)
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
-                "seed": case.seed, "offset": case.offset}
+                "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
     ref_o, ref_lse = reference.attention_forward(qn, kn, vn, spec, **ref_args)
     errors = {"o": relative_error(_to_numpy(o), ref_o), "lse": _lse_error(_to_numpy(lse), ref_lse)}
@@ -208,7 +235,7 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     cu_q, cu_k = runtime.pop("cu_seqlens_q"), runtime.pop("cu_seqlens_k")
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
-                "seed": case.seed, "offset": case.offset}
+                "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     # Rows outside every sequence are the caller's: with out= given, the kernels leave them as they were.
     covered = int(cu_q[-1])
     ref_o, ref_lse = reference.packed_forward(qn, kn, vn, cu_q, cu_k, spec, **ref_args)

@@ -22,7 +22,9 @@ an `autograd.Function` (fewer microseconds per call; the maths and the kernels a
 """
 from __future__ import annotations
 
+import functools
 import json
+from typing import Optional
 
 import torch
 
@@ -82,15 +84,21 @@ def _grad(tensor):
 # ---- the ops ---------------------------------------------------------------------------------
 _library = torch.library.Library("fagen", "DEF")
 _RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0, int offset=0, "
-                   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1")
+                   "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1, "
+                   "Tensor[] mod_tensors=[], float[] mod_scalars=[]")
 _library.define(f"attention_forward(Tensor q, Tensor k, Tensor v, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
 _library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
                 f"{_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
-def _runtime_kwargs(kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k):
+def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                    max_seqlen_k, mod_tensors=(), mod_scalars=()):
     """The ops' run-time arguments as Kernel.forward / backward keywords (packed ones only when given)."""
     kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
+    if mod_tensors or mod_scalars:   # the lists in the spec's declaration order -> the inputs dict
+        mods = kernel.modifiers
+        kwargs["inputs"] = {**{name: tensor for (name, _, _), tensor in zip(mods.tensors, mod_tensors)},
+                            **dict(zip(mods.scalars, mod_scalars))}
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=None if max_seqlen_q < 0 else max_seqlen_q,
@@ -99,19 +107,21 @@ def _runtime_kwargs(kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqle
 
 
 def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(), mod_scalars=()):
     # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
     kernel = kernel_for(spec, q.get_device())
-    return kernel.forward(q, k, v, **_runtime_kwargs(kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k,
-                                                     max_seqlen_q, max_seqlen_k))
+    return kernel.forward(q, k, v, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors,
+                                                     mod_scalars))
 
 
 def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(),
+                   mod_scalars=()):
     kernel = kernel_for(spec, q.get_device())
-    return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kv_lengths, block_mask, seed, offset,
+    return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset,
                                                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                      max_seqlen_k))
+                                                                      max_seqlen_k, mod_tensors, mod_scalars))
 
 
 _library.impl("attention_forward", _forward_cuda, "CUDA")
@@ -120,7 +130,7 @@ _library.impl("attention_backward", _backward_cuda, "CUDA")
 
 @torch.library.register_fake("fagen::attention_forward")
 def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(), mod_scalars=()):
     # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout;
     # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
     if cu_seqlens_q is not None:
@@ -130,30 +140,52 @@ def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offse
 
 @torch.library.register_fake("fagen::attention_backward")
 def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1):
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(),
+                   mod_scalars=()):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k = inputs
+    (q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods) = inputs
+    mod_tensors, mod_scalars = (list(mods[0]), list(mods[1])) if mods else ([], [])
     o, lse = output
-    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k)
+    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors)
     ctx.spec, ctx.seed, ctx.offset, ctx.max_seqlens = spec, seed, offset, (max_q, max_k)
+    ctx.mod_scalars = mod_scalars
     ctx.mark_non_differentiable(lse)
 
 
 def _backward_rule(ctx, grad_o, grad_lse):
     # Gradients through the LSE output are not supported (it is returned for inspection only).
-    q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
     dq, dk, dv = torch.ops.fagen.attention_backward(q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask,
                                                     ctx.seed, ctx.offset, cu_seqlens_q, cu_seqlens_k,
-                                                    *ctx.max_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+                                                    *ctx.max_seqlens, mod_tensors, ctx.mod_scalars)
+    # (the inputs of mask_mod / score_mod get no gradient: they are data, not parameters, for now)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
 
 
 torch.library.register_autograd("fagen::attention_forward", _backward_rule, setup_context=_setup_context)
+
+
+def _mod_lists(key: str, inputs: Optional[dict]) -> tuple[list, list]:
+    """A mask_mod / score_mod's inputs dict as the ops' (tensors, scalars) lists, in the spec's
+    declaration order (the ops' schema has no dict type)."""
+    if not inputs:
+        return [], []
+    mods = _key_modifiers(key)
+    names = [name for name, _, _ in mods.tensors] + list(mods.scalars)
+    if set(inputs) != set(names):
+        raise runtime.ArgumentError(f"inputs: the spec declares {names}, got {sorted(inputs)}")
+    tensors = [_as_tensor_or_none(inputs[name], f"inputs {name}") for name, _, _ in mods.tensors]
+    return tensors, [float(inputs[name]) for name in mods.scalars]
+
+
+@functools.lru_cache(maxsize=64)
+def _key_modifiers(key: str):
+    return spec_from_dict(json.loads(key), where="fagen.attention spec").modifiers
 
 
 # ---- eager fast path -------------------------------------------------------------------------
@@ -189,11 +221,14 @@ def _as_tensor_or_none(value, name: str):
 
 
 def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
-              return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+              return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+              inputs: Optional[dict] = None):
     """Attention of q, k, v (batch, heads, seq, head_dim) under `spec`, differentiable in q, k and v.
 
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
     torch.compile pass a JSON string (or a Spec made outside the compiled function).
+
+    `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number.
 
     Specs with layout packed: q (total_q, heads, d), k and v (total_k, kv_heads, d), with
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
@@ -209,6 +244,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
             raise runtime.ArgumentError(f"q: tensor is on {q.device}; fagen kernels need CUDA tensors")
         kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.get_device())
         kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
+        if inputs:
+            kwargs["inputs"] = inputs
         if packed:
             kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k)
@@ -221,7 +258,9 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
         if packed:
             cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
             cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
+        mod_tensors, mod_scalars = _mod_lists(key, inputs)
         o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
                                                    cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
-                                                   -1 if max_seqlen_k is None else max_seqlen_k)
+                                                   -1 if max_seqlen_k is None else max_seqlen_k, mod_tensors,
+                                                   mod_scalars)
     return (o, lse) if return_lse else o

@@ -19,10 +19,12 @@ constexpr int WARPS = THREADS / 32;
 constexpr int K_PITCH = 130;
 constexpr int O_PER_THREAD = 32;
 constexpr float SCALE_LOG2 = 1.275174308e-01f;
+constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 128;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 429496729u;
 constexpr float KEEP_SCALE = 1.111111111e+00f;
@@ -55,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -86,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
 
       // S_ij = tau * Q_i K_j^T, masked
       masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
-                                                              col0, cols_here, SCALE_LOG2);
+                                                              col0, cols_here, SCALE, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);
@@ -187,6 +189,7 @@ constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 128;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 429496729u;
 constexpr float KEEP_SCALE = 1.111111111e+00f;
@@ -237,7 +240,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
   auto next_visible = [&](int i) {
     while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
@@ -318,15 +321,20 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
 
     // mask: only tiles that cross a mask edge or the end of Q / K pay for the per-element test.
     // Element e of n-tile n is key warp_col0 + group + 8 (e / 2), query row0 + 8 n + 2 quad + e % 2.
+    // A score_mod visits every element: its derivative at S (the factor dS takes) is kept, then
+    // S = score_mod(S), then the mask.
     const bool interior = row0 + BLOCK_R <= seq_q && warp_col0 + 16 <= seq_k &&
                           visibility.tile_all_visible(row0, BLOCK_R, warp_col0, 16);
-    if (!interior) {
+    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
+    if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (row >= seq_q || key >= seq_k || !visibility.visible(row, key)) s_acc[n][e] = -INFINITY;
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
+          if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) s_acc[n][e] = -INFINITY;
         }
     }
 
@@ -347,6 +355,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
           s_acc[n][e] = p;
         }
         dp_acc[n][e] = p * (dp - delta_tile[r]);
+        if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
       }
 
     // dV_w += P_drop^T dO_i and dK_w += dS^T Q_i: the accumulators of S^T / dS^T are A operands as they are

@@ -19,10 +19,12 @@ constexpr int WARPS = THREADS / 32;
 constexpr int K_PITCH = 129;
 constexpr int O_PER_THREAD = 32;
 constexpr float SCALE_LOG2 = 1.275174308e-01f;
+constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -55,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -86,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
 
       // S_ij = tau * Q_i K_j^T, masked
       masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
-                                                              col0, cols_here, SCALE_LOG2);
+                                                              col0, cols_here, SCALE, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);
@@ -174,6 +176,7 @@ constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -211,11 +214,13 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
     float p = 0.f, ds = 0.f;
     if (r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c)) {
-      p = exp2f(dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH) * SCALE_LOG2 - t.lse[r]);
+      const float s = dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH);  // score_mod: S' = mod(S), dS *= mod'(S)
+      const float score_grad = visibility.score_gradient(s, row0 + r, col0 + c, SCALE);
+      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c, SCALE) * SCALE_LOG2 - t.lse[r]);
       float dp = dot_row<HEAD_DIM>(t.d_o + r * HEAD_DIM, t.v + c * PITCH);
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
-      ds = p * (dp * keep - t.delta[r]);
+      ds = p * (dp * keep - t.delta[r]) * score_grad;
       p *= keep;
     }
     t.p[idx] = p;
@@ -249,7 +254,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
@@ -328,7 +333,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.q, q, args.q_stride[2], row0, rows_here);
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);

@@ -32,6 +32,7 @@ constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 256;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -81,7 +82,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_slidingwin
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   auto visible_block = [&](int j) {
     return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
@@ -146,14 +147,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_slidingwin
   // may still be in flight.
   auto softmax = [&](int col0, float (&rescale)[2]) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test
+    // (a score_mod visits every element: S = score_mod(S), then the mask)
     const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
-    if (!interior) {
+    if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          if (col >= seq_k || !visibility.visible(row, col)) s_acc[t][e] = -INFINITY;
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, SCALE);
+          if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }
 #pragma unroll
@@ -294,6 +297,7 @@ constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 256;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -363,7 +367,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
   auto next_visible = [&](int i) {
     while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
@@ -454,15 +458,20 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
 
     // mask: only tiles that cross a mask edge or the end of Q / K pay for the per-element test.
     // Element e of n-tile n is key warp_col0 + group + 8 (e / 2), query row0 + 8 n + 2 quad + e % 2.
+    // A score_mod visits every element: its derivative at S (the factor dS takes) is kept, then
+    // S = score_mod(S), then the mask.
     const bool interior = row0 + BLOCK_R <= seq_q && warp_col0 + 16 <= seq_k &&
                           visibility.tile_all_visible(row0, BLOCK_R, warp_col0, 16);
-    if (!interior) {
+    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
+    if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (row >= seq_q || key >= seq_k || !visibility.visible(row, key)) s_acc[n][e] = -INFINITY;
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
+          if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) s_acc[n][e] = -INFINITY;
         }
     }
 
@@ -483,6 +492,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
           s_acc[n][e] = p;
         }
         dp_acc[n][e] = p * (dp - delta_tile[r]);
+        if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
       }
 
     // The accumulators of P^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;

@@ -32,6 +32,7 @@ constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -61,7 +62,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   auto visible_block = [&](int j) {
     return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
@@ -154,8 +155,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
     }
 
     // mask: only tiles that cross a mask edge or the end of the keys pay for the per-element test
+    // (a score_mod visits every element: S = score_mod(S), then the mask)
     const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16 * M_TILES, col0, BLOCK_C);
-    if (!interior) {
+    if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -163,7 +165,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = warp_row0 + m * 16 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-            if (col >= seq_k || !visibility.visible(row, col)) s_acc[m][t][e] = -INFINITY;
+            s_acc[m][t][e] = visibility.modified_score(s_acc[m][t][e], row, col, SCALE);
+            if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[m][t][e] = -INFINITY;
           }
     }
 
@@ -272,6 +275,7 @@ constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -309,11 +313,13 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
     float p = 0.f, ds = 0.f;
     if (r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c)) {
-      p = exp2f(dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH) * SCALE_LOG2 - t.lse[r]);
+      const float s = dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH);  // score_mod: S' = mod(S), dS *= mod'(S)
+      const float score_grad = visibility.score_gradient(s, row0 + r, col0 + c, SCALE);
+      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c, SCALE) * SCALE_LOG2 - t.lse[r]);
       float dp = dot_row<HEAD_DIM>(t.d_o + r * HEAD_DIM, t.v + c * PITCH);
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
-      ds = p * (dp * keep - t.delta[r]);
+      ds = p * (dp * keep - t.delta[r]) * score_grad;
       p *= keep;
     }
     t.p[idx] = p;
@@ -347,7 +353,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
@@ -426,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);
+  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
 
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.q, q, args.q_stride[2], row0, rows_here);
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);

@@ -53,6 +53,13 @@ struct AttentionArgs {
   const int* cu_seqlens_q;
   const int* cu_seqlens_k;
   long long max_seq_q, max_seq_k;
+  // Run-time inputs of a spec's mask_mod / score_mod (fagen/expressions.py renders the code that reads
+  // them): up to 4 tensors of 1 or 2 dimensions (float32 or int32; sizes and strides in elements, every
+  // index clamped into the tensor) and up to 4 scalars, in the order the spec declares them.
+  const void* mod_tensor[4];
+  long long mod_size[4][2];
+  long long mod_stride[4][2];
+  double mod_scalar[4];
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -186,10 +193,28 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
   return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;
 }
 
+// A spec without mask_mod / score_mod. A spec with them gets a generated struct of the same shape
+// (fagen/expressions.py, rendered into every template as SpecMods): visible(i, j) is the mask_mod,
+// tile_class bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
+// its derivative in the score (sympy's), all in natural units (score = tau * q.k).
+struct NoMods {
+  static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
+  __device__ __forceinline__ bool visible(int, int) const { return true; }
+  // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): TILE_EMPTY if no pair is visible,
+  // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair.
+  __device__ __forceinline__ int tile_class(int, int, int, int) const { return 2; }
+  __device__ __forceinline__ float score(float s, int, int) const { return s; }
+  __device__ __forceinline__ float score_grad(float, int, int) const { return 1.f; }
+};
+enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+
 // Which keys a query sees, for one (sequence, head) of lengths seq_q, seq_k. Queries and keys are
 // aligned bottom-right (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
-template <int MASK, int WINDOW, int GRAIN>
+// A spec's mask_mod (Mods) narrows the mask kind further (AND); its positions are not shifted.
+template <int MASK, int WINDOW, int GRAIN, typename Mods = NoMods>
 struct Visibility {
+  Mods mods;
   int shift;
   int key_count;  // keys that exist: visible_keys (padding: this batch entry's clamped length)
   const unsigned char* layout;
@@ -199,7 +224,8 @@ struct Visibility {
   __device__ Visibility(const AttentionArgs& args, const Problem<PACKED>& problem)
       : Visibility(args, problem.b, problem.h, problem.seq_q, problem.seq_k) {}
 
-  __device__ Visibility(const AttentionArgs& args, long long b, long long h, int seq_q, int seq_k) {
+  __device__ Visibility(const AttentionArgs& args, long long b, long long h, int seq_q, int seq_k)
+      : mods(args, b, h, seq_q, seq_k) {
     shift = seq_k - seq_q;
     key_count = visible_keys<MASK>(args, b, seq_k);
     layout = nullptr;
@@ -213,6 +239,7 @@ struct Visibility {
 
   __device__ __forceinline__ bool visible(int row, int col) const {
     if (col >= key_count) return false;
+    if (Mods::HAS_MASK && !mods.visible(row, col)) return false;
     if (MASK == MASK_CAUSAL) return col <= row + shift;
     if (MASK == MASK_SLIDING_WINDOW) {
       const int distance = row + shift - col;
@@ -227,6 +254,7 @@ struct Visibility {
   __device__ bool tile_has_visible(int row0, int rows, int col0, int cols) const {
     if (rows <= 0 || cols <= 0 || col0 >= key_count) return false;
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
+    if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) == TILE_EMPTY) return false;
     if (MASK == MASK_CAUSAL) return col0 <= last_row + shift;
     if (MASK == MASK_SLIDING_WINDOW) return last_row + shift - col0 >= 0 && row0 + shift - last_col < WINDOW;
     if (MASK == MASK_BLOCK_SPARSE) {
@@ -242,6 +270,7 @@ struct Visibility {
   __device__ bool tile_all_visible(int row0, int rows, int col0, int cols) const {
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
     if (last_col >= key_count) return false;
+    if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) != TILE_FULL) return false;
     if (MASK == MASK_CAUSAL) return last_col <= row0 + shift;
     if (MASK == MASK_SLIDING_WINDOW) return row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW;
     if (MASK == MASK_BLOCK_SPARSE) {
@@ -250,6 +279,17 @@ struct Visibility {
           if (layout[qb * layout_q_stride + kb * layout_k_stride] == 0) return false;
     }
     return true;
+  }
+
+  // The score_mod applied to a raw product s = q.k (what the kernels accumulate): the modified score
+  // in the same raw units (divided by tau again), so that the online softmax, which multiplies by
+  // tau * log2(e), is unchanged. Identity without a score_mod.
+  __device__ __forceinline__ float modified_score(float s, int row, int col, float scale) const {
+    return Mods::HAS_SCORE ? mods.score(s * scale, row, col) * (1.f / scale) : s;
+  }
+  // d(score_mod)/d(score) at the raw product s: the factor the backward multiplies dS by.
+  __device__ __forceinline__ float score_gradient(float s, int row, int col, float scale) const {
+    return Mods::SCORE_GRAD_IS_ONE ? 1.f : mods.score_grad(s * scale, row, col);
   }
 };
 
@@ -272,14 +312,15 @@ __device__ __forceinline__ float dot_row(const A* a, const B* b) {
   return acc;
 }
 
-// S = tau * Q_i K_j^T into a Br x Bc fp32 tile (log2 domain); masked and out-of-range entries -inf.
+// S = tau * score_mod(Q_i K_j^T) into a Br x Bc fp32 tile (log2 domain); masked and out-of-range entries -inf.
 template <int BLOCK_R, int BLOCK_C, int HEAD_DIM, int K_PITCH, int THREADS, typename T, typename Vis>
 __device__ __forceinline__ void masked_scores(float* s_tile, const T* q_tile, const T* k_tile, const Vis& visibility,
-                                              int row0, int rows_here, int col0, int cols_here, float scale_log2) {
+                                              int row0, int rows_here, int col0, int cols_here, float scale, float scale_log2) {
   for (int idx = threadIdx.x; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
     const bool keep = r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c);
-    s_tile[idx] = keep ? dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH) * scale_log2 : -INFINITY;
+    s_tile[idx] = keep ? visibility.modified_score(dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH),
+                                                   row0 + r, col0 + c, scale) * scale_log2 : -INFINITY;
   }
 }
 

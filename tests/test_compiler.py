@@ -178,6 +178,15 @@ KNOWN_SPILLS = {
     ("window_bf16_d32_fa1", "sm_80", "backward"): "56 / 56 B at 255 registers",
     ("block_sparse_dropout_fp16_d128_fa1", "sm_90", "backward"): "12 / 12 B at 255 registers",
     ("d128_fp16_slidingwindow256_fa2_sm90", "sm_80", "backward"): "64 / 68 B at 255 registers",
+    # score_mod (examples/modifiers.yaml): forward_fa2_mma at d = 128 still spills with the solver's 24-register
+    # reservation (Br=128, Bc=32); the backward keeps d score_mod / d score per score (soft-capping on
+    # backward_wgmma, whose one plan at d = 128 is at 255 registers already); dropout + a bias table
+    ("alibi_bf16_d128", "sm_80", "forward"): "36 / 88 B at 255 registers",
+    ("softcap_bf16_d128", "sm_80", "forward"): "36 / 88 B at 255 registers",
+    ("softcap_bf16_d128", "sm_90", "backward"): "32 / 32 B at 255 registers",
+    ("relative_bias_fp16_d64_dropout", "sm_80", "forward"): "20 / 64 B at 255 registers",
+    ("relative_bias_fp16_d64_dropout", "sm_80", "backward"): "64 / 68 B at 255 registers",
+    ("relative_bias_fp16_d64_dropout", "sm_90", "backward"): "8 / 8 B at 254 registers",
 }
 
 

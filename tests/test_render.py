@@ -252,7 +252,7 @@ def test_kv_lengths_are_read_only_through_the_clamp():
     assert "key_count = visible_keys<MASK>(args, b, seq_k);" in code
     for family in FAMILIES:
         text = templates[family.template]
-        assert ("const Visibility<MASK, WINDOW, GRAIN> visibility(args, problem);" in text
+        assert ("const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);" in text
                 or "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, " in text), family.template
 
 

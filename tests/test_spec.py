@@ -243,7 +243,7 @@ def test_schema_is_a_valid_json_schema():
 
 def test_examples_exist_and_cover_the_spec():
     specs = [spec for path in EXAMPLES for spec in load_specs(path)]
-    assert 12 <= len(specs) <= 16
+    assert 12 <= len(specs) <= 24
     assert {s.mask for s in specs} == set(MASKS)
     assert {s.dtype for s in specs} == set(DTYPES)
     assert {s.loop_order for s in specs} == set(LOOP_ORDERS)
@@ -293,3 +293,43 @@ def test_packed_layout_is_named_and_excludes_decode():
         spec_from_dict({"head_dim": 128, "layout": "packed", "passes": ["forward", "decode"]})
     with pytest.raises(SpecError, match="layout"):
         spec_from_dict({"head_dim": 128, "layout": "ragged"})
+
+
+# ---- mask_mod / score_mod / inputs ---------------------------------------------------------------
+def test_modifier_fields_round_trip_and_name_the_variant():
+    fields = {"head_dim": 64, "dtype": "bf16", "mask": "causal", "score_mod": "cap * tanh(score / cap)",
+              "inputs": {"cap": "scalar"}}
+    spec = spec_from_dict(fields)
+    assert spec.inputs == (("cap", "scalar"),)
+    assert spec.to_dict()["inputs"] == {"cap": "scalar"}
+    assert spec_from_dict(spec.to_dict()) == spec
+    assert hash(spec) == hash(spec_from_dict(spec.to_dict()))
+    plain = Spec(head_dim=64, dtype="bf16", mask="causal")
+    assert spec.canonical_name.startswith(plain.canonical_name + "_mod")
+    other = spec_from_dict({**fields, "score_mod": "cap * tanh(score / (2 * cap))"})
+    assert other.canonical_name != spec.canonical_name
+    assert "mask_mod" not in plain.to_dict(), "specs without expressions keep their record as before"
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"mask_mod": "j <= k"}, ["mask_mod", "'k'"]),
+    ({"mask_mod": "i + j"}, ["mask_mod", "boolean"]),
+    ({"score_mod": "score + bias[i]"}, ["bias"]),
+    ({"score_mod": "__import__('os')"}, ["score_mod"]),
+    ({"mask_mod": "j <= i", "passes": ["forward", "decode"]}, ["decode"]),
+    ({"mask_mod": "  "}, ["mask_mod", "empty"]),
+])
+def test_bad_modifiers_get_one_line_errors(fields, words):
+    with pytest.raises(SpecError) as err:
+        spec_from_dict({"head_dim": 64, **fields})
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, message
+
+
+def test_schema_accepts_inputs_as_a_mapping():
+    document = {"head_dim": 64, "score_mod": "score + bias[h, i - j]", "inputs": {"bias": "float32"}}
+    jsonschema.validate(document, json_schema())
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate({**document, "inputs": {"bias": "float64"}}, json_schema())

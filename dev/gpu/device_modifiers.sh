@@ -1,0 +1,29 @@
+# Device call for mask_mod / score_mod: their GPU tests first; `all` adds the whole GPU suite and the
+# sanitizers over dev/gpu/sanitize.py; `bench` runs `python -m fagen.bench modifiers` (against Flex).
+source dev/gpu/device_prelude.sh
+python3 -c "
+import tests.test_modifiers_gpu as m
+from fagen.runtime import precompile
+precompile(m.SPECS, jobs=16)" 2>&1 | grep -iv warn | tail -3
+save_cache
+echo "== pytest modifiers"
+timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_modifiers_gpu.py 2>&1 | tail -30
+for step in "$@"; do
+  if [ "$step" = all ]; then
+    echo "== pytest -m gpu (all)"
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -8
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer --tool $tool"
+      compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
+    done
+  fi
+  if [ "$step" = bench ]; then
+    echo "== bench modifiers"
+    timeout 300 python3 -m fagen.bench modifiers --json "$OUT/modifiers.json" 2>&1 | tail -20
+  fi
+  if [ "$step" = first ]; then
+    echo "== bench modifiers --first-call"
+    timeout 400 python3 -m fagen.bench modifiers --first-call --json "$OUT/modifiers_first.json" 2>&1 | tail -12
+  fi
+done
+save_cache

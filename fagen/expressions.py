@@ -1,0 +1,1323 @@
+"""Stage 1b: a spec's attention modifiers (mask_mod, score_mod) as sympy, CUDA and numpy.
+
+A spec may carry two user-written expressions (FlexAttention's idea, written as text so that a spec
+stays plain data):
+
+    mask_mod   a boolean of b, h, i, j, Nq, Nk and declared inputs   ("doc[b, i] == doc[b, j]")
+    score_mod  a number of score (= tau * q.k) and the same names    ("cap * tanh(score / cap)")
+
+The text is parsed once, here, and every later stage consumes the result:
+
+    text --ast--> sympy --+--> C++ struct SpecMods   (render: visible, tile_class, score, score_grad)
+                          +--> numpy evaluators      (reference: the float64 ground truth)
+                          +--> interval IR           (tile_class, evaluable in Python for the tests)
+
+* Parsing walks Python's `ast` by hand: user text is never `eval`ed, and every construct that is not
+  on the list below fails with a one-line ExpressionError that names it.
+* sympy is the single source of truth: the backward's d(score_mod)/d(score) is `sympy.diff`, and the
+  C++ and numpy code are both printed from the same expression trees, so kernel and reference agree.
+* tile_class (is a whole Br x Bc tile masked out, fully visible, or mixed?) is interval arithmetic
+  decided at generation time and emitted as straight-line code. The code is first built as a small
+  SSA list (`_Program`) that prints as C++ and also runs in Python, so the tests check the very logic
+  the kernel runs against brute force.
+
+Semantics follow Python: `/` is true division, `//` floors, `%` takes the divisor's sign. Integer
+subexpressions (sympy's `is_integer`) are computed in int, everything else in float; tensor indices
+are clamped into the tensor, so no expression can read out of bounds.
+"""
+from __future__ import annotations
+
+import ast
+import functools
+import keyword
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Union
+
+import numpy as np
+import sympy as sp
+
+__all__ = ["ExpressionError", "Modifiers", "modifiers", "parse", "INPUT_KINDS", "FUNCTIONS"]
+
+
+class ExpressionError(ValueError):
+    """A mask_mod / score_mod / inputs that cannot be built; the message is one line naming the culprit."""
+
+
+# ---- the names an expression may use -------------------------------------------------------
+B, H, I, J = sp.symbols("b h i j", integer=True)
+NQ, NK = sp.symbols("Nq Nk", integer=True)
+SCORE = sp.Symbol("score", real=True)
+POSITION_SYMBOLS = {"b": B, "h": H, "i": I, "j": J, "Nq": NQ, "Nk": NK}
+
+INPUT_KINDS = ("scalar", "float32", "int32")
+MAX_TENSORS = 4
+MAX_SCALARS = 4
+
+
+def _sigmoid(x):
+    return 1 / (1 + sp.exp(-x))
+
+
+# name -> (number of arguments, builder); min/max take two or more
+FUNCTIONS: dict[str, tuple[Union[int, str], Callable]] = {
+    "tanh": (1, sp.tanh), "exp": (1, sp.exp), "log": (1, sp.log), "sqrt": (1, sp.sqrt),
+    "abs": (1, sp.Abs), "min": ("2+", sp.Min), "max": ("2+", sp.Max), "floor": (1, sp.floor),
+    "ceil": (1, sp.ceiling), "sigmoid": (1, _sigmoid), "sin": (1, sp.sin), "cos": (1, sp.cos),
+    "where": (3, None),   # where(c, x, y): built by the parser (c is a boolean)
+}
+
+RESERVED = set(POSITION_SYMBOLS) | {"score"} | set(FUNCTIONS)
+
+
+def _is_boolean(expr) -> bool:
+    # (sympy's Symbol is a Boolean too, so that it can stand in logic: a boolean is a non-Expr Boolean)
+    return isinstance(expr, sp.logic.boolalg.Boolean) and not isinstance(expr, sp.Expr)
+
+
+# ---- parsing: ast -> sympy -------------------------------------------------------------------
+_BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
+           ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@"}
+_COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq, ast.NotEq: sp.Ne}
+
+
+class _Parser:
+    """One expression's walk. Records which inputs it used and how many subscripts each tensor took."""
+
+    def __init__(self, field_name: str, inputs: dict):
+        self.field = field_name
+        self.inputs = inputs
+        self.used: list[str] = []
+        self.ndims: dict[str, int] = {}
+        self.names = dict(POSITION_SYMBOLS)
+        if field_name == "score_mod":
+            self.names["score"] = SCORE
+        for name, kind in inputs.items():
+            if kind == "scalar":
+                self.names[name] = sp.Symbol(name, real=True)
+
+    def fail(self, message: str):
+        raise ExpressionError(f"{self.field}: {message}")
+
+    def number(self, node) -> sp.Expr:
+        value = self.visit(node)
+        if _is_boolean(value):
+            self.fail(f"expected a number, got the boolean {value}")
+        return value
+
+    def boolean(self, node, what: str):
+        value = self.visit(node)
+        if not _is_boolean(value):
+            self.fail(f"{what} needs booleans (comparisons, and/or/not), got {value}")
+        return value
+
+    def visit(self, node):
+        method = getattr(self, "visit_" + type(node).__name__, None)
+        if method is None:
+            self.fail(f"{_describe(node)} is not supported")
+        return method(node)
+
+    def visit_Expression(self, node):
+        return self.visit(node.body)
+
+    def visit_Constant(self, node):
+        value = node.value
+        if isinstance(value, bool):
+            return sp.true if value else sp.false
+        if isinstance(value, int):
+            return sp.Integer(value)
+        if isinstance(value, float):
+            if not math.isfinite(value):
+                self.fail(f"the constant {value!r} is not finite")
+            return sp.Float(value)
+        self.fail(f"the constant {value!r} is not supported (numbers, True and False only)")
+
+    def visit_Name(self, node):
+        name = node.id
+        if name in self.names:
+            if name in self.inputs and name not in self.used:
+                self.used.append(name)
+            return self.names[name]
+        if name == "score":
+            self.fail("'score' is only defined in score_mod (a mask cannot depend on the score)")
+        if name in self.inputs:
+            self.fail(f"tensor input '{name}' must be subscripted, e.g. {name}[i]")
+        if name in FUNCTIONS:
+            self.fail(f"function '{name}' must be called")
+        allowed = ", ".join([*POSITION_SYMBOLS, *(["score"] if self.field == "score_mod" else []), *self.inputs])
+        self.fail(f"unknown name '{name}' (allowed: {allowed})")
+
+    def visit_UnaryOp(self, node):
+        if isinstance(node.op, (ast.Not, ast.Invert)):
+            return sp.Not(self.boolean(node.operand, "'not'" if isinstance(node.op, ast.Not) else "'~'"))
+        operand = self.number(node.operand)
+        return -operand if isinstance(node.op, ast.USub) else operand
+
+    def visit_BoolOp(self, node):
+        word = "and" if isinstance(node.op, ast.And) else "or"
+        values = [self.boolean(value, f"'{word}'") for value in node.values]
+        return sp.And(*values) if word == "and" else sp.Or(*values)
+
+    def visit_BinOp(self, node):
+        symbol = _BINOPS.get(type(node.op), type(node.op).__name__)
+        if symbol in ("&", "|"):
+            left, right = self.boolean(node.left, f"'{symbol}'"), self.boolean(node.right, f"'{symbol}'")
+            return sp.And(left, right) if symbol == "&" else sp.Or(left, right)
+        if symbol not in ("+", "-", "*", "/", "//", "%", "**"):
+            self.fail(f"operator '{symbol}' is not supported")
+        left, right = self.number(node.left), self.number(node.right)
+        if symbol in ("/", "//", "%") and right == 0:
+            self.fail(f"division by zero in {ast.unparse(node)}")
+        if symbol == "+":
+            return left + right
+        if symbol == "-":
+            return left - right
+        if symbol == "*":
+            return left * right
+        if symbol == "/":
+            return left / right
+        if symbol == "//":
+            return sp.floor(left / right)
+        if symbol == "%":
+            return sp.Mod(left, right)
+        return left ** right
+
+    def visit_Compare(self, node):
+        terms = [self.number(node.left)] + [None] * len(node.comparators)
+        relations = []
+        for k, (op, right) in enumerate(zip(node.ops, node.comparators)):
+            if type(op) not in _COMPARE:
+                self.fail(f"comparison '{type(op).__name__}' is not supported (use < <= > >= == !=)")
+            terms[k + 1] = self.number(right)
+            relations.append(_COMPARE[type(op)](terms[k], terms[k + 1]))
+        return sp.And(*relations)
+
+    def visit_IfExp(self, node):
+        return self.choose(self.boolean(node.test, "the condition of 'if'"), node.body, node.orelse)
+
+    def choose(self, condition, yes_node, no_node):
+        yes, no = self.visit(yes_node), self.visit(no_node)
+        if _is_boolean(yes) != _is_boolean(no):
+            self.fail(f"both branches must be numbers or both booleans, got {yes} and {no}")
+        if _is_boolean(yes):   # a boolean choice is plain logic: no Piecewise of booleans downstream
+            return sp.Or(sp.And(condition, yes), sp.And(sp.Not(condition), no))
+        return sp.Piecewise((yes, condition), (no, True))
+
+    def visit_Subscript(self, node):
+        if not isinstance(node.value, ast.Name):
+            self.fail(f"only declared tensor inputs can be subscripted, not {ast.unparse(node.value)}")
+        name = node.value.id
+        kind = self.inputs.get(name)
+        if kind is None or kind == "scalar":
+            what = "scalar input" if kind == "scalar" else "name"
+            self.fail(f"{what} '{name}' cannot be subscripted (only float32 / int32 tensor inputs can)")
+        parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
+        if any(isinstance(part, (ast.Slice, ast.Starred)) for part in parts):
+            self.fail(f"slices are not supported in {ast.unparse(node)}: index with one position per dimension")
+        if len(parts) not in (1, 2):
+            self.fail(f"tensor '{name}' takes 1 or 2 subscripts, got {len(parts)}")
+        previous = self.ndims.setdefault(name, len(parts))
+        if previous != len(parts):
+            self.fail(f"tensor '{name}' is subscripted with both {previous} and {len(parts)} indices")
+        indices = [self.number(part) for part in parts]
+        for index in indices:
+            if not index.is_integer:
+                self.fail(f"the index {index} of '{name}' is not an integer expression (use // or floor)")
+        if name not in self.used:
+            self.used.append(name)
+        base = sp.IndexedBase(name, integer=True) if kind == "int32" else sp.IndexedBase(name, real=True)
+        return base[tuple(indices)]
+
+    def visit_Call(self, node):
+        if not isinstance(node.func, ast.Name):
+            self.fail(f"calling {_describe(node.func)} is not supported (supported: {', '.join(FUNCTIONS)})")
+        name = node.func.id
+        if name not in FUNCTIONS:
+            self.fail(f"function '{name}' is not supported (supported: {', '.join(FUNCTIONS)})")
+        if node.keywords:
+            self.fail(f"{name}() takes no keyword arguments")
+        if any(isinstance(arg, ast.Starred) for arg in node.args):
+            self.fail(f"{name}() takes no *arguments")
+        arity, build = FUNCTIONS[name]
+        count = len(node.args)
+        if (arity == "2+" and count < 2) or (arity != "2+" and count != arity):
+            self.fail(f"{name}() takes {'2 or more' if arity == '2+' else arity} argument(s), got {count}")
+        if name == "where":
+            return self.choose(self.boolean(node.args[0], "where()'s condition"), node.args[1], node.args[2])
+        return build(*[self.number(arg) for arg in node.args])
+
+
+def _describe(node) -> str:
+    try:
+        text = ast.unparse(node)
+    except Exception:   # pragma: no cover - every node we see comes from ast.parse
+        text = ""
+    kind = {"Attribute": "attribute access", "Lambda": "lambda", "ListComp": "a comprehension",
+            "GeneratorExp": "a generator", "SetComp": "a comprehension", "DictComp": "a comprehension",
+            "List": "a list", "Tuple": "a tuple", "Dict": "a dict", "Set": "a set", "Starred": "starred",
+            "NamedExpr": "':='", "JoinedStr": "an f-string", "Await": "await", "Yield": "yield",
+            "Slice": "a slice"}.get(type(node).__name__, type(node).__name__)
+    return f"{kind} ({text})" if text else kind
+
+
+def _check_input_names(inputs: dict) -> None:
+    for name, kind in inputs.items():
+        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+            raise ExpressionError(f"inputs: {name!r} is not a valid name (an identifier)")
+        if name in RESERVED or name in ("True", "False", "None"):
+            raise ExpressionError(f"inputs: '{name}' clashes with a built-in name (reserved: {', '.join(sorted(RESERVED))})")
+        if kind not in INPUT_KINDS:
+            raise ExpressionError(f"inputs: '{name}' has kind {kind!r}; expected one of {', '.join(INPUT_KINDS)}")
+
+
+def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
+    if not isinstance(text, str) or not text.strip():
+        raise ExpressionError(f"{field_name} must be a non-empty expression string, got {text!r}")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except SyntaxError as err:
+        raise ExpressionError(f"{field_name}: invalid syntax in {text.strip()!r}: {err.msg}") from None
+    parser = _Parser(field_name, inputs)
+    try:
+        expr = parser.visit(tree)
+    except RecursionError:
+        raise ExpressionError(f"{field_name}: the expression is nested too deeply") from None
+    if boolean and not _is_boolean(expr):
+        raise ExpressionError(f"{field_name} must be a boolean expression (a comparison, and/or/not), got {expr}")
+    if not boolean and _is_boolean(expr):
+        raise ExpressionError(f"{field_name} must be a number expression, got the boolean {expr}")
+    if expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
+        raise ExpressionError(f"{field_name}: the expression is not finite ({expr})")
+    return expr, parser
+
+
+def parse(text: str, *, field: str, inputs: dict, boolean: bool) -> sp.Basic:
+    """One expression as sympy: a Boolean when `boolean`, else an Expr. Raises ExpressionError."""
+    _check_input_names(inputs)
+    return _parse(text, field, inputs, boolean)[0]
+
+
+# ---- sympy -> C++ ---------------------------------------------------------------------------
+_C_FLOAT_FUNCTIONS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.sin: "sinf", sp.cos: "cosf",
+                      sp.tan: "tanf", sp.sinh: "sinhf", sp.cosh: "coshf"}
+
+
+def _float_literal(value) -> str:
+    text = repr(float(value))
+    if not math.isfinite(float(value)):
+        raise ExpressionError(f"the constant {value} is not finite")
+    if "e" not in text and "." not in text:
+        text += ".0"
+    return text + "f"
+
+
+class _CPrinter:
+    """Prints one sympy tree as a C++ expression: ints where sympy says integer, float elsewhere.
+
+    `names` maps a symbol to its C spelling (scalar members are `s_<name>`, tensors load through
+    `load_<name>(...)`, which clamps)."""
+
+    def __init__(self, field_name: str, names: dict):
+        self.field = field_name
+        self.names = names
+
+    def fail(self, expr):
+        head = type(expr).__name__
+        raise ExpressionError(f"{self.field}: {head} cannot be rendered as CUDA ({expr})")
+
+    def is_int(self, expr) -> bool:
+        return bool(expr.is_integer)
+
+    def f(self, expr) -> str:       # as float
+        if expr.is_Integer:
+            text = _float_literal(expr)
+            return f"({text})" if text.startswith("-") else text
+        code = self.emit(expr)
+        return f"(float)({code})" if self.is_int(expr) and not expr.is_Number else code
+
+    def i(self, expr) -> str:       # as int (callers only ask for integer expressions)
+        return self.emit(expr)
+
+    def emit(self, expr) -> str:
+        if _is_boolean(expr):
+            return self.boolean(expr)
+        if expr.is_Integer:
+            value = int(expr)
+            if abs(value) >= 2**31:
+                raise ExpressionError(f"{self.field}: the integer {value} does not fit in 32 bits")
+            return f"({value})" if value < 0 else str(value)
+        if expr.is_Number or isinstance(expr, sp.NumberSymbol):
+            text = _float_literal(expr)
+            return f"({text})" if text.startswith("-") else text
+        if expr.is_Symbol:
+            if expr not in self.names:
+                self.fail(expr)
+            return self.names[expr]
+        if isinstance(expr, sp.Indexed):
+            name = expr.base.label.name
+            return f"load_{name}({', '.join(self.i(index) for index in expr.indices)})"
+        integer = self.is_int(expr)
+        if isinstance(expr, sp.Add):
+            parts = [self.i(term) if integer else self.f(term) for term in expr.args]
+            return "(" + " + ".join(parts) + ")"
+        if isinstance(expr, sp.Mul):
+            coefficient, rest = expr.as_coeff_Mul()
+            if coefficient == -1:
+                return f"(-{self.i(rest) if integer else self.f(rest)})"
+            if integer and all(a.is_integer for a in expr.args):
+                return "(" + " * ".join(self.i(a) for a in expr.args) + ")"
+            return "(" + " * ".join(self.f(a) for a in expr.args) + ")"
+        if isinstance(expr, sp.Pow):
+            return self.power(expr)
+        if isinstance(expr, (sp.floor, sp.ceiling)):
+            return self.rounding(expr)
+        if isinstance(expr, sp.Mod):
+            a, m = expr.args
+            if a.is_integer and m.is_integer:
+                return f"py_mod({self.i(a)}, {self.i(m)})"
+            return f"py_fmod({self.f(a)}, {self.f(m)})"
+        if isinstance(expr, sp.Abs):
+            (a,) = expr.args
+            return f"abs({self.i(a)})" if integer else f"fabsf({self.f(a)})"
+        if isinstance(expr, (sp.Min, sp.Max)):
+            fn = ("min" if isinstance(expr, sp.Min) else "max") if integer else \
+                ("fminf" if isinstance(expr, sp.Min) else "fmaxf")
+            codes = [self.i(a) if integer else self.f(a) for a in expr.args]
+            code = codes[0]
+            for other in codes[1:]:
+                code = f"{fn}({code}, {other})"
+            return code
+        if expr.func in _C_FLOAT_FUNCTIONS:
+            return f"{_C_FLOAT_FUNCTIONS[expr.func]}({self.f(expr.args[0])})"
+        if isinstance(expr, sp.sign):
+            a = expr.args[0]
+            code = self.i(a) if a.is_integer else self.f(a)
+            zero = "0" if a.is_integer else "0.f"
+            return f"(float)(({code} > {zero}) - ({code} < {zero}))"
+        if isinstance(expr, sp.Heaviside):
+            a = expr.args[0]
+            at_zero = _float_literal(expr.args[1]) if len(expr.args) > 1 else "0.5f"
+            return f"heaviside({self.f(a)}, {at_zero})"
+        if isinstance(expr, sp.Piecewise):
+            return self.piecewise(expr)
+        self.fail(expr)
+
+    def power(self, expr) -> str:
+        base, exponent = expr.args
+        if exponent.is_Integer and exponent >= 0 and base.is_integer:
+            return f"ipow({self.i(base)}, {int(exponent)})"
+        if exponent == sp.Rational(1, 2):
+            return f"sqrtf({self.f(base)})"
+        if exponent == -sp.Rational(1, 2):
+            return f"rsqrtf({self.f(base)})"
+        if exponent == -1:
+            return f"(1.0f / {self.f(base)})"
+        if exponent == 2:
+            code = self.f(base)
+            return f"({code} * {code})"
+        if exponent == -2:
+            code = self.f(base)
+            return f"(1.0f / ({code} * {code}))"
+        return f"powf({self.f(base)}, {self.f(exponent)})"
+
+    def rounding(self, expr) -> str:
+        (a,) = expr.args
+        is_floor = isinstance(expr, sp.floor)
+        if a.is_integer:
+            return self.i(a)
+        numerator, denominator = sp.fraction(sp.together(a))
+        if numerator.is_integer and denominator.is_integer and denominator != 1:
+            # exact integer division with Python's rounding; ceil(n / d) = -floor(-n / d)
+            if is_floor:
+                return f"floor_div({self.i(numerator)}, {self.i(denominator)})"
+            return f"(-floor_div({self.i(-numerator)}, {self.i(denominator)}))"
+        return f"(int)({'floorf' if is_floor else 'ceilf'}({self.f(a)}))"
+
+    def piecewise(self, expr) -> str:
+        integer = self.is_int(expr)
+        code = None
+        for value, condition in reversed(expr.args):
+            value_code = self.i(value) if integer else self.f(value)
+            if code is None:
+                if condition != sp.true:   # no branch matched: sympy's value is nan; 0 is ours
+                    code = f"({self.boolean(condition)} ? {value_code} : {'0' if integer else '0.f'})"
+                else:
+                    code = value_code
+            else:
+                code = f"({self.boolean(condition)} ? {value_code} : {code})"
+        return code
+
+    def boolean(self, expr) -> str:
+        if expr == sp.true:
+            return "true"
+        if expr == sp.false:
+            return "false"
+        if isinstance(expr, sp.And):
+            return "(" + " && ".join(self.boolean(a) for a in expr.args) + ")"
+        if isinstance(expr, sp.Or):
+            return "(" + " || ".join(self.boolean(a) for a in expr.args) + ")"
+        if isinstance(expr, sp.Not):
+            return f"!{self.boolean(expr.args[0])}"
+        if isinstance(expr, sp.Rel) and expr.rel_op in ("<", "<=", ">", ">=", "==", "!="):
+            lhs, rhs = expr.args
+            if _is_boolean(lhs) or _is_boolean(rhs):
+                self.fail(expr)
+            if lhs.is_integer and rhs.is_integer:
+                return f"({self.i(lhs)} {expr.rel_op} {self.i(rhs)})"
+            return f"({self.f(lhs)} {expr.rel_op} {self.f(rhs)})"
+        self.fail(expr)
+
+
+def _check_renderable(expr, field_name: str) -> None:
+    bad = expr.atoms(sp.Derivative, sp.DiracDelta, sp.Subs, sp.Integral)
+    if bad:
+        first = sorted(bad, key=str)[0]
+        raise ExpressionError(f"{field_name}: {type(first).__name__} cannot be rendered as CUDA ({first})")
+
+
+# ---- sympy -> numpy --------------------------------------------------------------------------
+_NP_FUNCTIONS = {sp.exp: np.exp, sp.log: np.log, sp.tanh: np.tanh, sp.sin: np.sin, sp.cos: np.cos,
+                 sp.tan: np.tan, sp.sinh: np.sinh, sp.cosh: np.cosh, sp.Abs: np.abs, sp.sign: np.sign}
+
+
+def _gather(array, indices):
+    """A tensor load with every index clamped into the tensor, as the kernels do."""
+    array = np.asarray(array)
+    if array.ndim != len(indices):
+        raise ValueError(f"a tensor input of {array.ndim} dims is indexed with {len(indices)} subscripts")
+    clamped = tuple(np.clip(np.asarray(index, dtype=np.int64), 0, size - 1) for index, size in zip(indices, array.shape))
+    return array[np.broadcast_arrays(*clamped)] if len(clamped) > 1 else array[clamped[0]]
+
+
+def _np_eval(expr, env: dict, values: dict):
+    """Evaluates a sympy tree with numpy on broadcasting arrays; `env` maps symbols to values."""
+    ev = functools.partial(_np_eval, env=env, values=values)
+    if expr == sp.true:
+        return np.bool_(True)
+    if expr == sp.false:
+        return np.bool_(False)
+    if expr.is_Integer:
+        return np.int64(int(expr))
+    if expr.is_Number or isinstance(expr, sp.NumberSymbol):
+        return np.float64(float(expr))
+    if expr.is_Symbol:
+        if expr in env:
+            return env[expr]
+        if expr.name in values:
+            return np.float64(values[expr.name])
+        raise ExpressionError(f"no value given for the input '{expr.name}'")
+    if isinstance(expr, sp.Indexed):
+        name = expr.base.label.name
+        if name not in values:
+            raise ExpressionError(f"no value given for the input '{name}'")
+        return _gather(values[name], [ev(index) for index in expr.indices])
+    if isinstance(expr, sp.Add):
+        return functools.reduce(np.add, [ev(a) for a in expr.args])
+    if isinstance(expr, sp.Mul):
+        return functools.reduce(np.multiply, [ev(a) for a in expr.args])
+    if isinstance(expr, sp.Pow):
+        base, exponent = expr.args
+        if exponent.is_Integer and exponent >= 0 and base.is_integer:
+            return np.power(ev(base), int(exponent))
+        return np.power(np.asarray(ev(base), dtype=np.float64), np.asarray(ev(exponent), dtype=np.float64))
+    if isinstance(expr, (sp.floor, sp.ceiling)):
+        (a,) = expr.args
+        if a.is_integer:
+            return ev(a)
+        numerator, denominator = sp.fraction(sp.together(a))
+        if numerator.is_integer and denominator.is_integer and denominator != 1:
+            n, d = ev(numerator), ev(denominator)
+            return np.floor_divide(n, d) if isinstance(expr, sp.floor) else -np.floor_divide(-n, d)
+        return (np.floor if isinstance(expr, sp.floor) else np.ceil)(ev(a))
+    if isinstance(expr, sp.Mod):
+        return np.mod(ev(expr.args[0]), ev(expr.args[1]))
+    if isinstance(expr, sp.Min):
+        return functools.reduce(np.minimum, [ev(a) for a in expr.args])
+    if isinstance(expr, sp.Max):
+        return functools.reduce(np.maximum, [ev(a) for a in expr.args])
+    if expr.func in _NP_FUNCTIONS:
+        return _NP_FUNCTIONS[expr.func](ev(expr.args[0]))
+    if isinstance(expr, sp.Heaviside):
+        at_zero = float(expr.args[1]) if len(expr.args) > 1 else 0.5
+        return np.heaviside(np.asarray(ev(expr.args[0]), dtype=np.float64), at_zero)
+    if isinstance(expr, sp.Piecewise):
+        result = None
+        for value, condition in reversed(expr.args):
+            v = ev(value)
+            if result is None:
+                result = v if condition == sp.true else np.where(ev(condition), v, 0)
+            else:
+                result = np.where(ev(condition), v, result)
+        return result
+    if isinstance(expr, sp.And):
+        return functools.reduce(np.logical_and, [ev(a) for a in expr.args])
+    if isinstance(expr, sp.Or):
+        return functools.reduce(np.logical_or, [ev(a) for a in expr.args])
+    if isinstance(expr, sp.Not):
+        return np.logical_not(ev(expr.args[0]))
+    if isinstance(expr, sp.Rel):
+        op = {"<": np.less, "<=": np.less_equal, ">": np.greater, ">=": np.greater_equal,
+              "==": np.equal, "!=": np.not_equal}[expr.rel_op]
+        return op(ev(expr.args[0]), ev(expr.args[1]))
+    raise ExpressionError(f"{type(expr).__name__} cannot be evaluated with numpy ({expr})")
+
+
+# ---- interval arithmetic as a tiny straight-line program ------------------------------------
+# A value in a _Program is a temp name (str) or a Python constant (int / float / bool). Ops:
+#   param name          a parameter of tile_class (i_lo, ...), or a point value given by the caller
+#   point expr ctype    a sympy expression not involving the ranged symbols, printed / numpy-evaluated
+#   add sub mul div neg min max      arithmetic in the op's ctype
+#   floor_div a d, mod a d           Python integer semantics, d a positive constant
+#   floor ceil a        float -> long long
+#   fn name a           a float function (expf, tanhf, logf, sqrtf, ...)
+#   tofloat a, finite a, lt le gt ge eq ne a b, and or, select c a b
+_PY_FLOAT_FN = {"expf": np.exp, "tanhf": np.tanh, "logf": np.log, "sqrtf": np.sqrt, "sinf": np.sin, "cosf": np.cos}
+_C_OPS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
+          "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
+
+
+class _Program:
+    def __init__(self):
+        self.ops: list[tuple] = []    # (name, ctype, op, args)
+        self.memo: dict = {}
+
+    def emit(self, ctype: str, op: str, *args):
+        key = (ctype, op, args)
+        if key in self.memo:
+            return self.memo[key]
+        if op == "and" and False in args or op == "or" and True in args:
+            value = op == "or"                      # short-circuit on a constant
+        elif op in ("and", "or") and any(not isinstance(a, str) for a in args):
+            strings = [a for a in args if isinstance(a, str)]      # the other operand is neutral
+            value = strings[0] if strings else self._apply(ctype, op, args)
+        elif op == "select" and not isinstance(args[0], str):
+            value = args[1] if args[0] else args[2]
+        elif op not in ("param", "point", "fn") and all(not isinstance(a, str) for a in args):
+            value = self._apply(ctype, op, args)    # fold constants
+        else:
+            value = f"t{len(self.ops)}"
+            self.ops.append((value, ctype, op, args))
+        self.memo[key] = value
+        return value
+
+    # -- C ------------------------------------------------------------------------------------
+    def c_code(self, result, printer: _CPrinter, indent: str = "    ") -> list[str]:
+        live = self._live(result)
+        lines = []
+        for name, ctype, op, args in self.ops:
+            if name in live:
+                lines.append(f"{indent}const {ctype} {name} = {self._c_op(ctype, op, args, printer)};")
+        lines.append(f"{indent}return {self._c_value(result, 'int')};")
+        return lines
+
+    def _live(self, result) -> set:
+        live = {result} if isinstance(result, str) else set()
+        for name, _, op, args in reversed(self.ops):
+            if name not in live or op in ("param", "point"):   # their args are names / sympy, not temps
+                continue
+            live.update(a for a in (args[1:] if op == "fn" else args) if isinstance(a, str))
+        return live
+
+    @staticmethod
+    def _c_value(value, ctype) -> str:
+        if isinstance(value, str):
+            return value
+        if isinstance(value, bool):
+            return "true" if value else "false"
+        if ctype == "float" or isinstance(value, float):
+            text = _float_literal(value)
+        else:
+            text = f"{value}LL" if ctype == "long long" else str(value)
+        return f"({text})" if text.startswith("-") else text
+
+    def _c_op(self, ctype, op, args, printer) -> str:
+        if op == "param":
+            return args[0]
+        if op == "point":
+            expr = args[0]
+            return f"(long long)({printer.i(expr)})" if ctype == "long long" else printer.f(expr)
+        if op == "fn":
+            return f"{args[0]}({self._c_value(args[1], 'float')})"
+        if op in ("floor", "ceil", "finite"):
+            a = self._c_value(args[0], "float")
+            return f"isfinite({a})" if op == "finite" else f"(long long)({op}f({a}))"
+        if op == "select":
+            return f"{self._c_value(args[0], 'bool')} ? {self._c_value(args[1], ctype)} : {self._c_value(args[2], ctype)}"
+        # comparisons and logic take their operands' type, not the bool they produce
+        operand_type = "long long" if ctype == "bool" else ctype
+        v = [self._c_value(a, operand_type) for a in args]
+        if op in _C_OPS:
+            return f"{v[0]} {_C_OPS[op]} {v[1]}"
+        if op == "neg":
+            return f"-{v[0]}"
+        if op in ("min", "max"):
+            return f"{'f' + op if ctype == 'float' else op}({v[0]}, {v[1]})"
+        if op == "floor_div":
+            return f"floor_div({v[0]}, {v[1]})"
+        if op == "mod":
+            return f"py_mod({v[0]}, {v[1]})"
+        if op == "tofloat":
+            return f"(float)({v[0]})"
+        raise AssertionError(op)
+
+    # -- Python -------------------------------------------------------------------------------
+    def run(self, result, env: dict, point: Callable):
+        """Runs the program on concrete values: `env` holds the params, `point(expr)` a point value."""
+        values = dict(env)
+        get = lambda a: values[a] if isinstance(a, str) else a   # noqa: E731
+        with np.errstate(all="ignore"):
+            for name, ctype, op, args in self.ops:
+                if op == "param":
+                    values[name] = env[args[0]]
+                elif op == "point":
+                    value = point(args[0])
+                    values[name] = int(value) if ctype == "long long" else np.float32(value)
+                elif op == "fn":
+                    values[name] = np.float32(_PY_FLOAT_FN[args[0]](np.float32(get(args[1]))))
+                else:
+                    values[name] = self._apply(ctype, op, tuple(get(a) for a in args))
+        return get(result)
+
+    @staticmethod
+    def _apply(ctype, op, args):
+        if ctype == "float":
+            args = tuple(np.float32(a) if not isinstance(a, (bool, np.bool_)) else a for a in args)
+        a = args[0]
+        if op == "add":
+            r = a + args[1]
+        elif op == "sub":
+            r = a - args[1]
+        elif op == "mul":
+            r = a * args[1]
+        elif op == "div":
+            r = a / args[1]
+        elif op == "neg":
+            r = -a
+        elif op == "min":
+            r = min(a, args[1]) if ctype != "float" else np.fmin(a, args[1])
+        elif op == "max":
+            r = max(a, args[1]) if ctype != "float" else np.fmax(a, args[1])
+        elif op == "floor_div":
+            r = a // args[1]
+        elif op == "mod":
+            r = a % args[1]
+        elif op in ("floor", "ceil"):
+            x = float(a)
+            r = (math.floor(x) if op == "floor" else math.ceil(x)) if math.isfinite(x) else 0
+        elif op == "tofloat":
+            r = np.float32(a)
+        elif op == "finite":
+            r = bool(np.isfinite(a))
+        elif op in ("lt", "le", "gt", "ge", "eq", "ne"):
+            r = {"lt": a < args[1], "le": a <= args[1], "gt": a > args[1], "ge": a >= args[1],
+                 "eq": a == args[1], "ne": a != args[1]}[op]
+            r = bool(r)
+        elif op == "and":
+            r = bool(a) and bool(args[1])
+        elif op == "or":
+            r = bool(a) or bool(args[1])
+        elif op == "select":
+            r = args[1] if a else args[2]
+        else:
+            raise AssertionError(op)
+        if ctype == "float":
+            return np.float32(r)
+        if ctype in ("long long", "int"):
+            return int(r)
+        return bool(r)
+
+
+@dataclass
+class _Interval:
+    """Bounds of one expression: lo / hi are program values, None where statically unbounded.
+    `ok` is a program bool (or True): false at run time when a float bound may be NaN or infinite,
+    or a function left its domain; a relation is only decided when its operands are ok."""
+    lo: object
+    hi: object
+    integer: bool
+    ok: object = True
+
+    @property
+    def bounded(self) -> bool:
+        return self.lo is not None and self.hi is not None
+
+
+class _Bounder:
+    """Builds interval code for sympy trees. `ranged` maps symbols to (lo, hi) program values;
+    every other symbol (and any tensor load not indexed by a ranged symbol) is a point."""
+
+    def __init__(self, program: _Program, ranged: dict):
+        self.p = program
+        self.ranged = ranged
+
+    # -- helpers ------------------------------------------------------------------------------
+    def ctype(self, integer: bool) -> str:
+        return "long long" if integer else "float"
+
+    def both_ok(self, *oks):
+        result = True
+        for ok in oks:
+            if ok is True:
+                continue
+            result = ok if result is True else self.p.emit("bool", "and", result, ok)
+        return result
+
+    def unbounded(self, integer: bool) -> _Interval:
+        return _Interval(None, None, integer)
+
+    def as_float(self, iv: _Interval) -> _Interval:
+        if not iv.integer:
+            return iv
+        if not iv.bounded:
+            return _Interval(None, None, False)
+        conv = lambda v: self.p.emit("float", "tofloat", v) if isinstance(v, str) else float(v)   # noqa: E731
+        return _Interval(conv(iv.lo), conv(iv.hi), False, iv.ok)
+
+    def finished_float(self, lo, hi, ok) -> _Interval:
+        """A float result: ok also requires both bounds finite (no NaN / inf can hide in between)."""
+        finite = self.p.emit("bool", "and", self.p.emit("bool", "finite", lo), self.p.emit("bool", "finite", hi))
+        return _Interval(lo, hi, False, self.both_ok(ok, finite))
+
+    def result(self, lo, hi, integer, ok) -> _Interval:
+        return _Interval(lo, hi, True, ok) if integer else self.finished_float(lo, hi, ok)
+
+    # -- the tree -----------------------------------------------------------------------------
+    def bound(self, expr) -> _Interval:
+        integer = bool(expr.is_integer)
+        if expr.is_Number or isinstance(expr, sp.NumberSymbol):
+            value = int(expr) if expr.is_Integer else float(expr)
+            return _Interval(value, value, expr.is_Integer)
+        if expr in self.ranged:
+            lo, hi = self.ranged[expr]
+            return _Interval(lo, hi, True)
+        if not any(expr.has(s) for s in self.ranged):
+            value = self.p.emit(self.ctype(integer), "point", expr)
+            if integer:
+                return _Interval(value, value, True)
+            return self.finished_float(value, value, True)
+        handler = {sp.Add: self.add, sp.Mul: self.mul, sp.Pow: self.power, sp.floor: self.rounding,
+                   sp.ceiling: self.rounding, sp.Mod: self.mod, sp.Min: self.min_max, sp.Max: self.min_max,
+                   sp.Abs: self.abs, sp.Piecewise: self.piecewise}.get(expr.func)
+        if handler is None and expr.func in (sp.exp, sp.tanh, sp.log):
+            handler = self.monotone
+        if handler is None and expr.func in (sp.sin, sp.cos):
+            handler = self.periodic
+        if handler is None:   # a tensor indexed by i / j, or a node we do not bound
+            return self.unbounded(integer)
+        return handler(expr, integer)
+
+    def add(self, expr, integer):
+        ivs = [self.bound(a) for a in expr.args]
+        if not integer:
+            ivs = [self.as_float(iv) for iv in ivs]
+        ctype = self.ctype(integer)
+        total = lambda values: None if any(v is None for v in values) else functools.reduce(  # noqa: E731
+            lambda x, y: self.p.emit(ctype, "add", x, y), values)
+        lo, hi = total([iv.lo for iv in ivs]), total([iv.hi for iv in ivs])
+        if not integer and (lo is None or hi is None):
+            return self.unbounded(False)
+        return self.result(lo, hi, integer, self.both_ok(*[iv.ok for iv in ivs]))
+
+    def scale(self, iv: _Interval, c, integer) -> _Interval:
+        """c * [lo, hi] for a constant c: the sign of c decides which end is which."""
+        ctype = self.ctype(integer)
+        if not integer:
+            iv = self.as_float(iv)
+            c = float(c)
+        mul = lambda v: None if v is None else (  # noqa: E731
+            self.p.emit(ctype, "neg", v) if c == -1 else self.p.emit(ctype, "mul", c, v))
+        lo, hi = (mul(iv.lo), mul(iv.hi)) if c >= 0 else (mul(iv.hi), mul(iv.lo))
+        if c == 0:
+            lo = hi = 0 if integer else 0.0
+        if not integer and (lo is None or hi is None):
+            return self.unbounded(False)
+        return self.result(lo, hi, integer, iv.ok)
+
+    def product(self, a: _Interval, b: _Interval, integer) -> _Interval:
+        if not integer:
+            a, b = self.as_float(a), self.as_float(b)
+        if not (a.bounded and b.bounded):
+            return self.unbounded(integer)
+        ctype = self.ctype(integer)
+        corners = [self.p.emit(ctype, "mul", x, y) for x in (a.lo, a.hi) for y in (b.lo, b.hi)]
+        lo, hi = corners[0], corners[0]
+        for corner in corners[1:]:
+            lo, hi = self.p.emit(ctype, "min", lo, corner), self.p.emit(ctype, "max", hi, corner)
+        return self.result(lo, hi, integer, self.both_ok(a.ok, b.ok))
+
+    def mul(self, expr, integer):
+        coefficient, rest = expr.as_coeff_Mul()
+        if coefficient != 1:
+            return self.scale(self.bound(rest), coefficient, integer and coefficient.is_Integer)
+        factors = list(expr.args)
+        iv = self.bound(factors[0])
+        for factor in factors[1:]:
+            iv = self.product(iv, self.bound(factor), integer)
+        return iv
+
+    def power(self, expr, integer):
+        base, exponent = expr.args
+        if exponent.is_Integer and exponent > 0:
+            iv = self.bound(base)
+            if not base.is_integer or not integer:
+                iv = self.as_float(iv)
+            if not iv.bounded:
+                return self.unbounded(integer)
+            n, ctype = int(exponent), self.ctype(iv.integer)
+            pw = lambda v: functools.reduce(lambda acc, _: self.p.emit(ctype, "mul", acc, v), range(n - 1), v)  # noqa: E731
+            a, b = pw(iv.lo), pw(iv.hi)
+            if n % 2:
+                return self.result(a, b, iv.integer, iv.ok)
+            # even powers fall to 0 inside an interval that straddles it
+            zero = 0 if iv.integer else 0.0
+            nonneg = self.p.emit("bool", "ge", iv.lo, zero)
+            nonpos = self.p.emit("bool", "le", iv.hi, zero)
+            lo = self.p.emit(ctype, "select", nonneg, a, self.p.emit(ctype, "select", nonpos, b, zero))
+            straddles = self.p.emit(ctype, "max", a, b)
+            hi = self.p.emit(ctype, "select", nonneg, b, self.p.emit(ctype, "select", nonpos, a, straddles))
+            return self.result(lo, hi, iv.integer, iv.ok)
+        if exponent == sp.Rational(1, 2):
+            return self.monotone(expr, integer, function="sqrtf", argument=base)
+        if exponent == -1:
+            iv = self.as_float(self.bound(base))
+            if not iv.bounded:
+                return self.unbounded(False)
+            # 1/x is decreasing on each side of 0; an interval holding 0 is left undecided
+            positive = self.p.emit("bool", "gt", iv.lo, 0.0)
+            negative = self.p.emit("bool", "lt", iv.hi, 0.0)
+            lo = self.p.emit("float", "div", 1.0, iv.hi)
+            hi = self.p.emit("float", "div", 1.0, iv.lo)
+            return self.finished_float(lo, hi, self.both_ok(iv.ok, self.p.emit("bool", "or", positive, negative)))
+        return self.unbounded(integer)
+
+    def rounding(self, expr, integer):
+        (a,) = expr.args
+        is_floor = isinstance(expr, sp.floor)
+        if a.is_integer:
+            return self.bound(a)
+        numerator, denominator = sp.fraction(sp.together(a))
+        if numerator.is_integer and denominator.is_Integer and denominator > 0:
+            # floor(n / d) and ceil(n / d) are monotone in n for a positive constant d
+            iv, d = self.bound(numerator), int(denominator)
+            if is_floor:
+                div = lambda v: None if v is None else self.p.emit("long long", "floor_div", v, d)  # noqa: E731
+                return _Interval(div(iv.lo), div(iv.hi), True, iv.ok)
+            neg_div = lambda v: None if v is None else self.p.emit(  # noqa: E731
+                "long long", "neg", self.p.emit("long long", "floor_div", self.p.emit("long long", "neg", v), d))
+            return _Interval(neg_div(iv.lo), neg_div(iv.hi), True, iv.ok)
+        iv = self.as_float(self.bound(a))
+        if not iv.bounded:
+            return self.unbounded(True)
+        op = "floor" if is_floor else "ceil"
+        return _Interval(self.p.emit("long long", op, iv.lo), self.p.emit("long long", op, iv.hi), True, iv.ok)
+
+    def mod(self, expr, integer):
+        a, m = expr.args
+        if not (integer and a.is_integer and m.is_Integer and m > 0):
+            return self.unbounded(integer)
+        m = int(m)
+        iv = self.bound(a)
+        if not iv.bounded:
+            return _Interval(0, m - 1, True)   # whatever the argument, the remainder is in [0, m)
+        # exact when lo and hi share a period ([lo, hi] does not wrap); otherwise every remainder
+        # (and the argument's bounds are trustworthy: a bad argument still leaves the remainder in [0, m))
+        same = self.p.emit("bool", "eq", self.p.emit("long long", "floor_div", iv.lo, m),
+                           self.p.emit("long long", "floor_div", iv.hi, m))
+        exact = self.p.emit("bool", "and", same, iv.ok)
+        lo = self.p.emit("long long", "select", exact, self.p.emit("long long", "mod", iv.lo, m), 0)
+        hi = self.p.emit("long long", "select", exact, self.p.emit("long long", "mod", iv.hi, m), m - 1)
+        return _Interval(lo, hi, True)
+
+    def min_max(self, expr, integer):
+        ivs = [self.bound(a) for a in expr.args]
+        if not integer:
+            ivs = [self.as_float(iv) for iv in ivs]
+            if not all(iv.bounded for iv in ivs):
+                return self.unbounded(False)
+        op, ctype = ("min" if isinstance(expr, sp.Min) else "max"), self.ctype(integer)
+
+        def fold(values, drop_unknown):
+            known = [v for v in values if v is not None]
+            if not drop_unknown and len(known) < len(values):
+                return None
+            if not known:
+                return None
+            return functools.reduce(lambda x, y: self.p.emit(ctype, op, x, y), known)
+        # min: the lowest lo needs every lo, while any known hi caps the result (max: mirrored)
+        lo = fold([iv.lo for iv in ivs], drop_unknown=(op == "max"))
+        hi = fold([iv.hi for iv in ivs], drop_unknown=(op == "min"))
+        return self.result(lo, hi, integer, self.both_ok(*[iv.ok for iv in ivs]))
+
+    def abs(self, expr, integer):
+        iv = self.bound(expr.args[0])
+        if not integer:
+            iv = self.as_float(iv)
+        if not iv.bounded:
+            return _Interval(0, None, True) if integer else self.unbounded(False)
+        ctype = self.ctype(integer)
+        zero = 0 if integer else 0.0
+        neg_lo, neg_hi = self.p.emit(ctype, "neg", iv.lo), self.p.emit(ctype, "neg", iv.hi)
+        nonneg = self.p.emit("bool", "ge", iv.lo, zero)
+        nonpos = self.p.emit("bool", "le", iv.hi, zero)
+        lo = self.p.emit(ctype, "select", nonneg, iv.lo, self.p.emit(ctype, "select", nonpos, neg_hi, zero))
+        hi = self.p.emit(ctype, "select", nonneg, iv.hi,
+                         self.p.emit(ctype, "select", nonpos, neg_lo, self.p.emit(ctype, "max", neg_lo, iv.hi)))
+        return self.result(lo, hi, integer, iv.ok)
+
+    def monotone(self, expr, integer, function=None, argument=None):
+        function = function or {sp.exp: "expf", sp.tanh: "tanhf", sp.log: "logf"}[expr.func]
+        iv = self.as_float(self.bound(argument if argument is not None else expr.args[0]))
+        if not iv.bounded:
+            return self.unbounded(False)
+        ok = iv.ok
+        if function in ("logf", "sqrtf"):   # outside the domain the kernel would see NaN: undecided
+            ok = self.both_ok(ok, self.p.emit("bool", "ge", iv.lo, 0.0))
+        lo, hi = self.p.emit("float", "fn", function, iv.lo), self.p.emit("float", "fn", function, iv.hi)
+        return self.finished_float(lo, hi, ok)
+
+    def periodic(self, expr, integer):
+        iv = self.as_float(self.bound(expr.args[0]))
+        if not iv.bounded:   # the argument could be NaN, and sin(NaN) is not in [-1, 1]
+            return self.unbounded(False)
+        return _Interval(-1.0, 1.0, False, iv.ok)
+
+    def piecewise(self, expr, integer):
+        # the union of every branch's bounds, whatever the conditions: sound, if loose
+        ivs = [self.bound(value) for value, _ in expr.args]
+        if not integer:
+            ivs = [self.as_float(iv) for iv in ivs]
+        if not all(iv.bounded for iv in ivs):
+            return self.unbounded(integer)
+        ctype = self.ctype(integer)
+        lo = functools.reduce(lambda x, y: self.p.emit(ctype, "min", x, y), [iv.lo for iv in ivs])
+        hi = functools.reduce(lambda x, y: self.p.emit(ctype, "max", x, y), [iv.hi for iv in ivs])
+        return self.result(lo, hi, integer, self.both_ok(*[iv.ok for iv in ivs]))
+
+    # -- booleans: tri-state 0 = never, 1 = undecided, 2 = always --------------------------------
+    def tri(self, expr):
+        if expr == sp.true:
+            return 2
+        if expr == sp.false:
+            return 0
+        if isinstance(expr, (sp.And, sp.Or)):
+            op = "min" if isinstance(expr, sp.And) else "max"
+            return functools.reduce(lambda x, y: self.p.emit("int", op, x, y), [self.tri(a) for a in expr.args])
+        if isinstance(expr, sp.Not):
+            return self.p.emit("int", "sub", 2, self.tri(expr.args[0]))
+        if isinstance(expr, sp.Rel) and expr.rel_op in ("<", "<=", ">", ">=", "==", "!="):
+            return self.relation(expr)
+        return 1
+
+    def relation(self, expr):
+        lhs, rhs = expr.args
+        if lhs.is_integer and rhs.is_integer:
+            # A op B as D op 0 with D = A - B expanded, so that i + 5 >= i is decided; the unexpanded
+            # difference is bounded too (expansion can loosen (i - j)**2) and the two intersected
+            a = self.difference(lhs, rhs)
+            b = _Interval(0, 0, True)
+        else:
+            a, b = self.as_float(self.bound(lhs)), self.as_float(self.bound(rhs))
+        ok = self.both_ok(a.ok, b.ok)
+
+        def cmp(op, x, y):   # a statically unknown bound decides nothing
+            if x is None or y is None:
+                return False
+            return self.p.emit("bool", op, x, y)
+
+        op = expr.rel_op
+        if op in ("<", "<=", ">", ">="):
+            strict = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge"}[op]
+            negation = {"<": "ge", "<=": "gt", ">": "le", ">=": "lt"}[op]
+            if op in ("<", "<="):
+                full, empty = cmp(strict, a.hi, b.lo), cmp(negation, a.lo, b.hi)
+            else:
+                full, empty = cmp(strict, a.lo, b.hi), cmp(negation, a.hi, b.lo)
+        else:
+            point = self.p.emit("bool", "and", self.p.emit("bool", "and", cmp("eq", a.lo, a.hi), cmp("eq", b.lo, b.hi)),
+                                cmp("eq", a.lo, b.lo))
+            apart = self.p.emit("bool", "or", cmp("lt", a.hi, b.lo), cmp("gt", a.lo, b.hi))
+            full, empty = (point, apart) if op == "==" else (apart, point)
+        decided_full = self.p.emit("bool", "and", ok, full) if ok is not True else full
+        decided_empty = self.p.emit("bool", "and", ok, empty) if ok is not True else empty
+        return self.p.emit("int", "select", decided_full, 2, self.p.emit("int", "select", decided_empty, 0, 1))
+
+    def difference(self, lhs, rhs) -> _Interval:
+        expanded, plain = sp.expand(lhs - rhs), lhs - rhs
+        a = self.bound(expanded)
+        if plain == expanded:
+            return a
+        b = self.bound(plain)
+        if not (a.integer and b.integer):   # (a rational coefficient can make sympy's bounds float)
+            a, b = self.as_float(a), self.as_float(b)
+        ctype = self.ctype(a.integer)
+        pick = lambda x, y, op: x if y is None else y if x is None else self.p.emit(ctype, op, x, y)  # noqa: E731
+        return _Interval(pick(a.lo, b.lo, "max"), pick(a.hi, b.hi, "min"), a.integer, self.both_ok(a.ok, b.ok))
+
+
+# ---- the result -----------------------------------------------------------------------------
+_C_HELPERS = """\
+  // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
+  template <typename T> static __device__ __forceinline__ T floor_div(T a, T d) {
+    if (d == 0) return 0;
+    T q = a / d;
+    return (q * d != a && ((a < 0) != (d < 0))) ? q - 1 : q;
+  }
+  template <typename T> static __device__ __forceinline__ T py_mod(T a, T d) {
+    if (d == 0) return 0;
+    T r = a % d;
+    return (r != 0 && ((r < 0) != (d < 0))) ? r + d : r;
+  }
+  static __device__ __forceinline__ float py_fmod(float a, float d) {
+    float r = fmodf(a, d);
+    return (r != 0.f && ((r < 0.f) != (d < 0.f))) ? r + d : r;
+  }
+  static __device__ __forceinline__ int ipow(int a, int n) {
+    int r = 1;
+    for (int k = 0; k < n; ++k) r *= a;
+    return r;
+  }
+  static __device__ __forceinline__ float heaviside(float x, float at_zero) {
+    return x > 0.f ? 1.f : (x < 0.f ? 0.f : at_zero);
+  }
+"""
+
+
+@dataclass(frozen=True)
+class Modifiers:
+    """A spec's mask_mod / score_mod, parsed and checked. Inactive (all None) without them."""
+
+    mask: Optional[sp.Basic] = None
+    score: Optional[sp.Expr] = None
+    score_grad: Optional[sp.Expr] = None
+    tensors: tuple = ()      # (name, 'float32' | 'int32', ndim), in declaration order
+    scalars: tuple = ()      # scalar names, in declaration order
+    mask_text: Optional[str] = field(default=None, compare=False)
+    score_text: Optional[str] = field(default=None, compare=False)
+
+    @property
+    def active(self) -> bool:
+        return self.mask is not None or self.score is not None
+
+    def record(self) -> dict:
+        """What the build record stores: the expressions as written and sympy's derivative."""
+        inputs = {name: dtype for name, dtype, _ in self.tensors}
+        inputs.update({name: "scalar" for name in self.scalars})
+        return {"mask_mod": self.mask_text, "score_mod": self.score_text,
+                "score_grad": None if self.score_grad is None else str(self.score_grad),
+                "inputs": inputs}
+
+    # -- C++ ----------------------------------------------------------------------------------
+    def _c_names(self) -> dict:
+        names = {B: "(int)b", H: "(int)h", I: "i", J: "j", NQ: "seq_q", NK: "seq_k", SCORE: "score"}
+        names.update({sp.Symbol(name, real=True): f"s_{name}" for name in self.scalars})
+        return names
+
+    @functools.cached_property
+    def _tile_program(self):
+        program = _Program()
+        ranged = {I: (program.emit("long long", "param", "i_lo"), program.emit("long long", "param", "i_hi")),
+                  J: (program.emit("long long", "param", "j_lo"), program.emit("long long", "param", "j_hi"))}
+        result = 2 if self.mask is None else _Bounder(program, ranged).tri(self.mask)
+        return program, result
+
+    def cuda_struct(self, name: str = "SpecMods") -> str:
+        printer = _CPrinter("mask_mod", self._c_names())
+        has_grad_one = self.score_grad is None or self.score_grad == 1
+        lines = [f"struct {name} {{",
+                 f"  static constexpr bool HAS_MASK = {'true' if self.mask is not None else 'false'}, "
+                 f"HAS_SCORE = {'true' if self.score is not None else 'false'}, "
+                 f"SCORE_GRAD_IS_ONE = {'true' if has_grad_one else 'false'};",
+                 "  long long b, h;", "  int seq_q, seq_k;"]
+        for tname, dtype, ndim in self.tensors:
+            ctype = "int" if dtype == "int32" else "float"
+            lines.append(f"  const {ctype}* t_{tname}; int t_{tname}_size[{ndim}]; long long t_{tname}_stride[{ndim}];")
+        for sname in self.scalars:
+            lines.append(f"  float s_{sname};")
+        lines += ["",
+                  f"  __device__ {name}(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)",
+                  "      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {"]
+        for k, (tname, dtype, ndim) in enumerate(self.tensors):
+            ctype = "int" if dtype == "int32" else "float"
+            lines.append(f"    t_{tname} = static_cast<const {ctype}*>(args.mod_tensor[{k}]);")
+            for d in range(ndim):
+                lines.append(f"    t_{tname}_size[{d}] = (int)args.mod_size[{k}][{d}]; "
+                             f"t_{tname}_stride[{d}] = args.mod_stride[{k}][{d}];")
+        for k, sname in enumerate(self.scalars):
+            lines.append(f"    s_{sname} = (float)args.mod_scalar[{k}];")
+        if not self.tensors and not self.scalars:
+            lines.append("    (void)args;")
+        lines += ["  }", "", _C_HELPERS.rstrip("\n")]
+        for tname, dtype, ndim in self.tensors:
+            ctype = "int" if dtype == "int32" else "float"
+            params = ", ".join(f"int x{d}" for d in range(ndim))
+            clamp = " ".join(f"x{d} = min(max(x{d}, 0), t_{tname}_size[{d}] - 1);" for d in range(ndim))
+            offset = " + ".join(f"(long long)x{d} * t_{tname}_stride[{d}]" for d in range(ndim))
+            lines += [f"  // {tname}[...] with every index clamped into the tensor: never an out-of-bounds read",
+                      f"  __device__ __forceinline__ {ctype} load_{tname}({params}) const {{",
+                      f"    {clamp}",
+                      f"    return t_{tname}[{offset}];", "  }"]
+        visible = "true" if self.mask is None else printer.boolean(self.mask)
+        lines += ["", "  // the mask_mod", "  __device__ __forceinline__ bool visible(int i, int j) const {",
+                  f"    return {visible};", "  }"]
+        program, result = self._tile_program
+        lines += ["  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when",
+                  "  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided",
+                  "  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {"]
+        if self.mask is None or not isinstance(result, str):
+            constant = {0: "fagen::TILE_EMPTY", 1: "fagen::TILE_PARTIAL", 2: "fagen::TILE_FULL"}[int(result)]
+            lines += ["    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;", f"    return {constant};"]
+        else:
+            lines += program.c_code(result, printer)
+        lines.append("  }")
+        score = "score" if self.score is None else _CPrinter("score_mod", self._c_names()).f(self.score)
+        grad = "1.f" if self.score_grad is None else _CPrinter("score_mod", self._c_names()).f(self.score_grad)
+        lines += ["  // the score_mod, in natural units (score = tau * q.k)",
+                  "  __device__ __forceinline__ float score(float score, int i, int j) const {",
+                  f"    return {score};", "  }",
+                  "  // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by",
+                  "  __device__ __forceinline__ float score_grad(float score, int i, int j) const {",
+                  f"    return {grad};", "  }", "};"]
+        return "\n".join(lines) + "\n"
+
+    # -- tile classification in Python (the same program the kernel runs) -------------------------
+    def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,
+                          seq_q: int = 1, seq_k: int = 1, values: Optional[dict] = None) -> int:
+        """tile_class evaluated in Python on concrete bounds (for tests): 0 empty, 1 partial, 2 full."""
+        program, result = self._tile_program
+        env_symbols = {B: np.int64(b), H: np.int64(h), NQ: np.int64(seq_q), NK: np.int64(seq_k)}
+        point = lambda expr: _np_eval(expr, env_symbols, values or {})   # noqa: E731
+        return int(program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point))
+
+    # -- shapes -------------------------------------------------------------------------------
+    def input_shapes(self, batch: int, heads: int, seq_q: int, seq_k: int) -> dict:
+        """The smallest shape of each tensor input covering every index the expressions can form for
+        b < batch, h < heads, i < seq_q, j < seq_k (larger tensors are fine: indices are clamped)."""
+        loads = set()
+        for expr in (self.mask, self.score, self.score_grad):
+            if expr is not None:
+                loads |= expr.atoms(sp.Indexed)
+        shapes = {}
+        for tname, _, ndim in self.tensors:
+            sizes = [1] * ndim
+            for load in loads:
+                if load.base.label.name != tname:
+                    continue
+                for d, index in enumerate(load.indices):
+                    program = _Program()
+                    ranged = {B: (0, batch - 1), H: (0, heads - 1), I: (0, seq_q - 1), J: (0, seq_k - 1)}
+                    iv = _Bounder(program, ranged).bound(index)
+                    if iv.hi is None:
+                        raise ExpressionError(f"inputs: cannot bound the index {index} of '{tname}' "
+                                              f"(it depends on run-time values)")
+                    point = lambda expr: _np_eval(expr, {NQ: np.int64(seq_q), NK: np.int64(seq_k)}, {})  # noqa: E731
+                    try:
+                        hi = program.run(iv.hi, {}, point)
+                    except ExpressionError:   # an index built from an input's values
+                        raise ExpressionError(f"inputs: cannot bound the index {index} of '{tname}' "
+                                              f"(it depends on run-time values)") from None
+                    sizes[d] = max(sizes[d], int(hi) + 1)
+            shapes[tname] = tuple(sizes)
+        return shapes
+
+    # -- numpy --------------------------------------------------------------------------------
+    @staticmethod
+    def _env(b, h, i, j, seq_q, seq_k, score=None):
+        env = {B: np.asarray(b), H: np.asarray(h), I: np.asarray(i), J: np.asarray(j),
+               NQ: np.int64(seq_q), NK: np.int64(seq_k)}
+        if score is not None:
+            env[SCORE] = np.asarray(score, dtype=np.float64)
+        return env
+
+    def mask_numpy(self, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
+        shape = np.broadcast_shapes(*(np.shape(x) for x in (b, h, i, j)))
+        if self.mask is None:
+            return np.ones(shape, dtype=bool)
+        with np.errstate(all="ignore"):
+            result = _np_eval(self.mask, self._env(b, h, i, j, seq_q, seq_k), values or {})
+        return np.broadcast_to(np.asarray(result, dtype=bool), shape).copy()
+
+    def _float(self, expr, score, b, h, i, j, seq_q, seq_k, values, default):
+        shape = np.broadcast_shapes(*(np.shape(x) for x in (score, b, h, i, j)))
+        if expr is None:
+            return np.broadcast_to(np.asarray(default(np.asarray(score, dtype=np.float64))), shape).copy()
+        with np.errstate(all="ignore"):
+            result = _np_eval(expr, self._env(b, h, i, j, seq_q, seq_k, score), values or {})
+        return np.broadcast_to(np.asarray(result, dtype=np.float64), shape).copy()
+
+    def score_numpy(self, score, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
+        return self._float(self.score, score, b, h, i, j, seq_q, seq_k, values, lambda s: s)
+
+    def score_grad_numpy(self, score, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
+        return self._float(self.score_grad, score, b, h, i, j, seq_q, seq_k, values, np.ones_like)
+
+
+# ---- building one ---------------------------------------------------------------------------
+def _derivative(score: sp.Expr) -> sp.Expr:
+    """d score_mod / d score, simplified where that stays printable (simplify may pick forms we cannot)."""
+    raw = sp.diff(score, SCORE)
+    bad = raw.atoms(sp.Derivative, sp.DiracDelta, sp.Subs, sp.Integral)
+    if bad:
+        raise ExpressionError(f"score_mod: its derivative in score contains {sorted(map(str, bad))[0]}, "
+                              f"which cannot be rendered (floor, ceil and % of score have no usable derivative)")
+    candidates = [raw]
+    try:
+        candidates.insert(0, sp.simplify(raw))
+    except Exception:   # simplify is a heuristic; the raw derivative is always an answer
+        pass
+    error = None
+    for candidate in candidates:
+        try:
+            _check_renderable(candidate, "score_mod")
+            _probe_print(candidate)
+            return candidate
+        except ExpressionError as err:
+            error = err
+    raise ExpressionError(f"score_mod: its derivative in score cannot be rendered ({str(error).split(': ', 1)[-1]})")
+
+
+def _probe_print(expr) -> None:
+    names = {s: s.name for s in expr.free_symbols}
+    _CPrinter("score_mod", names).emit(expr)
+
+
+def modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optional[dict]) -> Modifiers:
+    """Parses and checks a spec's mask_mod, score_mod and inputs. Raises ExpressionError."""
+    inputs = dict(inputs or {})
+    _check_input_names(inputs)
+    tensor_names = [name for name, kind in inputs.items() if kind != "scalar"]
+    scalar_names = [name for name, kind in inputs.items() if kind == "scalar"]
+    if len(tensor_names) > MAX_TENSORS:
+        raise ExpressionError(f"inputs: {len(tensor_names)} tensor inputs ({', '.join(tensor_names)}); at most {MAX_TENSORS}")
+    if len(scalar_names) > MAX_SCALARS:
+        raise ExpressionError(f"inputs: {len(scalar_names)} scalar inputs ({', '.join(scalar_names)}); at most {MAX_SCALARS}")
+
+    used: set = set()
+    ndims: dict = {}
+    mask = score = grad = None
+    for text, field_name, boolean in ((mask_mod, "mask_mod", True), (score_mod, "score_mod", False)):
+        if text is None:
+            continue
+        expr, parser = _parse(text, field_name, inputs, boolean)
+        used.update(parser.used)
+        for name, ndim in parser.ndims.items():
+            if ndims.setdefault(name, ndim) != ndim:
+                raise ExpressionError(f"{field_name}: tensor '{name}' is subscripted with {ndim} indices here "
+                                      f"but {ndims[name]} in mask_mod")
+        if boolean:
+            mask = expr
+        else:
+            score = expr
+    unused = [name for name in inputs if name not in used]
+    if unused:
+        raise ExpressionError(f"inputs: '{unused[0]}' is declared but neither mask_mod nor score_mod uses it")
+    if score is not None:
+        grad = _derivative(score)
+
+    result = Modifiers(
+        mask=mask, score=score, score_grad=grad,
+        tensors=tuple((name, inputs[name], ndims[name]) for name in tensor_names),
+        scalars=tuple(scalar_names),
+        mask_text=None if mask_mod is None else " ".join(mask_mod.split()),
+        score_text=None if score_mod is None else " ".join(score_mod.split()))
+    result.cuda_struct()   # every expression must print: fail here, not at render time
+    return result

@@ -1,0 +1,381 @@
+"""fagen/expressions.py: parsing and validation, derived gradients, tile_class soundness, the CUDA
+struct compiling, and the numpy evaluators against direct Python."""
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+import sympy as sp
+from hypothesis import given
+from hypothesis import strategies as st
+
+from fagen.expressions import SCORE, ExpressionError, Modifiers, modifiers, parse
+
+TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+EMPTY, PARTIAL, FULL = 0, 1, 2
+
+
+# ---- parsing and validation -----------------------------------------------------------------
+@pytest.mark.parametrize("mask, score, inputs, needle", [
+    ("foo < i", None, {"doc": "int32"}, "unknown name 'foo' (allowed: b, h, i, j, Nq, Nk, doc)"),
+    (None, "eval(score)", None, "function 'eval' is not supported (supported: tanh, exp"),
+    ("i + j", None, None, "mask_mod must be a boolean expression (a comparison, and/or/not), got i + j"),
+    (None, "score > 0", None, "score_mod must be a number expression"),
+    ("score > 0", None, None, "'score' is only defined in score_mod"),
+    ("doc[i] == doc[b, j]", None, {"doc": "int32"}, "tensor 'doc' is subscripted with both 1 and 2"),
+    ("doc[b, i] == 0", "score + doc[i]", {"doc": "int32"}, "tensor 'doc' is subscripted with 1 indices here but 2"),
+    ("j <= i", None, {"w": "scalar"}, "'w' is declared but neither"),
+    ("j <= i", None, {"i": "scalar"}, "'i' clashes"),
+    ("j <= i", None, {"tanh": "float32"}, "'tanh' clashes"),
+    ("j <= i", None, {"2x": "scalar"}, "'2x' is not a valid name"),
+    ("j <= i", None, {"w": "float64"}, "'w' has kind 'float64'"),
+    (" & ".join(f"(t{k}[i] > 0)" for k in range(5)), None, {f"t{k}": "float32" for k in range(5)}, "5 tensor inputs"),
+    ("j <= i", " + ".join(f"s{k}" for k in range(5)) + " + score", {f"s{k}": "scalar" for k in range(5)}, "5 scalar inputs"),
+    ("i.real > j", None, None, "attribute access (i.real)"),
+    ("(lambda: 1)() > j", None, None, "calling lambda (lambda: 1) is not supported"),
+    ("'a' == j", None, None, "the constant 'a' is not supported"),
+    ("[k for k in i] == j", None, None, "a comprehension"),
+    ("max(i, j, key=1) > 0", None, None, "max() takes no keyword arguments"),
+    ("max(*i) > 0", None, None, "max() takes no *arguments"),
+    ("i ^ j == 0", None, None, "operator '^' is not supported"),
+    ("i in j", None, None, "comparison 'In' is not supported"),
+    ("doc[b, i] == doc", None, {"doc": "int32"}, "tensor input 'doc' must be subscripted"),
+    ("w[i] > 0", None, {"w": "scalar"}, "scalar input 'w' cannot be subscripted"),
+    ("doc[i / 2] > 0", None, {"doc": "int32"}, "the index i/2 of 'doc' is not an integer expression"),
+    ("doc[b, i, j] > 0", None, {"doc": "int32"}, "tensor 'doc' takes 1 or 2 subscripts, got 3"),
+    ("doc[0:i] > 0", None, {"doc": "int32"}, "slices are not supported"),
+    ("(i < j) + 1 > 0", None, None, "expected a number, got the boolean"),
+    ("i & j", None, None, "'&' needs booleans"),
+    ("not i", None, None, "'not' needs booleans"),
+    ("i < j <", None, None, "invalid syntax"),
+    ("i // 0 == 1", None, None, "division by zero"),
+    (None, "tanh(score, 2)", None, "tanh() takes 1 argument(s), got 2"),
+    (None, "floor(score)", None, "its derivative in score contains Derivative(floor(score), score)"),
+    (None, "score % 2", None, "its derivative in score contains Derivative"),
+])
+def test_modifiers_rejects_with_a_message_naming_the_culprit(mask, score, inputs, needle):
+    with pytest.raises(ExpressionError) as info:
+        modifiers(mask, score, inputs)
+    message = str(info.value)
+    assert needle in message
+    assert "\n" not in message
+
+
+def test_parse_builds_sympy_relations_and_python_semantics():
+    i, j = sp.Symbol("i", integer=True), sp.Symbol("j", integer=True)
+    assert parse("j <= i", field="mask_mod", inputs={}, boolean=True) == sp.Le(j, i)
+    assert parse("0 <= i - j < 4", field="mask_mod", inputs={}, boolean=True) == sp.And(sp.Le(0, i - j), sp.Lt(i - j, 4))
+    assert parse("i // 4 == j // 4", field="mask_mod", inputs={}, boolean=True) == sp.Eq(sp.floor(i / 4), sp.floor(j / 4))
+    assert parse("(i - j) % 2 == 0", field="mask_mod", inputs={}, boolean=True) == sp.Eq(sp.Mod(i - j, 2), 0)
+    assert parse("i - j < 256 or j < 4", field="mask_mod", inputs={}, boolean=True) == sp.Or(sp.Lt(i - j, 256), sp.Lt(j, 4))
+    piecewise = parse("score if i > j else 0.5 * score", field="score_mod", inputs={}, boolean=False)
+    assert isinstance(piecewise, sp.Piecewise)
+    assert parse("True", field="mask_mod", inputs={}, boolean=True) == sp.true
+
+
+def test_inactive_modifiers():
+    mods = modifiers(None, None, None)
+    assert not mods.active and mods.mask is None and mods.score is None and mods.score_grad is None
+    struct = mods.cuda_struct()
+    assert "HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true" in struct
+    assert mods.mask_numpy(0, 0, np.arange(3)[:, None], np.arange(4), 3, 4).tolist() == [[True] * 4] * 3
+
+
+def test_record_and_input_order():
+    mods = modifiers("doc[b, i] == doc[b, j]", "score + slope[h] * (j - i) * alpha",
+                     {"doc": "int32", "alpha": "scalar", "slope": "float32"})
+    assert mods.tensors == (("doc", "int32", 2), ("slope", "float32", 1))
+    assert mods.scalars == ("alpha",)
+    record = mods.record()
+    assert record["mask_mod"] == "doc[b, i] == doc[b, j]"
+    assert record["score_grad"] == "1"
+    assert record["inputs"] == {"doc": "int32", "slope": "float32", "alpha": "scalar"}
+    assert mods.input_shapes(2, 3, 5, 7) == {"doc": (2, 7), "slope": (3,)}
+    assert modifiers(None, "score + bias[i - j + 1024]", {"bias": "float32"}).input_shapes(1, 1, 100, 2000) == {"bias": (1124,)}
+
+
+# ---- derived gradients ----------------------------------------------------------------------
+def test_softcap_gradient_is_one_minus_tanh_squared():
+    mods = modifiers(None, "cap * tanh(score / cap)", {"cap": "scalar"})
+    cap = sp.Symbol("cap", real=True)
+    assert sp.simplify(mods.score_grad - (1 - sp.tanh(SCORE / cap) ** 2)) == 0
+    assert "SCORE_GRAD_IS_ONE = false" in mods.cuda_struct()
+
+
+def test_alibi_gradient_is_exactly_one():
+    mods = modifiers(None, "score + slope[h] * (j - i)", {"slope": "float32"})
+    assert mods.score_grad == 1
+    assert "SCORE_GRAD_IS_ONE = true" in mods.cuda_struct()
+
+
+def test_piecewise_gradients_render():
+    for text in ("max(score, 0)", "abs(score)", "where(score > 0, score, 0.1 * score)", "sigmoid(score)"):
+        mods = modifiers(None, text, None)
+        assert "score_grad" in mods.cuda_struct()
+
+
+# ---- tile_class ------------------------------------------------------------------------------
+MASKS = [
+    "j <= i",
+    "i - j < 8",
+    "(i - j < 8) & (j <= i)",
+    "(j < 4) | (j <= i)",
+    "(i - j) % 3 == 0",
+    "abs(i - j) <= 5",
+    "(j <= i) & (i - j < 7)",
+    "~(j > i)",
+    "min(i, j) >= 3",
+    "i // 4 == j // 4",
+    "(i - j) ** 2 <= 25",
+    "max(i, j) - min(i, j) != 2",
+    "j * 2 <= i + 3",
+    "(i + 5 >= i) & (j < Nk - 3)",
+    "exp((j - i) * 0.25) > 0.5",
+    "ceil(j / 3) <= i",
+    "j <= i if i > 10 else j >= i",
+]
+
+
+@pytest.mark.parametrize("text", MASKS)
+@given(data=st.data())
+def test_tile_class_is_sound(text, data):
+    mods = modifiers(text, None, None)
+    seq_q, seq_k = 48, 40
+    i_lo = data.draw(st.integers(0, seq_q - 1))
+    i_hi = data.draw(st.integers(i_lo, min(seq_q - 1, i_lo + 20)))
+    j_lo = data.draw(st.integers(0, seq_k - 1))
+    j_hi = data.draw(st.integers(j_lo, min(seq_k - 1, j_lo + 20)))
+    i, j = np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :]
+    visible = mods.mask_numpy(0, 0, i, j, seq_q, seq_k, {})
+    tile = mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k)
+    assert tile in (EMPTY, PARTIAL, FULL)
+    if tile == EMPTY:
+        assert not visible.any(), (text, i_lo, i_hi, j_lo, j_hi)
+    if tile == FULL:
+        assert visible.all(), (text, i_lo, i_hi, j_lo, j_hi)
+
+
+@pytest.mark.parametrize("text, tile, expected", [
+    ("j <= i", (32, 63, 0, 31), FULL),
+    ("j <= i", (0, 31, 32, 63), EMPTY),
+    ("j <= i", (0, 31, 0, 31), PARTIAL),
+    ("(i - j < 8) & (j <= i)", (100, 131, 0, 31), EMPTY),
+    ("(i - j < 8) & (j <= i)", (0, 31, 64, 95), EMPTY),
+    ("i - j < 100", (0, 31, 0, 31), FULL),
+    ("(j < 4) | (j <= i)", (0, 15, 0, 3), FULL),
+    ("(j < 4) | (j <= i)", (0, 15, 32, 47), EMPTY),
+    ("(j < 4) | (j <= i)", (64, 79, 16, 31), FULL),
+    ("i + 5 >= i", (0, 15, 0, 15), FULL),
+    ("abs(i - j) <= 5", (0, 15, 40, 55), EMPTY),
+    ("i // 4 == j // 4", (4, 7, 4, 7), FULL),
+    ("i // 4 == j // 4", (4, 7, 8, 11), EMPTY),
+    ("(i - j) % 3 == 0", (3, 3, 0, 0), FULL),
+    ("(i - j) % 3 == 0", (4, 4, 0, 0), EMPTY),
+    ("doc[b, i] == doc[b, j]", (0, 15, 0, 15), PARTIAL),
+])
+def test_tile_class_decides_the_clear_tiles(text, tile, expected):
+    inputs = {"doc": "int32"} if "doc" in text else None
+    mods = modifiers(text, None, inputs)
+    values = {"doc": np.zeros((1, 128), dtype=np.int32)}
+    assert mods.tile_class_python(*tile, seq_q=128, seq_k=128, values=values) == expected
+
+
+def test_tile_class_reads_points_at_run_time():
+    mods = modifiers("(i - j < w) & (j <= i) & (h < heads[0])", None, {"w": "scalar", "heads": "int32"})
+    values = {"w": 8.0, "heads": np.array([2], dtype=np.int32)}
+    assert mods.tile_class_python(100, 131, 0, 31, h=0, seq_q=200, seq_k=200, values=values) == EMPTY
+    assert mods.tile_class_python(8, 8, 1, 8, h=1, seq_q=200, seq_k=200, values=values) == FULL
+    assert mods.tile_class_python(8, 8, 1, 8, h=2, seq_q=200, seq_k=200, values=values) == EMPTY
+    assert mods.tile_class_python(8, 8, 1, 8, h=0, seq_q=200, seq_k=200, values={**values, "w": 3.0}) == PARTIAL
+
+
+def test_no_mask_tile_class_is_full():
+    mods = modifiers(None, "score * 2", None)
+    assert mods.tile_class_python(0, 5, 0, 5) == FULL
+    assert "return fagen::TILE_FULL;" in mods.cuda_struct()
+
+
+# ---- the CUDA struct compiles -----------------------------------------------------------------
+COMPILE_SETS = [
+    ("j <= i", "score + slope[h] * (j - i)", {"slope": "float32"}),
+    ("(i - j < w) & (j <= i)", "cap * tanh(score / cap)", {"w": "scalar", "cap": "scalar"}),
+    ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}),
+    (None, "score + bias[i - j + 1024]", {"bias": "float32"}),
+    ("(i - j) % 3 == 0", "max(score, 0) + abs(score) * sigmoid(score)", None),
+    ("(i // 4 == j // 4) | (min(i, j) >= 3) & (exp(0.1 * i) > sqrt(j + 1.0))",
+     "where(i > j, score ** 2, log(1 + abs(score))) + 2 ** (i - j) + i ** 3 % 5", None),
+    ("ceil(j / 3) <= i // 2 and (j <= i if i > 10 else j >= i)", "score / (1 + (i - j) ** 2)", None),
+]
+
+
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc is not on PATH")
+def test_cuda_struct_compiles(tmp_path):
+    parts = ['#include "attention_common.cuh"', "using namespace fagen;"]
+    calls = []
+    for k, (mask, score, inputs) in enumerate(COMPILE_SETS):
+        parts.append(f"namespace mods{k} {{\n{modifiers(mask, score, inputs).cuda_struct('SpecMods')}}}")
+        calls.append(f"""  {{
+    mods{k}::SpecMods mods(args, blockIdx.x, blockIdx.y, 64, 80);
+    out[{k}] = (mods.visible(threadIdx.x, threadIdx.y) ? 1.f : 0.f) + mods.tile_class(0, 15, 16, 31)
+             + mods.score(out[{k}], threadIdx.x, threadIdx.y) + mods.score_grad(out[{k}], threadIdx.x, threadIdx.y)
+             + (mods{k}::SpecMods::HAS_MASK + mods{k}::SpecMods::HAS_SCORE + mods{k}::SpecMods::SCORE_GRAD_IS_ONE);
+  }}""")
+    parts.append("__global__ void exercise(AttentionArgs args, float* out) {\n" + "\n".join(calls) + "\n}")
+    source = tmp_path / "mods.cu"
+    source.write_text("\n".join(parts) + "\n")
+    result = subprocess.run(["nvcc", "-std=c++17", "-arch=sm_80", "-I", str(TEMPLATES), "-c", str(source),
+                             "-o", str(tmp_path / "mods.o")], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr[-4000:]
+
+
+# ---- numpy evaluators ----------------------------------------------------------------------
+def _grid(batch=2, heads=3, seq_q=7, seq_k=9):
+    b = np.arange(batch)[:, None, None, None]
+    h = np.arange(heads)[None, :, None, None]
+    i = np.arange(seq_q)[None, None, :, None]
+    j = np.arange(seq_k)[None, None, None, :]
+    return b, h, i, j, seq_q, seq_k
+
+
+def _direct(function, batch=2, heads=3, seq_q=7, seq_k=9):
+    return np.array([[[[function(b, h, i, j) for j in range(seq_k)] for i in range(seq_q)]
+                      for h in range(heads)] for b in range(batch)])
+
+
+def test_mask_numpy_matches_python():
+    rng = np.random.default_rng(0)
+    doc = rng.integers(0, 3, size=(2, 9)).astype(np.int32)
+    cases = [
+        ("j <= i", lambda b, h, i, j: j <= i),
+        ("(j < prefix) | (j <= i)", lambda b, h, i, j: j < 2.5 or j <= i),
+        ("(i - j) % 2 == 0", lambda b, h, i, j: (i - j) % 2 == 0),
+        ("i - j < 3 or j < 1", lambda b, h, i, j: i - j < 3 or j < 1),
+        ("doc[b, i] == doc[b, j]", lambda b, h, i, j: doc[b, min(i, 8)] == doc[b, j]),
+        ("(i - 7) // 3 == (j - 7) // 3", lambda b, h, i, j: (i - 7) // 3 == (j - 7) // 3),
+        ("Nk - j <= Nq - i + h", lambda b, h, i, j: 9 - j <= 7 - i + h),
+        ("True", lambda b, h, i, j: True),
+    ]
+    for text, direct in cases:
+        inputs = {name: kind for name, kind in (("prefix", "scalar"), ("doc", "int32")) if name in text}
+        mods = modifiers(text, None, inputs)
+        got = mods.mask_numpy(*_grid(), {"prefix": 2.5, "doc": doc})
+        assert got.dtype == bool and got.shape == (2, 3, 7, 9)
+        np.testing.assert_array_equal(got, _direct(direct), err_msg=text)
+
+
+def test_score_numpy_matches_python():
+    rng = np.random.default_rng(1)
+    slope = rng.standard_normal(3)
+    bias = rng.standard_normal(20)
+    score = rng.standard_normal((2, 3, 7, 9)) * 4
+    cases = [
+        ("score + slope[h] * (j - i)", lambda s, b, h, i, j: s + slope[h] * (j - i), lambda s, b, h, i, j: 1.0),
+        ("cap * tanh(score / cap)", lambda s, b, h, i, j: 3.0 * math.tanh(s / 3.0),
+         lambda s, b, h, i, j: 1 - math.tanh(s / 3.0) ** 2),
+        ("score + bias[i - j + 10]", lambda s, b, h, i, j: s + bias[min(max(i - j + 10, 0), 19)], lambda *a: 1.0),
+        ("max(score, 0) + 0.5 * (i % 3)", lambda s, b, h, i, j: max(s, 0) + 0.5 * (i % 3),
+         lambda s, b, h, i, j: 1.0 if s > 0 else 0.0),
+        ("where(i >= j, score, sigmoid(score))", lambda s, b, h, i, j: s if i >= j else 1 / (1 + math.exp(-s)),
+         lambda s, b, h, i, j: 1.0 if i >= j else math.exp(-s) / (1 + math.exp(-s)) ** 2),
+        ("score / (1 + (i - j) ** 2)", lambda s, b, h, i, j: s / (1 + (i - j) ** 2),
+         lambda s, b, h, i, j: 1 / (1 + (i - j) ** 2)),
+    ]
+    for text, direct, derivative in cases:
+        inputs = {name: kind for name, kind in (("slope", "float32"), ("cap", "scalar"), ("bias", "float32"))
+                  if name in text}
+        mods = modifiers(None, text, inputs)
+        values = {"slope": slope, "cap": 3.0, "bias": bias}
+        b, h, i, j, seq_q, seq_k = _grid()
+        got = mods.score_numpy(score, b, h, i, j, seq_q, seq_k, values)
+        grad = mods.score_grad_numpy(score, b, h, i, j, seq_q, seq_k, values)
+        want = _direct(lambda bb, hh, ii, jj: direct(score[bb, hh, ii, jj], bb, hh, ii, jj))
+        want_grad = _direct(lambda bb, hh, ii, jj: derivative(score[bb, hh, ii, jj], bb, hh, ii, jj))
+        assert got.dtype == np.float64 and got.shape == score.shape and grad.shape == score.shape
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12, err_msg=text)
+        np.testing.assert_allclose(grad, want_grad, rtol=1e-9, atol=1e-12, err_msg=text)
+
+
+def test_modifiers_is_frozen():
+    mods = modifiers("j <= i", None, None)
+    assert isinstance(mods, Modifiers)
+    with pytest.raises(Exception):
+        mods.mask = None
+
+
+# ---- the C++ agrees with numpy (the struct built for the host with g++, no GPU needed) -------------
+HOST_SHIM = """\
+#include <math.h>
+#include <stdio.h>
+#include <algorithm>
+#define __device__
+#define __forceinline__ inline
+using std::min; using std::max;
+static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
+namespace fagen {
+struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4]; };
+enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+}
+"""
+
+HOST_SETS = COMPILE_SETS + [
+    ("(i - 7) // 3 == (j - 7) // -2", "score * ((i - j) % -3) + (j - i) % 4", None),
+    ("doc[b, i - 1] == doc[b, j + 1]", "score - doc[b, j] * 0.5", {"doc": "int32"}),
+]
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
+@pytest.mark.parametrize("mask, score, inputs", HOST_SETS)
+def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs):
+    mods = modifiers(mask, score, inputs)
+    rng = np.random.default_rng(2)
+    seq_q, seq_k, b, h = 13, 11, 1, 2
+    values, tensors = {}, []
+    for k, (name, dtype, ndim) in enumerate(mods.tensors):
+        shape = (2, 9)[-ndim:] if ndim == 2 else (7,)
+        array = rng.integers(-2, 3, size=shape).astype(np.int32) if dtype == "int32" else \
+            rng.standard_normal(shape).astype(np.float32)
+        values[name] = array
+        ctype = "int" if dtype == "int32" else "float"
+        init = ", ".join(repr(float(x)) if dtype == "float32" else str(int(x)) for x in array.ravel())
+        strides = [s // array.itemsize for s in array.strides] + [0]
+        sizes = list(array.shape) + [1]
+        tensors.append(f"  static const {ctype} t{k}[] = {{{init}}}; args.mod_tensor[{k}] = t{k};\n"
+                       f"  args.mod_size[{k}][0] = {sizes[0]}; args.mod_size[{k}][1] = {sizes[1]};\n"
+                       f"  args.mod_stride[{k}][0] = {strides[0]}; args.mod_stride[{k}][1] = {strides[1]};\n")
+    for k, name in enumerate(mods.scalars):
+        values[name] = float(k + 3)
+        tensors.append(f"  args.mod_scalar[{k}] = {values[name]!r};\n")
+    scores = [-3.0, -0.5, 0.0, 0.25, 2.0]
+    tiles = [(0, 3, 0, 3), (4, 7, 0, 3), (0, 3, 8, 10), (8, 12, 0, 10), (2, 2, 5, 5)]
+    main = ("int main() {\n  fagen::AttentionArgs args{};\n" + "".join(tensors)
+            + f"  SpecMods mods(args, {b}, {h}, {seq_q}, {seq_k});\n"
+            + f"  for (int i = 0; i < {seq_q}; ++i) for (int j = 0; j < {seq_k}; ++j) {{\n"
+            + '    printf("%d\\n", (int)mods.visible(i, j));\n'
+            + "".join(f'    printf("%.9g %.9g\\n", mods.score({s!r}f, i, j), mods.score_grad({s!r}f, i, j));\n'
+                      for s in scores)
+            + "  }\n"
+            + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
+            + "}\n")
+    source = tmp_path / "host.cpp"
+    source.write_text(HOST_SHIM + mods.cuda_struct() + main)
+    build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    lines = iter(subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, check=True).stdout.split("\n"))
+    i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
+    visible = mods.mask_numpy(b, h, i, j, seq_q, seq_k, values)
+    s = np.array(scores)
+    for ii in range(seq_q):
+        for jj in range(seq_k):
+            assert int(next(lines)) == visible[ii, jj], (ii, jj)
+            want = mods.score_numpy(s, b, h, ii, jj, seq_q, seq_k, values)
+            want_grad = mods.score_grad_numpy(s, b, h, ii, jj, seq_q, seq_k, values)
+            for k in range(len(scores)):
+                got, got_grad = map(float, next(lines).split())
+                np.testing.assert_allclose(got, want[k], rtol=2e-5, atol=2e-5, err_msg=f"score {ii} {jj} {scores[k]}")
+                np.testing.assert_allclose(got_grad, want_grad[k], rtol=2e-5, atol=2e-5,
+                                           err_msg=f"grad {ii} {jj} {scores[k]}")
+    for tile in tiles:
+        assert int(next(lines)) == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile

@@ -1,0 +1,130 @@
+"""GPU tests of mask_mod / score_mod (fagen/expressions.py): the variant library of examples/modifiers.yaml
+and the same expressions on every template family (wgmma, mma.sync, SIMT, FA1), with dropout, grouped
+KV heads and packed batches, forward and backward against the float64 reference, which evaluates
+the same sympy expressions (and sympy's derivative of score_mod) in numpy.
+
+Run on a GPU machine: python -m pytest -m gpu tests/test_modifiers_gpu.py
+"""
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+
+from fagen.spec import Spec, load_specs
+from fagen.testing import cases
+
+pytestmark = pytest.mark.gpu
+
+ROOT = Path(__file__).resolve().parents[1]
+LIBRARY = load_specs(ROOT / "examples" / "modifiers.yaml")
+FAMILIES = [
+    # soft-capping (a derivative that is not 1) on mma.sync, and on CUDA cores in fp32 at an odd head dim
+    Spec(head_dim=64, dtype="bf16", mask="causal", score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"},
+         arch="sm_80"),
+    Spec(head_dim=59, dtype="fp32", score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"}, dropout=0.1),
+    # ALiBi with the FA1 loop order and a sliding window underneath (both masks apply)
+    Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=48, loop_order="fa1",
+         score_mod="score - slope[h] * abs(i - j)", inputs={"slope": "float32"}),
+    # document masking inside packed sequences, with dropout, and a deterministic backward
+    Spec(head_dim=128, dtype="bf16", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}, dropout=0.1,
+         layout="packed"),
+    Spec(head_dim=64, dtype="fp16", mask_mod="i // 16 == j // 16 or j < 8", score_mod="score * 0.5 + 1",
+         deterministic=True),
+]
+SPECS = LIBRARY + FAMILIES
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_cache():
+    from fagen.runtime import precompile
+
+    precompile(SPECS)
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.variant_name)
+def test_modifiers_match_reference(spec):
+    from fagen.testing import assert_matches_reference
+
+    @settings(max_examples=10, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(case=cases(spec, max_seq=200, max_batch=3))
+    def run(case):
+        assert_matches_reference(spec, case, backward=True)
+
+    run()
+
+
+def _qkv(batch=2, heads=4, seq=300, d=128, dtype="bfloat16", seed=0):
+    import torch
+
+    generator = torch.Generator(device="cuda").manual_seed(seed)
+    return [torch.randn(batch, heads, seq, d, device="cuda", dtype=getattr(torch, dtype), generator=generator)
+            for _ in range(3)]
+
+
+def _as64(tensor):
+    return tensor.detach().double().cpu().numpy()
+
+
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "ops"])
+def test_autograd_with_inputs_matches_reference(eager, monkeypatch):
+    """fagen.attention(..., inputs=...) through autograd, by the eager Function and by the torch ops."""
+    import torch
+
+    import fagen
+    import fagen.torch as fagen_torch
+    from fagen import reference
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", eager)
+    spec = LIBRARY[0]   # ALiBi
+    q, k, v = (t.requires_grad_(True) for t in _qkv())
+    slope = torch.tensor([0.5 ** (n + 1) for n in range(4)], device="cuda")
+    o = fagen.attention(q, k, v, spec, inputs={"slope": slope})
+    do = torch.randn_like(o)
+    o.backward(do)
+    values = {"slope": slope.cpu().numpy()}
+    ref_o, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), spec, inputs=values)
+    ref_grads = reference.attention_backward(_as64(q), _as64(k), _as64(v), _as64(do), spec, inputs=values,
+                                             o=_as64(o))
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), (ref_o, *ref_grads)):
+        error = np.linalg.norm(_as64(got) - want) / np.linalg.norm(want)
+        assert error < 1e-2, (name, error)
+
+
+def test_fast_path_reads_each_calls_inputs():
+    """A repeated call (the per-call fast path) must read the new call's tensor and scalar inputs."""
+    import torch
+
+    from fagen import reference
+    from fagen.runtime import compile as compile_spec
+
+    softcap, alibi = LIBRARY[1], compile_spec(LIBRARY[0])
+    q, k, v = _qkv(seq=130)
+    for slope_value in (0.5, 0.01):
+        slope = torch.full((4,), slope_value, device="cuda")
+        o, _ = alibi.forward(q, k, v, inputs={"slope": slope})
+        ref, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), alibi.spec,
+                                             inputs={"slope": slope.cpu().numpy()})
+        assert np.linalg.norm(_as64(o) - ref) / np.linalg.norm(ref) < 1e-2, slope_value
+    capped = compile_spec(softcap)
+    for cap in (30.0, 0.5):
+        o, _ = capped.forward(q, k, v, inputs={"cap": cap})
+        ref, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), softcap, inputs={"cap": cap})
+        assert np.linalg.norm(_as64(o) - ref) / np.linalg.norm(ref) < 1e-2, cap
+
+
+def test_input_errors_name_the_input():
+    import torch
+
+    from fagen.runtime import ArgumentError, compile as compile_spec
+
+    kernel = compile_spec(LIBRARY[4])   # documents: doc int32 (batch, positions)
+    q, k, v = _qkv(d=64, seq=64)
+    with pytest.raises(ArgumentError, match="missing.*doc"):
+        kernel.forward(q, k, v)
+    with pytest.raises(ArgumentError, match="unknown.*docs"):
+        kernel.forward(q, k, v, inputs={"doc": torch.zeros(2, 64, dtype=torch.int32, device="cuda"), "docs": 1})
+    with pytest.raises(ArgumentError, match="doc.*2-dimensional"):
+        kernel.forward(q, k, v, inputs={"doc": torch.zeros(64, dtype=torch.int32, device="cuda")})
+    with pytest.raises(ArgumentError, match="doc.*int32"):
+        kernel.forward(q, k, v, inputs={"doc": torch.zeros(2, 64, device="cuda")})
