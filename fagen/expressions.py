@@ -37,6 +37,9 @@ from typing import Callable, Optional, Union
 import numpy as np
 import sympy as sp
 
+#: Positions per entry of a run-time summary (templates/attention_common.cuh has the same constant).
+SUMMARY_GRAIN = 16
+
 __all__ = ["ExpressionError", "Modifiers", "modifiers", "parse", "INPUT_KINDS", "FUNCTIONS"]
 
 
@@ -592,7 +595,7 @@ class _Program:
             value = strings[0] if strings else self._apply(ctype, op, args)
         elif op == "select" and not isinstance(args[0], str):
             value = args[1] if args[0] else args[2]
-        elif op not in ("param", "point", "fn") and all(not isinstance(a, str) for a in args):
+        elif op not in ("param", "point", "fn", "summary") and all(not isinstance(a, str) for a in args):
             value = self._apply(ctype, op, args)    # fold constants
         else:
             value = f"t{len(self.ops)}"
@@ -615,7 +618,8 @@ class _Program:
         for name, _, op, args in reversed(self.ops):
             if name not in live or op in ("param", "point"):   # their args are names / sympy, not temps
                 continue
-            live.update(a for a in (args[1:] if op == "fn" else args) if isinstance(a, str))
+            live.update(a for a in (args[1:] if op == "fn" else args[2:] if op == "summary" else args)
+                        if isinstance(a, str))
         return live
 
     @staticmethod
@@ -638,6 +642,9 @@ class _Program:
             return f"(long long)({printer.i(expr)})" if ctype == "long long" else printer.f(expr)
         if op == "fn":
             return f"{args[0]}({self._c_value(args[1], 'float')})"
+        if op == "summary":   # (tensor name, "lo" | "hi", other index, first, last)
+            return (f"summary_{args[1]}_{args[0]}({self._c_value(args[2], 'long long')}, "
+                    f"{self._c_value(args[3], 'long long')}, {self._c_value(args[4], 'long long')})")
         if op in ("floor", "ceil", "finite"):
             a = self._c_value(args[0], "float")
             return f"isfinite({a})" if op == "finite" else f"(long long)({op}f({a}))"
@@ -661,8 +668,9 @@ class _Program:
         raise AssertionError(op)
 
     # -- Python -------------------------------------------------------------------------------
-    def run(self, result, env: dict, point: Callable):
-        """Runs the program on concrete values: `env` holds the params, `point(expr)` a point value."""
+    def run(self, result, env: dict, point: Callable, summary: Optional[Callable] = None):
+        """Runs the program on concrete values: `env` holds the params, `point(expr)` a point value,
+        `summary(name, which, other, first, last)` a run-time summary's bound."""
         values = dict(env)
         get = lambda a: values[a] if isinstance(a, str) else a   # noqa: E731
         with np.errstate(all="ignore"):
@@ -674,6 +682,11 @@ class _Program:
                     values[name] = int(value) if ctype == "long long" else np.float32(value)
                 elif op == "fn":
                     values[name] = np.float32(_PY_FLOAT_FN[args[0]](np.float32(get(args[1]))))
+                elif op == "summary":
+                    if summary is None:
+                        raise ExpressionError(f"a bound of '{args[0]}' depends on its run-time values")
+                    value = summary(args[0], args[1], int(get(args[2])), int(get(args[3])), int(get(args[4])))
+                    values[name] = int(value) if ctype == "long long" else np.float32(value)
                 else:
                     values[name] = self._apply(ctype, op, tuple(get(a) for a in args))
         return get(result)
@@ -746,9 +759,11 @@ class _Bounder:
     """Builds interval code for sympy trees. `ranged` maps symbols to (lo, hi) program values;
     every other symbol (and any tensor load not indexed by a ranged symbol) is a point."""
 
-    def __init__(self, program: _Program, ranged: dict):
+    def __init__(self, program: _Program, ranged: dict, tensors: tuple = ()):
         self.p = program
         self.ranged = ranged
+        self.tensors = {name: (dtype, ndim) for name, dtype, ndim in tensors}
+        self.summaries: dict[str, int] = {}   # tensor -> the dimension a run-time summary bounds it along
 
     # -- helpers ------------------------------------------------------------------------------
     def ctype(self, integer: bool) -> str:
@@ -802,9 +817,35 @@ class _Bounder:
             handler = self.monotone
         if handler is None and expr.func in (sp.sin, sp.cos):
             handler = self.periodic
-        if handler is None:   # a tensor indexed by i / j, or a node we do not bound
+        if handler is None and isinstance(expr, sp.Indexed):
+            return self.summarised(expr, integer)
+        if handler is None:   # a node we do not bound
             return self.unbounded(integer)
         return handler(expr, integer)
+
+    def summarised(self, expr, integer):
+        """A tensor load whose one ranged index spans [lo, hi] over the tile: bounded by the min and max
+        of the tensor over those positions, read from a summary that a small kernel computes before the
+        attention kernel (per SUMMARY_GRAIN positions along that dimension; see Modifiers.summaries).
+        One summarised dimension per tensor; any other use is unbounded."""
+        name = expr.base.label.name
+        if name not in self.tensors:
+            return self.unbounded(integer)
+        ranged = [d for d, index in enumerate(expr.indices) if any(index.has(s) for s in self.ranged)]
+        if len(ranged) != 1 or self.summaries.get(name, ranged[0]) != ranged[0]:
+            return self.unbounded(integer)
+        dim = ranged[0]
+        span = self.bound(expr.indices[dim])
+        if not span.bounded or not span.integer or span.ok is not True:
+            return self.unbounded(integer)
+        other = 0
+        if len(expr.indices) == 2:
+            other = self.p.emit("long long", "point", expr.indices[1 - dim])
+        self.summaries[name] = dim
+        ctype = self.ctype(integer)
+        lo = self.p.emit(ctype, "summary", name, "lo", other, span.lo, span.hi)
+        hi = self.p.emit(ctype, "summary", name, "hi", other, span.lo, span.hi)
+        return _Interval(lo, hi, True) if integer else self.finished_float(lo, hi, True)
 
     def add(self, expr, integer):
         ivs = [self.bound(a) for a in expr.args]
@@ -1117,8 +1158,28 @@ class Modifiers:
         program = _Program()
         ranged = {I: (program.emit("long long", "param", "i_lo"), program.emit("long long", "param", "i_hi")),
                   J: (program.emit("long long", "param", "j_lo"), program.emit("long long", "param", "j_hi"))}
-        result = 2 if self.mask is None else _Bounder(program, ranged).tri(self.mask)
-        return program, result
+        bounder = _Bounder(program, ranged, self.tensors)
+        result = 2 if self.mask is None else bounder.tri(self.mask)
+        return program, result, dict(bounder.summaries)
+
+    @property
+    def summaries(self) -> tuple:
+        """(tensor index, dimension) of each input whose run-time values decide tiles (e.g. document ids
+        doc[b, i]): a summary kernel writes its min and max per SUMMARY_GRAIN positions along that
+        dimension into args.mod_summary[index] before the attention kernels run."""
+        used = self._tile_program[2]
+        return tuple((k, used[name]) for k, (name, _, _) in enumerate(self.tensors) if name in used)
+
+    def summary_kernel(self, symbol: str) -> str:
+        """The summary kernel for `summaries`, or "" when there is none."""
+        if not self.summaries:
+            return ""
+        calls = []
+        for k, dim in self.summaries:
+            ctype = "int" if self.tensors[k][1] == "int32" else "float"
+            calls.append(f"  fagen::summarise_input<{ctype}>(args, {k}, {dim});")
+        return "\n".join([f'extern "C" __global__ void __launch_bounds__(256) {symbol}(const fagen::AttentionArgs args) {{',
+                          *calls, "}", ""])
 
     def cuda_struct(self, name: str = "SpecMods") -> str:
         printer = _CPrinter("mask_mod", self._c_names())
@@ -1133,6 +1194,9 @@ class Modifiers:
             lines.append(f"  const {ctype}* t_{tname}; int t_{tname}_size[{ndim}]; long long t_{tname}_stride[{ndim}];")
         for sname in self.scalars:
             lines.append(f"  float s_{sname};")
+        for tname, _, _ in self.tensors:
+            if tname in self._tile_program[2]:
+                lines.append(f"  const void* summary_{tname};")
         lines += ["",
                   f"  __device__ {name}(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)",
                   "      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {"]
@@ -1144,6 +1208,9 @@ class Modifiers:
                              f"t_{tname}_stride[{d}] = args.mod_stride[{k}][{d}];")
         for k, sname in enumerate(self.scalars):
             lines.append(f"    s_{sname} = (float)args.mod_scalar[{k}];")
+        for k, (tname, _, _) in enumerate(self.tensors):
+            if tname in self._tile_program[2]:
+                lines.append(f"    summary_{tname} = args.mod_summary[{k}];")
         if not self.tensors and not self.scalars:
             lines.append("    (void)args;")
         lines += ["  }", "", _C_HELPERS.rstrip("\n")]
@@ -1159,7 +1226,31 @@ class Modifiers:
         visible = "true" if self.mask is None else printer.boolean(self.mask)
         lines += ["", "  // the mask_mod", "  __device__ __forceinline__ bool visible(int i, int j) const {",
                   f"    return {visible};", "  }"]
-        program, result = self._tile_program
+        program, result, used = self._tile_program
+        for k, (tname, dtype, ndim) in enumerate(self.tensors):
+            if tname not in used:
+                continue
+            ctype, dim = ("int" if dtype == "int32" else "float"), used[tname]
+            lines += [f"  // {tname}'s min and max per fagen::SUMMARY_GRAIN positions along dimension {dim} (run-time",
+                      "  // summary): the bounds of a load over a tile's positions, for tile_class",
+                      f"  __device__ __forceinline__ {ctype} summary_bound_{tname}(long long other, long long first, "
+                      "long long last, int which) const {",
+                      f"    const {ctype}* summary = static_cast<const {ctype}*>(summary_{tname});",
+                      f"    const long long size = t_{tname}_size[{dim}], blocks = (size + fagen::SUMMARY_GRAIN - 1) / fagen::SUMMARY_GRAIN;",
+                      f"    other = min(max(other, 0LL), (long long){f't_{tname}_size[{1 - dim}]' if ndim == 2 else '1'} - 1);",
+                      "    first = min(max(first, 0LL), size - 1) / fagen::SUMMARY_GRAIN;",
+                      "    last = min(max(last, 0LL), size - 1) / fagen::SUMMARY_GRAIN;",
+                      f"    {ctype} bound = summary[2 * (other * blocks + first) + which];",
+                      "    for (long long block = first + 1; block <= last; ++block) {",
+                      f"      const {ctype} value = summary[2 * (other * blocks + block) + which];",
+                      "      bound = which ? max(bound, value) : min(bound, value);",
+                      "    }",
+                      "    return bound;",
+                      "  }",
+                      f"  __device__ __forceinline__ {ctype} summary_lo_{tname}(long long o, long long f, long long l) const "
+                      f"{{ return summary_bound_{tname}(o, f, l, 0); }}",
+                      f"  __device__ __forceinline__ {ctype} summary_hi_{tname}(long long o, long long f, long long l) const "
+                      f"{{ return summary_bound_{tname}(o, f, l, 1); }}"]
         lines += ["  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when",
                   "  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided",
                   "  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {"]
@@ -1183,10 +1274,21 @@ class Modifiers:
     def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,
                           seq_q: int = 1, seq_k: int = 1, values: Optional[dict] = None) -> int:
         """tile_class evaluated in Python on concrete bounds (for tests): 0 empty, 1 partial, 2 full."""
-        program, result = self._tile_program
+        program, result, used = self._tile_program
         env_symbols = {B: np.int64(b), H: np.int64(h), NQ: np.int64(seq_q), NK: np.int64(seq_k)}
         point = lambda expr: _np_eval(expr, env_symbols, values or {})   # noqa: E731
-        return int(program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point))
+
+        def summary(name, which, other, first, last):   # what summarise_input + summary_bound_* compute
+            array = np.asarray((values or {})[name])
+            array = array.reshape(1, -1) if array.ndim == 1 else np.moveaxis(array, used[name], 1)
+            size = array.shape[1]
+            other = min(max(other, 0), array.shape[0] - 1)
+            first = min(max(first, 0), size - 1) // SUMMARY_GRAIN * SUMMARY_GRAIN
+            last = min(max(last, 0), size - 1) // SUMMARY_GRAIN * SUMMARY_GRAIN + SUMMARY_GRAIN
+            span = array[other, first:last]
+            return span.max() if which == "hi" else span.min()
+
+        return int(program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary))
 
     # -- shapes -------------------------------------------------------------------------------
     def input_shapes(self, batch: int, heads: int, seq_q: int, seq_k: int) -> dict:

@@ -58,6 +58,12 @@ def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
 
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
     main = kernel_name(spec, pass_name, plan)
+    if pass_name in ("forward", "backward") and spec.modifiers.summaries:   # mask_mod inputs' per-tile bounds
+        return _kernel_symbols(spec, pass_name, plan, main) + [f"{main}_summary"]
+    return _kernel_symbols(spec, pass_name, plan, main)
+
+
+def _kernel_symbols(spec: Spec, pass_name: str, plan: Plan, main: str) -> list[str]:
     if pass_name == "backward" and not family_named(plan.family).deterministic:  # dQ by atomics only
         return [main, f"{main}_delta", f"{main}_dq_convert", f"{main}_kv_group_sum"]
     if pass_name == "backward":
@@ -187,6 +193,7 @@ def render(spec: Spec, solution: Solution) -> Rendered:
         "",
     ]) + mods_source(spec)
     bodies = {p: _environment.get_template(solution.plans[p].template).render(template_context(spec, p, solution.plans[p]))
+              + spec.modifiers.summary_kernel(f"{kernel_name(spec, p, solution.plans[p])}_summary")
               for p in spec.passes}
     return Rendered(
         text=header + "\n".join(bodies.values()),

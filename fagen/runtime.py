@@ -58,7 +58,8 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("kv_group", "q", 1), ("dk_sum", "Q", 1), ("dv_sum", "Q", 1), ("dk_sum_stride", "q", 3),
               ("dv_sum_stride", "q", 3), ("cu_seqlens_q", "Q", 1), ("cu_seqlens_k", "Q", 1),
               ("max_seq_q", "q", 1), ("max_seq_k", "q", 1),
-              ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4)])
+              ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
+              ("mod_summary", "Q", 4)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -261,7 +262,10 @@ def _small_tensor_key(value, dtype, device: int):
 
 
 #: The small kernels around a pass's main one(s): launched without the plan's dynamic shared memory.
-_HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine")
+_HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine", "_summary")
+
+#: The summary kernel's grid (templates/attention_common.cuh summarise_input loops over what it does not cover).
+SUMMARY_GRID = (64, 1, 1)
 
 
 #: Fast-path signatures kept per kernel and pass; a table that fills up is cleared (see _remember).
@@ -483,7 +487,7 @@ class Kernel:
         return tensors, (batch, heads, seq_q, seq_k)
 
     def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, inputs, seed, offset,
-                      sequences: Optional["Sequences"] = None):
+                      sequences: Optional["Sequences"] = None, stream: int = 0):
         """The run-time inputs into `args`; `shape` is (sequences, heads, longest Nq, longest Nk)."""
         spec = self.spec
         batch, heads, seq_q, seq_k = shape
@@ -532,10 +536,10 @@ class Kernel:
             args["block_mask_stride"] = strides
         elif block_mask is not None:
             raise ArgumentError(f"block_mask is only for mask block_sparse; this spec's mask is {spec.mask}")
-        keep += self._mod_inputs(args, inputs, tensors["q"])
+        keep += self._mod_inputs(args, inputs, tensors["q"], stream)
         return keep
 
-    def _mod_inputs(self, args: LaunchArgs, inputs, like: DeviceTensor) -> list:
+    def _mod_inputs(self, args: LaunchArgs, inputs, like: DeviceTensor, stream: int) -> list:
         """The run-time inputs a spec's mask_mod / score_mod declare (`inputs` in the spec), from a dict
         name -> tensor (the declared dtype, as many dimensions as the expressions index) or number."""
         mods = self.modifiers
@@ -570,6 +574,16 @@ class Kernel:
             if not math.isfinite(scalars[n]):
                 raise ArgumentError(f"inputs {name}: must be finite, got {scalars[n]}")
         args["mod_tensor"], args["mod_size"], args["mod_stride"], args["mod_scalar"] = pointers, sizes, strides, scalars
+        if mods.summaries:   # min / max per SUMMARY_GRAIN positions, written by the pass's _summary kernel
+            from fagen.expressions import SUMMARY_GRAIN   # (sympy: loaded already for this spec's modifiers)
+
+            summaries = [0] * 4
+            for n, dim in mods.summaries:
+                entries = sizes[2 * n + 1 - dim] * -(-sizes[2 * n + dim] // SUMMARY_GRAIN)
+                workspace = _allocate(like, (entries, 2), "fp32", stream)
+                keep.append(workspace)
+                summaries[n] = as_device_tensor("summary", workspace).pointer
+            args["mod_summary"] = summaries
         return keep
 
     @staticmethod
@@ -707,7 +721,10 @@ class Kernel:
     # ---- the fast path: a call whose signature was seen before ----
     def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, inputs, seed, offset):
         """The key of a FastCall for these torch tensors, or None where the full path must run (other
-        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
+        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds, and for now
+        specs whose mask_mod needs run-time summaries: their workspaces and launch are on the full path)."""
+        if inputs and self.modifiers.summaries:
+            return None
         torch_types = _torch_types()
         tensor_type = torch_types["Tensor"]
         parts = []
@@ -1010,7 +1027,8 @@ class Kernel:
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
         args["o_stride"] = ot.strides[:3]
-        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences)
+        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences,
+                                  stream)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
         if decode is not None and group * seq_q <= decode.block_r:
@@ -1033,7 +1051,10 @@ class Kernel:
             grid = (row_groups, problems[0] * heads, 1)
         else:
             grid = (row_blocks, problems[0] * heads, 1)
-        self._launch(device, symbol, args.packed(), grid, plan.threads, plan.smem_bytes, stream)
+        arguments = args.packed()
+        if self.modifiers.summaries:   # the mask_mod inputs' per-tile bounds, before the kernel reads them
+            self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
+        self._launch(device, symbol, arguments, grid, plan.threads, plan.smem_bytes, stream)
         self._finish(symbol)
         if signature is not None:   # the next call with this signature skips everything above
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
@@ -1168,7 +1189,8 @@ class Kernel:
             else:
                 args[key] = gt.pointer
                 args[f"{key}_stride"] = gt.strides[:3]
-        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences)
+        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences,
+                                   stream)
         if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
             return grads
         like = tensors["q"]
@@ -1182,7 +1204,8 @@ class Kernel:
         arguments = args.packed()
         main = plan.symbols[0]
         rows = batch * heads * seq_q
-        launches = [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0),
+        launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
+        launches += [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0),
                     (main, (math.ceil(problems[3] / plan.block_c), problems[0] * heads, 1), plan.threads,
                      plan.smem_bytes)]
         if self.spec.deterministic:

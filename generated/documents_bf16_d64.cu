@@ -12,12 +12,14 @@ struct SpecMods {
   long long b, h;
   int seq_q, seq_k;
   const int* t_doc; int t_doc_size[2]; long long t_doc_stride[2];
+  const void* summary_doc;
 
   __device__ SpecMods(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
       : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
     t_doc = static_cast<const int*>(args.mod_tensor[0]);
     t_doc_size[0] = (int)args.mod_size[0][0]; t_doc_stride[0] = args.mod_stride[0][0];
     t_doc_size[1] = (int)args.mod_size[0][1]; t_doc_stride[1] = args.mod_stride[0][1];
+    summary_doc = args.mod_summary[0];
   }
 
   // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
@@ -53,11 +55,48 @@ struct SpecMods {
   __device__ __forceinline__ bool visible(int i, int j) const {
     return (load_doc((int)b, i) == load_doc((int)b, j));
   }
+  // doc's min and max per fagen::SUMMARY_GRAIN positions along dimension 1 (run-time
+  // summary): the bounds of a load over a tile's positions, for tile_class
+  __device__ __forceinline__ int summary_bound_doc(long long other, long long first, long long last, int which) const {
+    const int* summary = static_cast<const int*>(summary_doc);
+    const long long size = t_doc_size[1], blocks = (size + fagen::SUMMARY_GRAIN - 1) / fagen::SUMMARY_GRAIN;
+    other = min(max(other, 0LL), (long long)t_doc_size[0] - 1);
+    first = min(max(first, 0LL), size - 1) / fagen::SUMMARY_GRAIN;
+    last = min(max(last, 0LL), size - 1) / fagen::SUMMARY_GRAIN;
+    int bound = summary[2 * (other * blocks + first) + which];
+    for (long long block = first + 1; block <= last; ++block) {
+      const int value = summary[2 * (other * blocks + block) + which];
+      bound = which ? max(bound, value) : min(bound, value);
+    }
+    return bound;
+  }
+  __device__ __forceinline__ int summary_lo_doc(long long o, long long f, long long l) const { return summary_bound_doc(o, f, l, 0); }
+  __device__ __forceinline__ int summary_hi_doc(long long o, long long f, long long l) const { return summary_bound_doc(o, f, l, 1); }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
   // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
   __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
-    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;
-    return fagen::TILE_PARTIAL;
+    const long long t0 = i_lo;
+    const long long t1 = i_hi;
+    const long long t2 = j_lo;
+    const long long t3 = j_hi;
+    const long long t4 = (long long)((int)b);
+    const long long t5 = summary_lo_doc(t4, t2, t3);
+    const long long t6 = summary_hi_doc(t4, t2, t3);
+    const long long t7 = -t6;
+    const long long t8 = -t5;
+    const long long t9 = summary_lo_doc(t4, t0, t1);
+    const long long t10 = summary_hi_doc(t4, t0, t1);
+    const long long t11 = t7 + t9;
+    const long long t12 = t8 + t10;
+    const bool t13 = t11 == t12;
+    const bool t14 = t11 == 0LL;
+    const bool t15 = t13 && t14;
+    const bool t16 = t12 < 0LL;
+    const bool t17 = t11 > 0LL;
+    const bool t18 = t16 || t17;
+    const int t19 = t18 ? 0 : 1;
+    const int t20 = t15 ? 2 : t19;
+    return t20;
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j) const {
@@ -321,6 +360,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_bf16_causal_fa2_
     }
     if (quad == 0) args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }
+}
+extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_bf16_causal_fa2_sm90_mod6a3a1722_br128_bc64_w8_summary(const fagen::AttentionArgs args) {
+  fagen::summarise_input<int>(args, 0, 1);
 }
 
 // ---- fagen_bwd_d64_bf16_causal_fa2_sm90_mod6a3a1722_br128_bc128_w8: made by templates/backward_wgmma.cu.j2 ----
@@ -689,4 +731,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
     static_cast<elem_t*>(args.dk_sum)[b * args.dk_sum_stride[0] + h_kv * args.dk_sum_stride[1] + n * args.dk_sum_stride[2] + e] = from_float<elem_t>(dk_total);
     static_cast<elem_t*>(args.dv_sum)[b * args.dv_sum_stride[0] + h_kv * args.dv_sum_stride[1] + n * args.dv_sum_stride[2] + e] = from_float<elem_t>(dv_total);
   }
+}
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_sm90_mod6a3a1722_br128_bc128_w8_summary(const fagen::AttentionArgs args) {
+  fagen::summarise_input<int>(args, 0, 1);
 }

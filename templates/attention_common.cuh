@@ -60,6 +60,10 @@ struct AttentionArgs {
   long long mod_size[4][2];
   long long mod_stride[4][2];
   double mod_scalar[4];
+  // Per tensor input whose values decide which tiles a mask_mod leaves empty or full (document ids):
+  // its min and max per SUMMARY_GRAIN positions along the dimension the tile's positions index,
+  // written by summarise_input before the attention kernels run; nullptr for the others.
+  void* mod_summary[4];
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -208,6 +212,37 @@ struct NoMods {
   __device__ __forceinline__ float score_grad(float, int, int) const { return 1.f; }
 };
 enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+
+// ---- run-time summaries of mask_mod inputs ----------------------------------------------------
+// A mask_mod that reads an input at a query or key position (doc[b, i] == doc[b, j]) can only be
+// decided per tile from that input's values. summarise_input writes, for input k along dimension dim,
+// the (min, max) of every SUMMARY_GRAIN consecutive positions, for each index of its other dimension
+// (1-D inputs: one row), into args.mod_summary[k]; the generated tile_class bounds a tile's loads by
+// the entries its positions cover. One thread per entry: SUMMARY_GRAIN reads each, a grid-stride loop.
+constexpr int SUMMARY_GRAIN = 16;
+
+template <typename T>
+__device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
+  const T* input = static_cast<const T*>(args.mod_tensor[k]);
+  T* summary = static_cast<T*>(args.mod_summary[k]);
+  const long long size = args.mod_size[k][dim], stride = args.mod_stride[k][dim];
+  const long long others = args.mod_size[k][1 - dim], other_stride = args.mod_stride[k][1 - dim];
+  const long long blocks = (size + SUMMARY_GRAIN - 1) / SUMMARY_GRAIN;
+  for (long long entry = blockIdx.x * (long long)blockDim.x + threadIdx.x; entry < others * blocks;
+       entry += (long long)gridDim.x * blockDim.x) {
+    const long long other = entry / blocks, first = (entry % blocks) * SUMMARY_GRAIN;
+    const long long last = min(first + SUMMARY_GRAIN, size);
+    const T* row = input + other * other_stride;
+    T low = row[first * stride], high = low;
+    for (long long position = first + 1; position < last; ++position) {
+      const T value = row[position * stride];
+      low = min(low, value);
+      high = max(high, value);
+    }
+    summary[2 * entry] = low;
+    summary[2 * entry + 1] = high;
+  }
+}
 
 // Which keys a query sees, for one (sequence, head) of lengths seq_q, seq_k. Queries and keys are
 // aligned bottom-right (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.

@@ -173,7 +173,7 @@ def test_tile_class_is_sound(text, data):
     ("i // 4 == j // 4", (4, 7, 8, 11), EMPTY),
     ("(i - j) % 3 == 0", (3, 3, 0, 0), FULL),
     ("(i - j) % 3 == 0", (4, 4, 0, 0), EMPTY),
-    ("doc[b, i] == doc[b, j]", (0, 15, 0, 15), PARTIAL),
+    ("doc[b, i] == doc[b, j]", (0, 15, 0, 15), FULL),   # one document (all zeros): decided from the summary
 ])
 def test_tile_class_decides_the_clear_tiles(text, tile, expected):
     inputs = {"doc": "int32"} if "doc" in text else None
@@ -314,10 +314,21 @@ HOST_SHIM = """\
 using std::min; using std::max;
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 namespace fagen {
-struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4]; };
+struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4];
+                       void* mod_summary[4]; };
 enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
+struct Index { long long x; };
+static const Index blockIdx{0}, threadIdx{0}, blockDim{1}, gridDim{1};   // one host "thread" does every entry
 }
 """
+
+
+def _summarise_input_source() -> str:
+    """templates/attention_common.cuh's SUMMARY_GRAIN and summarise_input, for the host build."""
+    text = (TEMPLATES / "attention_common.cuh").read_text()
+    start = text.index("constexpr int SUMMARY_GRAIN")
+    end = text.index("\n}\n", text.index("__device__ void summarise_input")) + 3
+    return "namespace fagen {\n" + text[start:end] + "}\n"
 
 HOST_SETS = COMPILE_SETS + [
     ("(i - 7) // 3 == (j - 7) // -2", "score * ((i - j) % -3) + (j - i) % 4", None),
@@ -347,6 +358,13 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
     for k, name in enumerate(mods.scalars):
         values[name] = float(k + 3)
         tensors.append(f"  args.mod_scalar[{k}] = {values[name]!r};\n")
+    for k, dim in mods.summaries:   # the summary kernel's work, done on the host before the struct reads it
+        name, dtype, _ = mods.tensors[k]
+        ctype = "int" if dtype == "int32" else "float"
+        shape = values[name].shape + (1,) * (2 - values[name].ndim)
+        entries = shape[1 - dim] * -(-shape[dim] // 16)
+        tensors.append(f"  static {ctype} u{k}[{2 * entries}]; args.mod_summary[{k}] = u{k};\n"
+                       f"  fagen::summarise_input<{ctype}>(args, {k}, {dim});\n")
     scores = [-3.0, -0.5, 0.0, 0.25, 2.0]
     tiles = [(0, 3, 0, 3), (4, 7, 0, 3), (0, 3, 8, 10), (8, 12, 0, 10), (2, 2, 5, 5)]
     main = ("int main() {\n  fagen::AttentionArgs args{};\n" + "".join(tensors)
@@ -359,7 +377,7 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
             + "}\n")
     source = tmp_path / "host.cpp"
-    source.write_text(HOST_SHIM + mods.cuda_struct() + main)
+    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct() + main)
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
@@ -379,3 +397,42 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
                                            err_msg=f"grad {ii} {jj} {scores[k]}")
     for tile in tiles:
         assert int(next(lines)) == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile
+
+
+# ---- run-time summaries (tile decisions that depend on an input's values) -------------------------
+def test_document_mask_is_summarised_along_the_position_dimension():
+    mods = modifiers("doc[b, i] == doc[b, j]", None, {"doc": "int32"})
+    assert mods.summaries == ((0, 1),)
+    assert "summarise_input<int>(args, 0, 1)" in mods.summary_kernel("k_summary")
+    assert modifiers("j <= i", None, None).summaries == ()
+    assert modifiers(None, "score + bias[h, i - j]", {"bias": "float32"}).summaries == (), "score_mod: no tiles"
+    # a tensor indexed by a position in both dimensions cannot be summarised: undecided, still sound
+    both = modifiers("keep[i, j] > 0", None, {"keep": "int32"})
+    assert both.summaries == ()
+
+
+@given(data=st.data())
+def test_summarised_tile_class_is_sound_and_skips_other_documents(data):
+    mods = modifiers("j <= i and doc[b, i] == doc[b, j]", None, {"doc": "int32"})
+    n = data.draw(st.integers(1, 70))
+    lengths = data.draw(st.lists(st.integers(1, 40), min_size=1, max_size=6))
+    ids = np.repeat(np.arange(len(lengths)), lengths)[:n]
+    doc = np.stack([np.pad(ids, (0, n - ids.size), mode="edge"), np.sort(np.arange(n) % 3)]).astype(np.int32)
+    b = data.draw(st.integers(0, 1))
+    i_lo, j_lo = data.draw(st.integers(0, n - 1)), data.draw(st.integers(0, n - 1))
+    i_hi, j_hi = data.draw(st.integers(i_lo, n - 1)), data.draw(st.integers(j_lo, n - 1))
+    got = mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, b=b, seq_q=n, seq_k=n, values={"doc": doc})
+    i, j = np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :]
+    visible = mods.mask_numpy(b, 0, i, j, n, n, {"doc": doc})
+    if got == EMPTY:
+        assert not visible.any()
+    if got == FULL:
+        assert visible.all()
+
+
+def test_summarised_tiles_of_distinct_documents_are_empty():
+    mods = modifiers("doc[b, i] == doc[b, j]", None, {"doc": "int32"})
+    doc = np.repeat(np.arange(4), 64)[None].astype(np.int32)   # four documents of 64 tokens
+    assert mods.tile_class_python(128, 191, 0, 63, values={"doc": doc}, seq_q=256, seq_k=256) == EMPTY
+    assert mods.tile_class_python(64, 127, 64, 127, values={"doc": doc}, seq_q=256, seq_k=256) == FULL
+    assert mods.tile_class_python(32, 95, 0, 63, values={"doc": doc}, seq_q=256, seq_k=256) == PARTIAL

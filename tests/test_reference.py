@@ -626,3 +626,57 @@ def test_packed_offsets_are_checked():
         packed_forward(q, q, q, [0, 5], [0, 4], spec)
     with pytest.raises(ValueError, match="same number"):
         packed_forward(q, q, q, [0, 2, 4], [0, 4], spec)
+
+
+# ---- mask_mod / score_mod ------------------------------------------------------------------------
+def _numeric_gradients(spec, q, k, v, do, inputs, step=1e-6):
+    """d sum(o * do) / d(q, k, v) by central differences of attention_forward."""
+    from fagen.reference import attention_forward
+
+    grads = []
+    for which in range(3):
+        tensors = [q.copy(), k.copy(), v.copy()]
+        grad = np.zeros_like(tensors[which])
+        for index in np.ndindex(grad.shape):
+            values = []
+            for sign in (1, -1):
+                moved = [t.copy() for t in tensors]
+                moved[which][index] += sign * step
+                values.append((attention_forward(*moved, spec, inputs=inputs)[0] * do).sum())
+            grad[index] = (values[0] - values[1]) / (2 * step)
+        grads.append(grad)
+    return grads
+
+
+@pytest.mark.parametrize("fields, inputs", [
+    ({"mask": "causal", "score_mod": "cap * tanh(score / cap)"}, {"cap": 0.7}),
+    ({"score_mod": "score - slope[h] * abs(i - j)"}, {"slope": np.array([0.5, 0.125])}),
+    ({"mask_mod": "j <= i + Nk - Nq or j < 2", "score_mod": "score * score / 4 + bias[h, i - j + 5]"},
+     {"bias": np.linspace(-1, 1, 24).reshape(2, 12)}),
+], ids=["softcap", "alibi", "square-bias"])
+def test_score_mod_backward_matches_numeric_gradients(fields, inputs):
+    """The reference's backward (dS times sympy's d score_mod / d score) is the gradient of its forward."""
+    from fagen.reference import attention_backward
+
+    spec = Spec(head_dim=3, dtype="fp32", inputs={name: "scalar" if np.ndim(value) == 0 else "float32"
+                                                   for name, value in inputs.items()}, **fields)
+    rng = np.random.default_rng(7)
+    q, k, v = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 5, 3))
+    do = rng.standard_normal((1, 2, 4, 3))
+    exact = attention_backward(q, k, v, do, spec, inputs=inputs)
+    for name, got, want in zip(("dq", "dk", "dv"), exact, _numeric_gradients(spec, q, k, v, do, inputs)):
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_mask_mod_is_anded_with_the_mask_and_indexed_per_batch_entry():
+    from fagen.reference import visible_mask
+
+    spec = Spec(head_dim=8, mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    doc = np.array([[0, 0, 1, 1, 1], [0, 1, 1, 2, 2]])
+    got = visible_mask(spec, 2, 1, 5, 5, inputs={"doc": doc})
+    i, j = np.arange(5)[:, None], np.arange(5)[None, :]
+    want = np.stack([(j <= i) & (doc[b][:, None] == doc[b][None, :]) for b in range(2)])[:, None]
+    assert np.array_equal(np.broadcast_to(got, want.shape), want)
+    # a packed batch's sequence b is a batch of one at first_batch = b: it reads doc[b]
+    assert np.array_equal(np.broadcast_to(visible_mask(spec, 1, 1, 5, 5, inputs={"doc": doc}, first_batch=1),
+                                          (1, 1, 5, 5)), want[1:2])

@@ -25,3 +25,46 @@ def test_decode_splits_prefer_fewer_splits_and_respect_the_key_tiles():
     assert decode_splits(256, key_tiles=128, sm_count=132, blocks_per_sm=3) == 3  # 1.94 waves, not 1.29
     assert decode_splits(8, key_tiles=2, sm_count=132, blocks_per_sm=3) == 2      # a split needs a tile of keys
     assert decode_splits(10_000, key_tiles=64, sm_count=132, blocks_per_sm=3) >= 1
+
+
+# ---- the launch struct's layout ----------------------------------------------------------------
+def test_args_struct_matches_attention_args(tmp_path):
+    """fagen/runtime.py packs AttentionArgs by hand: every field's offset and the total size must be
+    what the C++ compiler lays out (a host program built by nvcc prints them; no GPU needed)."""
+    import subprocess
+
+    from fagen.compiler import nvcc_path
+    from fagen.runtime import ARGS_STRUCT, _FIELDS, _SLOT
+    from fagen.sources import TEMPLATE_DIR
+
+    nvcc = nvcc_path()
+    if nvcc is None:
+        pytest.skip("nvcc is not available")
+    names = {"do_stride": "do_stride", "d_o": "d_o"}
+    fields = [names.get(name, name) for name, _, _ in _FIELDS]
+    lines = "\n".join(f'  printf("{name} %zu\\n", offsetof(fagen::AttentionArgs, {name}));' for name in fields)
+    source = tmp_path / "layout.cu"
+    source.write_text(f'#include <cstddef>\n#include <cstdio>\n#include "attention_common.cuh"\n'
+                      f'int main() {{\n{lines}\n  printf("size %zu\\n", sizeof(fagen::AttentionArgs));\n}}\n')
+    binary = tmp_path / "layout"
+    subprocess.run([nvcc, "-std=c++17", "-I", str(TEMPLATE_DIR), "-o", str(binary), str(source)], check=True,
+                   capture_output=True)
+    reported = dict(line.split() for line in subprocess.run([str(binary)], capture_output=True, text=True,
+                                                             check=True).stdout.splitlines())
+    assert int(reported.pop("size")) == ARGS_STRUCT.size
+    assert {name: int(offset) for name, offset in reported.items()} == {name: 8 * _SLOT[name][0] for name in fields}
+
+
+def test_launch_args_pack_scalars_as_doubles():
+    import struct
+
+    from fagen.runtime import ARGS_STRUCT, LaunchArgs, _SLOT
+
+    args = LaunchArgs()
+    args["mod_scalar"] = [30.0, -0.5, 1e-3, 2]
+    args["mod_stride"] = [-3, 0, 1, 2, 3, 4, 5, 6]
+    raw = bytearray(ARGS_STRUCT.size)
+    ARGS_STRUCT.pack_into(raw, 0, *args.values)
+    start = 8 * _SLOT["mod_scalar"][0]
+    assert struct.unpack_from("<4d", raw, start) == (30.0, -0.5, 1e-3, 2.0)
+    assert struct.unpack_from("<q", raw, 8 * _SLOT["mod_stride"][0])[0] == -3
