@@ -22,7 +22,6 @@ an `autograd.Function` (fewer microseconds per call; the maths and the kernels a
 """
 from __future__ import annotations
 
-import functools
 import json
 from typing import Optional
 
@@ -83,22 +82,28 @@ def _grad(tensor):
 
 # ---- the ops ---------------------------------------------------------------------------------
 _library = torch.library.Library("fagen", "DEF")
+MOD_SLOTS = 4   # AttentionArgs holds up to 4 tensor and 4 scalar inputs
 _RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0, int offset=0, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1, "
-                   "Tensor[] mod_tensors=[], float[] mod_scalars=[]")
+                   # mask_mod / score_mod inputs in the spec's declaration order (no list arguments: torch's
+                   # autograd rules for lists in custom ops are brittle); MOD_SLOTS of each
+                   + ", ".join(f"Tensor? mod_tensor{n}=None" for n in range(MOD_SLOTS)) + ", "
+                   + ", ".join(f"float mod_scalar{n}=0.0" for n in range(MOD_SLOTS)))
 _library.define(f"attention_forward(Tensor q, Tensor k, Tensor v, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
 _library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
                 f"{_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 
 
 def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                    max_seqlen_k, mod_tensors=(), mod_scalars=()):
-    """The ops' run-time arguments as Kernel.forward / backward keywords (packed ones only when given)."""
+                    max_seqlen_k, mods=()):
+    """The ops' run-time arguments as Kernel.forward / backward keywords (packed ones only when given);
+    `mods`: the ops' mod_tensor0.. and mod_scalar0.. arguments."""
     kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
-    if mod_tensors or mod_scalars:   # the lists in the spec's declaration order -> the inputs dict
-        mods = kernel.modifiers
-        kwargs["inputs"] = {**{name: tensor for (name, _, _), tensor in zip(mods.tensors, mod_tensors)},
-                            **dict(zip(mods.scalars, mod_scalars))}
+    modifiers = kernel.modifiers
+    if modifiers.tensors or modifiers.scalars:   # the slots in the spec's declaration order -> the inputs dict
+        mods = tuple(mods) + (None,) * (MOD_SLOTS - len(mods)) + (0.0,) * (2 * MOD_SLOTS - max(len(mods), MOD_SLOTS))
+        kwargs["inputs"] = {**{name: tensor for (name, _, _), tensor in zip(modifiers.tensors, mods[:MOD_SLOTS])},
+                            **dict(zip(modifiers.scalars, mods[MOD_SLOTS:]))}
     if cu_seqlens_q is not None or cu_seqlens_k is not None:
         kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                       max_seqlen_q=None if max_seqlen_q < 0 else max_seqlen_q,
@@ -107,21 +112,19 @@ def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, 
 
 
 def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(), mod_scalars=()):
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
     kernel = kernel_for(spec, q.get_device())
     return kernel.forward(q, k, v, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
-                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, mod_tensors,
-                                                     mod_scalars))
+                                                     cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
 
 
 def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(),
-                   mod_scalars=()):
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     kernel = kernel_for(spec, q.get_device())
     return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset,
                                                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                      max_seqlen_k, mod_tensors, mod_scalars))
+                                                                      max_seqlen_k, mods))
 
 
 _library.impl("attention_forward", _forward_cuda, "CUDA")
@@ -130,7 +133,7 @@ _library.impl("attention_backward", _backward_cuda, "CUDA")
 
 @torch.library.register_fake("fagen::attention_forward")
 def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(), mod_scalars=()):
+                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout;
     # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
     if cu_seqlens_q is not None:
@@ -140,20 +143,19 @@ def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offse
 
 @torch.library.register_fake("fagen::attention_backward")
 def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, mod_tensors=(),
-                   mod_scalars=()):
+                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    (q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods) = inputs
-    mod_tensors, mod_scalars = (list(mods[0]), list(mods[1])) if mods else ([], [])
+    q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods = inputs
     o, lse = output
+    mod_tensors = list(mods[:MOD_SLOTS])
     ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors)
     ctx.spec, ctx.seed, ctx.offset, ctx.max_seqlens = spec, seed, offset, (max_q, max_k)
-    ctx.mod_scalars = mod_scalars
+    ctx.mod_scalars, ctx.input_count = list(mods[MOD_SLOTS:]), len(inputs)
     ctx.mark_non_differentiable(lse)
 
 
@@ -162,30 +164,43 @@ def _backward_rule(ctx, grad_o, grad_lse):
     q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
     dq, dk, dv = torch.ops.fagen.attention_backward(q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask,
                                                     ctx.seed, ctx.offset, cu_seqlens_q, cu_seqlens_k,
-                                                    *ctx.max_seqlens, mod_tensors, ctx.mod_scalars)
-    # (the inputs of mask_mod / score_mod get no gradient: they are data, not parameters, for now)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None, None, None
+                                                    *ctx.max_seqlens, *mod_tensors, *ctx.mod_scalars)
+    # the inputs of mask_mod / score_mod get no gradient (data, not parameters, for now): None for
+    # every argument after q, k, v
+    return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
 
 
 torch.library.register_autograd("fagen::attention_forward", _backward_rule, setup_context=_setup_context)
 
 
-def _mod_lists(key: str, inputs: Optional[dict]) -> tuple[list, list]:
-    """A mask_mod / score_mod's inputs dict as the ops' (tensors, scalars) lists, in the spec's
-    declaration order (the ops' schema has no dict type)."""
+def _mod_slots(key: str, inputs: Optional[dict]) -> list:
+    """A mask_mod / score_mod's inputs dict as the ops' mod_tensor0.., mod_scalar0.. arguments, in the
+    spec's declaration order (the ops' schema has no dict type)."""
     if not inputs:
-        return [], []
-    mods = _key_modifiers(key)
-    names = [name for name, _, _ in mods.tensors] + list(mods.scalars)
+        return []
+    tensor_names, scalar_names = _input_names(key)
+    names = list(tensor_names + scalar_names)
     if set(inputs) != set(names):
         raise runtime.ArgumentError(f"inputs: the spec declares {names}, got {sorted(inputs)}")
-    tensors = [_as_tensor_or_none(inputs[name], f"inputs {name}") for name, _, _ in mods.tensors]
-    return tensors, [float(inputs[name]) for name in mods.scalars]
+    tensors = [_as_tensor_or_none(inputs[name], f"inputs {name}") for name in tensor_names]
+    scalars = [float(inputs[name]) for name in scalar_names]
+    return tensors + [None] * (MOD_SLOTS - len(tensors)) + scalars + [0.0] * (MOD_SLOTS - len(scalars))
 
 
-@functools.lru_cache(maxsize=64)
-def _key_modifiers(key: str):
-    return spec_from_dict(json.loads(key), where="fagen.attention spec").modifiers
+_declared: dict = {}
+
+
+def _declared_inputs(key: str) -> tuple[tuple, tuple]:
+    """(tensor input names, scalar input names) of the spec with this key, in declaration order."""
+    names = _declared.get(key)
+    if names is None:
+        mods = spec_from_dict(json.loads(key), where="fagen.attention spec").modifiers
+        names = _declared[key] = (tuple(name for name, _, _ in mods.tensors), tuple(mods.scalars))
+    return names
+
+
+# (a constant of the traced code under torch.compile, like the spec key: dynamo cannot trace the parser)
+_input_names = torch.compiler.assume_constant_result(_declared_inputs)
 
 
 # ---- eager fast path -------------------------------------------------------------------------
@@ -258,9 +273,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
         if packed:
             cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
             cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
-        mod_tensors, mod_scalars = _mod_lists(key, inputs)
         o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
                                                    cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
-                                                   -1 if max_seqlen_k is None else max_seqlen_k, mod_tensors,
-                                                   mod_scalars)
+                                                   -1 if max_seqlen_k is None else max_seqlen_k,
+                                                   *_mod_slots(key, inputs))
     return (o, lse) if return_lse else o

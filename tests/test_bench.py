@@ -350,3 +350,34 @@ def test_bench_and_autotune_import_without_torch_or_pycuda():
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"
+
+
+# ---- `python -m fagen.bench modifiers` (FlexAttention versions of examples/modifiers.yaml) -------
+def test_every_modifiers_variant_has_a_flex_version_and_inputs():
+    from fagen.bench import modifiers
+
+    specs = load_specs(modifiers.SPEC_FILE)
+    assert {s.variant_name for s in specs} == set(modifiers.FLEX_VARIANTS)
+    makers = {"slope", "cap", "prefix", "doc", "bias"}   # the inputs make_case builds
+    assert all(set(dict(s.inputs or ())) <= makers for s in specs)
+
+
+def test_modifiers_document_ids_are_non_decreasing_documents_of_about_n_over_8():
+    from fagen.bench.modifiers import document_ids
+
+    ids = document_ids(8, 4096, seed=1)
+    assert ids.shape == (8, 4096) and ids.dtype.name == "int32"
+    assert (ids[:, 1:] >= ids[:, :-1]).all() and (ids[:, 0] == 0).all()
+    mean_length = 8 * 4096 / sum(int(row.max()) + 1 for row in ids)
+    assert 4096 / 16 < mean_length < 4096 / 4
+
+
+def test_module_cli_parses_the_modifiers_command(monkeypatch):
+    from fagen.bench import modifiers
+
+    calls = []
+    monkeypatch.setattr(modifiers, "run_modifiers", lambda *a, **kw: calls.append((a, kw)))
+    assert bench_main.main(["modifiers", "--seq-lens", "1024", "--json", "x.json"]) == 0
+    (args, kwargs), = calls
+    assert args == ([1024], 4, 16) and kwargs["json"] == "x.json" and kwargs["first_call"] is False
+    assert kwargs["spec_file"] == modifiers.SPEC_FILE and kwargs["variants"] is None

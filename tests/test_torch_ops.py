@@ -8,6 +8,8 @@ the shapes the CUDA kernels return.
 """
 import json
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -19,8 +21,23 @@ from fagen.spec import spec_from_dict  # noqa: E402
 _registered = []
 
 
-def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+def _mod_inputs(parsed, slots) -> dict:
+    mods = parsed.modifiers
+    slots = list(slots) + [None] * (4 - len(slots)) + [0.0] * (8 - max(len(slots), 4))
+    inputs = {name: tensor.numpy() for (name, _, _), tensor in zip(mods.tensors, slots[:4])}
+    inputs.update(zip(mods.scalars, slots[4:]))
+    return inputs
+
+
+def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
+                       cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
     parsed = spec_from_dict(json.loads(spec))
+    if parsed.modifiers.active:   # fagen/reference.py evaluates the expressions (numpy, float64)
+        from fagen import reference
+
+        o, lse = reference.attention_forward(*(t.detach().double().numpy() for t in (q, k, v)), parsed,
+                                             inputs=_mod_inputs(parsed, mod_slots))
+        return torch.from_numpy(o).to(q.dtype), torch.from_numpy(lse).float()
     s = (q.double() @ k.double().transpose(-1, -2)) * parsed.scale
     if parsed.mask == "causal":
         n, m = s.shape[-2:]
@@ -28,7 +45,15 @@ def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, 
     return (torch.softmax(s, -1) @ v.double()).to(q.dtype), torch.logsumexp(s, -1).float()
 
 
-def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0):
+def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
+    parsed = spec_from_dict(json.loads(spec))
+    if parsed.modifiers.active:
+        from fagen import reference
+
+        grads = reference.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, grad_o)), parsed,
+                                             inputs=_mod_inputs(parsed, mod_slots))
+        return tuple(torch.from_numpy(g).to(q.dtype) for g in grads)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
         out, _ = _reference_forward(*leaves, spec)
@@ -125,7 +150,7 @@ def test_bad_spec_string_is_a_one_line_error():
     with pytest.raises(fagen.SpecError, match="not JSON of spec fields"):
         fagen_torch.kernel_for("{head_dim: 64", 0)
     with pytest.raises(fagen.SpecError, match="head_dim"):
-        fagen_torch.kernel_for('{"head_dim": 7}', 0)
+        fagen_torch.kernel_for('{"head_dim": 300}', 0)
 
 
 def test_cpu_tensors_and_bad_seeds_are_rejected_before_any_launch():
@@ -136,3 +161,45 @@ def test_cpu_tensors_and_bad_seeds_are_rejected_before_any_launch():
         fagen.attention(q, k, v, SPEC)
     with pytest.raises(ArgumentError, match="seed"):
         fagen.attention(q, k, v, SPEC, seed=2**63)
+
+
+MOD_SPEC = fagen.Spec(head_dim=32, dtype="fp32", mask="causal", score_mod="cap * tanh(score / cap) - slope[h] * (i - j)",
+                      inputs={"slope": "float32", "cap": "scalar"})
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
+def test_modifier_inputs_travel_through_the_ops_autograd_and_compile(compiled, monkeypatch):
+    """fagen.attention(..., inputs=) on the op path: the inputs dict becomes the ops' tensor and scalar
+    lists in the spec's declaration order, autograd and torch.compile(fullgraph) carry them, and the
+    result is the float64 reference's for those inputs."""
+    from fagen import reference
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    slope = torch.tensor([0.5, 0.25, 0.125])
+    inputs = {"cap": 2.0, "slope": slope}
+
+    def fn(q, k, v):
+        return fagen.attention(q, k, v, MOD_SPEC, inputs=inputs)
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    o = fn(q, k, v)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v), do)
+    values = {"cap": 2.0, "slope": slope.numpy()}
+    as64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    want_o, _ = reference.attention_forward(as64(q), as64(k), as64(v), MOD_SPEC, inputs=values)
+    want = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), MOD_SPEC, inputs=values)
+    for got, ref in zip((o, *grads), (want_o, *want)):
+        np.testing.assert_allclose(as64(got), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_modifier_inputs_are_checked_against_the_spec():
+    from fagen.runtime import ArgumentError
+
+    with pytest.raises(ArgumentError, match="declares"):
+        fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 1.0})
+    slots = fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 3, "slope": [1.0, 2.0, 3.0]})
+    assert len(slots) == 8 and slots[0].shape == (3,) and slots[1:4] == [None] * 3 and slots[4:] == [3.0, 0, 0, 0]

@@ -3,6 +3,7 @@
 `extras` (compile and cache-load time, the bf16 GEMM rate and the ptxas report, for BENCHMARKS.md),
 `decode` (one query against a long KV cache, against SDPA and FlexAttention, as bandwidth),
 `varlen` (packed variable-length batches against SDPA on the padded batch),
+`modifiers` (the mask_mod / score_mod variants of examples/modifiers.yaml against FlexAttention),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
 from __future__ import annotations
@@ -51,6 +52,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     varlen.add_argument("--head-dim", type=int, default=128)
     varlen.add_argument("--no-causal", action="store_true")
     varlen.add_argument("--json", dest="json_path")
+    modifiers = sub.add_parser("modifiers", help="GPU: the mask_mod / score_mod variants of examples/modifiers.yaml "
+                               "against FlexAttention, forward and backward")
+    modifiers.add_argument("--seq-lens", default="2048,8192", help="comma-separated N (q and k alike)")
+    modifiers.add_argument("--batch", type=int, default=4)
+    modifiers.add_argument("--heads", type=int, default=16)
+    modifiers.add_argument("--spec-file", help="default: examples/modifiers.yaml")
+    modifiers.add_argument("--variants", help="comma-separated variant names (default: every variant of the file)")
+    modifiers.add_argument("--first-call", action="store_true",
+                           help="also time a first call (cold compile + forward + backward) of fagen and of Flex, "
+                                "each in a fresh process, at N=2048")
+    modifiers.add_argument("--json", dest="json_path")
     redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
     redraw.add_argument("report")
     redraw.add_argument("png")
@@ -70,6 +82,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_varlen(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, causal=not args.no_causal,
                    json=args.json_path)
+        return 0
+    if args.command == "modifiers":
+        from fagen.bench import modifiers as modifiers_bench
+
+        modifiers_bench.run_modifiers([int(x) for x in args.seq_lens.split(",")], args.batch, args.heads,
+                                      spec_file=args.spec_file or modifiers_bench.SPEC_FILE,
+                                      variants=args.variants.split(",") if args.variants else None,
+                                      first_call=args.first_call, json=args.json_path)
         return 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)
