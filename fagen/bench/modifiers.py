@@ -222,6 +222,10 @@ def _raise_recompile_limit(torch) -> None:
             setattr(config, name, max(getattr(config, name), 256))
 
 
+def _fmt(value: Optional[float], spec: str, unit: str) -> str:
+    return "n/a" if value is None else format(value, spec) + unit
+
+
 # ==== the timed run ===============================================================================
 def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads: int = 16,
                   spec_file=SPEC_FILE, variants: Optional[Sequence[str]] = None, first_call: bool = False,
@@ -252,7 +256,8 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
     for spec in specs:
         # (label, spec, kernel or the reason it failed, checked against Flex?)
         fagen_runs: list[tuple[str, Spec, Any, bool]] = []
-        for label, variant_spec in (("fagen", spec),) + ((("fagen_nodrop", _no_dropout(spec)),) if spec.dropout else ()):
+        labelled = [("fagen", spec)] + ([("fagen_nodrop", _no_dropout(spec))] if spec.dropout else [])
+        for label, variant_spec in labelled:
             try:
                 kernel: Any = runtime.compile(variant_spec)
             except Exception as err:
@@ -265,7 +270,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
                          "flex_block_mask_us": None, "errors": {}, "notes": {}}
             if spec.dropout:
                 row["notes"]["dropout"] = (f"Flex has no dropout: flex_* run without it; fagen_* with dropout "
-                                        f"{spec.dropout}, fagen_nodrop_* without (checked, and compared in speedup_*)")
+                                           f"{spec.dropout}, fagen_nodrop_* without (checked, and compared in speedup_*)")
 
             # Flex first: its o and gradients are what fagen is checked against
             expected, flex_state = None, None
@@ -333,11 +338,11 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
             times = ", ".join(f"{n} {t:.0f} us" for n, t in row["us"].items())
             errors = ", ".join(f"{n} {e:.1e}" for n, e in row["errors"].items())
             line = (f"{spec.variant_name} N={seq_len} B={batch} H={heads} d={spec.head_dim}: {times}; Flex block "
-                    f"mask {row['flex_block_mask_us'] or 0:.0f} us; fagen vs Flex fwd {row['speedup_forward'] or 0:.2f}x "
-                    f"bwd {row['speedup_backward'] or 0:.2f}x")
+                    f"mask {_fmt(row['flex_block_mask_us'], '.0f', ' us')}; fagen vs Flex fwd "
+                    f"{_fmt(row['speedup_forward'], '.2f', 'x')} bwd {_fmt(row['speedup_backward'], '.2f', 'x')}")
             if spec.dropout:
-                line += (f" (fagen with dropout: fwd {row['speedup_forward_with_dropout'] or 0:.2f}x bwd "
-                         f"{row['speedup_backward_with_dropout'] or 0:.2f}x)")
+                line += (f" (fagen with dropout: fwd {_fmt(row['speedup_forward_with_dropout'], '.2f', 'x')} bwd "
+                         f"{_fmt(row['speedup_backward_with_dropout'], '.2f', 'x')})")
             line += f"; errors vs Flex: {errors or 'n/a'}"
             failed = any(n.endswith("_check") for n in row["notes"])
             other = {n: t for n, t in row["notes"].items() if n != "dropout"}
@@ -362,10 +367,9 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
             if spec.dropout:
                 entry["notes"]["dropout"] = f"fagen with dropout {spec.dropout}, Flex without"
             result["first_call"].append(entry)
-            fagen_s, flex_s = entry["fagen_s"], entry["flex_s"]
             console.print(escape(f"first call {spec.variant_name} N={FIRST_CALL_SEQ_LEN}: fagen (cold compile + fwd "
-                                 f"+ bwd) {'n/a' if fagen_s is None else f'{fagen_s:.2f} s'}, Flex (torch.compile + "
-                                 f"block mask + fwd + bwd) {'n/a' if flex_s is None else f'{flex_s:.2f} s'}"
+                                 f"+ bwd) {_fmt(entry['fagen_s'], '.2f', ' s')}, Flex (torch.compile + block mask "
+                                 f"+ fwd + bwd) {_fmt(entry['flex_s'], '.2f', ' s')}"
                                  + (f"; notes: {entry['notes']}" if entry["notes"] else "")))
     if json:
         Path(json).parent.mkdir(parents=True, exist_ok=True)
@@ -390,7 +394,8 @@ def first_call_seconds(which: str, variant: str, seq_len: int, batch: int, heads
         proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     lines = [line for line in proc.stdout.splitlines() if line.startswith(FIRST_CALL_MARKER)]
     if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"first-call child failed (status {proc.returncode}): {(proc.stderr or proc.stdout)[-2000:]}")
+        raise RuntimeError(f"first-call child failed (status {proc.returncode}): "
+                           f"{(proc.stderr or proc.stdout)[-2000:]}")
     return float(json_module.loads(lines[-1][len(FIRST_CALL_MARKER):])["seconds"])
 
 
