@@ -1286,6 +1286,8 @@ class Modifiers:
             first = min(max(first, 0), size - 1) // SUMMARY_GRAIN * SUMMARY_GRAIN
             last = min(max(last, 0), size - 1) // SUMMARY_GRAIN * SUMMARY_GRAIN + SUMMARY_GRAIN
             span = array[other, first:last]
+            if np.isnan(span).any():   # summarise_input widens an entry holding a NaN to (-inf, inf)
+                return np.inf if which == "hi" else -np.inf
             return span.max() if which == "hi" else span.min()
 
         return int(program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary))

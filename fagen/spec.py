@@ -162,10 +162,18 @@ class Spec(BaseModel):
     @field_validator("inputs", mode="before")
     @classmethod
     def _inputs(cls, value: Any) -> Any:
-        if isinstance(value, dict):   # YAML / Python mapping -> pairs in declaration order (hashable)
-            return tuple((name, kind) for name, kind in value.items())
-        if isinstance(value, (list, tuple)) and not value:
-            return None
+        # A mapping (YAML, Python) or pairs -> pairs sorted by name: hashable, and the order of the kernel's
+        # input slots cannot depend on how the spec was written (canonical_json sorts the mapping's keys,
+        # so two declarations in different orders must mean the same slots)
+        if isinstance(value, dict):
+            value = tuple(value.items())
+        if isinstance(value, (list, tuple)):
+            if not value:
+                return None
+            try:
+                return tuple(sorted((tuple(pair) for pair in value), key=lambda pair: str(pair[0])))
+            except TypeError:
+                return value   # not pairs: pydantic's own message names what is wrong
         return value
 
     @model_validator(mode="after")

@@ -260,7 +260,7 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
         kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.get_device())
         kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
         if inputs:
-            kwargs["inputs"] = inputs
+            kwargs["inputs"] = dict(inputs)   # the backward sees this call's inputs even if the caller's dict changes
         if packed:
             kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k)

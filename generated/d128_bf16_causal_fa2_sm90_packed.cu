@@ -471,7 +471,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
           const int row = row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
           s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
-          if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) s_acc[n][e] = -INFINITY;
+          if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
+            s_acc[n][e] = -INFINITY;
+            // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN
+            if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = 0.f;
+          }
         }
     }
 

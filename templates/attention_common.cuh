@@ -221,6 +221,16 @@ enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 // the entries its positions cover. One thread per entry: SUMMARY_GRAIN reads each, a grid-stride loop.
 constexpr int SUMMARY_GRAIN = 16;
 
+// A NaN among a float input's values widens its entry to (-inf, inf): fminf / fmaxf would skip it, and a
+// tile whose bounds hid it could be called FULL while visible() is false at the NaN.
+__device__ __forceinline__ void widen_if_nan(float value, float& low, float& high) {
+  if (value != value) {
+    low = -INFINITY;
+    high = INFINITY;
+  }
+}
+__device__ __forceinline__ void widen_if_nan(int, int&, int&) {}
+
 template <typename T>
 __device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
   const T* input = static_cast<const T*>(args.mod_tensor[k]);
@@ -234,10 +244,12 @@ __device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
     const long long last = min(first + SUMMARY_GRAIN, size);
     const T* row = input + other * other_stride;
     T low = row[first * stride], high = low;
+    widen_if_nan(low, low, high);
     for (long long position = first + 1; position < last; ++position) {
       const T value = row[position * stride];
       low = min(low, value);
       high = max(high, value);
+      widen_if_nan(value, low, high);
     }
     summary[2 * entry] = low;
     summary[2 * entry + 1] = high;

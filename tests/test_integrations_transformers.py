@@ -39,13 +39,13 @@ def calls(monkeypatch):
     """fagen attention on the CPU through the reference below; every call recorded."""
     recorded = Calls()
 
-    def reference(q, k, v, spec, *, seed=0, offset=0):
+    def reference(q, k, v, spec, *, seed=0, offset=0, inputs=None):
         assert isinstance(spec, str), "the integration passes the spec as a JSON string (torch.compile folds it)"
         fields = json.loads(spec)
         spec_from_dict(fields)  # a valid fagen spec, or this raises
         recorded.append({"spec": fields, "q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape),
-                         "seed": seed, "offset": offset})
-        return reference_attention(q, k, v, fields)
+                         "seed": seed, "offset": offset, "inputs": inputs})
+        return reference_attention(q, k, v, fields, inputs)
 
     fagen_hf.register()
     fagen_hf.reset_fallbacks()
@@ -55,8 +55,9 @@ def calls(monkeypatch):
     fagen_hf.reset_fallbacks()
 
 
-def reference_attention(q, k, v, fields):
-    """softmax(scale * Q K^T + mask) V in float64, with fagen's masks (bottom-right aligned)."""
+def reference_attention(q, k, v, fields, inputs=None):
+    """softmax(scale * Q K^T + mask) V in float64, with fagen's masks (bottom-right aligned) and the
+    packed-sequence mask_mod the integration uses (doc[b, i] == doc[b, j])."""
     q64, k64, v64 = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]   # grouped KV heads: fagen takes k, v with their own head count
     k64, v64 = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
@@ -66,6 +67,10 @@ def reference_attention(q, k, v, fields):
     visible = {"none": lambda: torch.ones_like(distance, dtype=torch.bool),
                "causal": lambda: distance >= 0,
                "sliding_window": lambda: (distance >= 0) & (distance < fields.get("window", 0))}[fields["mask"]]()
+    if "mask_mod" in fields:
+        assert fields["mask_mod"] == "doc[b, i] == doc[b, j]" and fields["inputs"] == {"doc": "int32"}
+        doc = inputs["doc"]
+        visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
     scores = scores.masked_fill(~visible, float("-inf"))
     return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v64).to(q.dtype)
 
@@ -133,6 +138,33 @@ def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
         assert call["spec"] == {"head_dim": 32, "dtype": "fp32", "mask": "causal", "softmax_scale": 32 ** -0.5}
         assert call["q"] == (2, 4, 12, 32) and call["k"] == call["v"] == (2, 2, 12, 32)  # grouped: no copies
         assert call["seed"] == 0 and call["offset"] == 0
+
+
+@pytest.mark.parametrize("config_class", [LlamaConfig, MistralConfig], ids=["llama", "mistral-window"])
+def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_class):
+    """Sequences packed back to back in one row (position_ids restarting at 0, as transformers'
+    DataCollatorWithFlattening makes them): the integration passes transformers' sequence ids to fagen
+    as the mask_mod input instead of falling back to SDPA with an (N, N) mask."""
+    overrides = {"sliding_window": 5} if config_class is MistralConfig else {}
+    eager, ours = model_pair(tiny(config_class, **overrides))
+    lengths = [[5, 1, 9, 3], [18]]   # row 2: one sequence (no packing in that row)
+    x = tokens(batch=2, seq=18)
+    position_ids = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
+    # (transformers looks for packing only without a cache: use_cache=False, as in training)
+    expected = eager(x, labels=x, position_ids=position_ids, use_cache=False)
+    got = ours(x, labels=x, position_ids=position_ids, use_cache=False)
+    assert max_error(got.logits, expected.logits) < TOLERANCE
+    expected.loss.backward()
+    got.loss.backward()
+    grads = dict(eager.named_parameters())
+    for name, param in ours.named_parameters():
+        assert max_error(param.grad, grads[name].grad) < TOLERANCE, name
+    assert not fagen_hf.fallback_reasons() and len(calls) == 2
+    for call in calls:
+        assert call["spec"]["mask_mod"] == "doc[b, i] == doc[b, j]"
+        assert call["spec"]["mask"] == ("sliding_window" if overrides else "causal")
+        ids = call["inputs"]["doc"]
+        assert ids.dtype == torch.int32 and ids[0].tolist() == [0] * 5 + [1] + [2] * 9 + [3] * 3
 
 
 def test_set_attn_implementation_switches_an_existing_model_to_fagen(calls):
@@ -360,7 +392,7 @@ def reference_op(monkeypatch):
         op = torch.ops.fagen_test.reference_attention.default
     fagen_hf.register()
     fagen_hf.reset_fallbacks()
-    monkeypatch.setattr(fagen.torch, "attention", lambda q, k, v, spec, *, seed=0, offset=0: op(q, k, v, spec))
+    monkeypatch.setattr(fagen.torch, "attention", lambda q, k, v, spec, *, seed=0, offset=0, inputs=None: op(q, k, v, spec))
     monkeypatch.setattr(fagen_hf, "DEVICE_TYPES", ("cuda", "cpu"))
     yield
     fagen_hf.reset_fallbacks()

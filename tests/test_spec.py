@@ -1,6 +1,7 @@
 """The spec: YAML loading, located validation messages, sizes, the canonical name and the JSON Schema."""
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 
@@ -333,3 +334,15 @@ def test_schema_accepts_inputs_as_a_mapping():
     jsonschema.validate(document, json_schema())
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate({**document, "inputs": {"bias": "float64"}}, json_schema())
+
+
+def test_inputs_mean_the_same_slots_whatever_order_they_are_declared_in():
+    """The kernel's input slots follow the spec's inputs, which are sorted by name: two declarations in
+    different orders are one spec (one cache entry, one kernel), and a spec read back from its JSON
+    is the same spec."""
+    fields = {"head_dim": 64, "score_mod": "score * a + b2[h] - c[i]"}
+    one = spec_from_dict({**fields, "inputs": {"c": "float32", "a": "scalar", "b2": "float32"}})
+    two = spec_from_dict({**fields, "inputs": {"a": "scalar", "b2": "float32", "c": "float32"}})
+    assert one == two and one.canonical_name == two.canonical_name and one.canonical_json() == two.canonical_json()
+    assert spec_from_dict(json.loads(one.canonical_json())) == one
+    assert [name for name, _, _ in one.modifiers.tensors] == ["b2", "c"] and one.modifiers.scalars == ("a",)

@@ -13,6 +13,11 @@ without a word.
 `fagen_mask` builds SDPA's boolean masks, but returns None when the mask is one fagen's kernels
 apply by themselves: no padding, the queries being the last positions of the keys (fagen aligns the
 two sequences at the bottom right), and the pattern plain causal or the model's sliding window.
+Packed sequences (several sequences back to back in one row, found by transformers from position_ids
+restarting at 0) are one more: fagen_mask then returns the (B, N) int32 sequence ids transformers
+derived, and attention_forward runs the spec's causal (or window) mask AND the mask_mod
+`doc[b, i] == doc[b, j]` with those ids, tiles across two sequences skipped (fagen/expressions.py's
+run-time summaries). Nothing is read back to the host, and no (N, N) mask is built.
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process.
@@ -74,7 +79,10 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # SDPA runs in the autocast dtype; fagen's op is not on autocast's lists, so cast as SDPA would.
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(low), key.to(low), value.to(low)
-    reason = _unsupported(query, key, value, attention_mask, dropout, kwargs)
+    documents = attention_mask if _is_documents(attention_mask) else None
+    reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout, kwargs)
+    if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
+        attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
 
@@ -97,12 +105,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # From torch's CPU generator: torch.manual_seed reproduces a run, and activation checkpointing,
         # which restores that generator before recomputing, regenerates the same dropout mask.
         seed = int(torch.randint(SEED_HIGH, (1,)))
-    if seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
+    inputs = None
+    if documents is not None:   # packed sequences: a key is visible only within its query's sequence
+        extra += f', "mask_mod": "{DOCUMENT_MASK}", "inputs": {{"doc": "int32"}}'
+        inputs = {"doc": documents}
+    elif seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
         # generation's steps (one new token against the cache): the spec that also builds the split-KV
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
-    out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0)
+    out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs)
     return out.transpose(1, 2).contiguous(), None
 
 
@@ -200,9 +212,49 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
             and _no_padding(attention_mask, kv_offset, kv_length)
             and _is_kernel_pattern(mask_function, local_size, config)):
         return None
+    if _bottom_right(q_length, kv_length, q_offset, kv_offset) and _no_padding(attention_mask, kv_offset, kv_length):
+        packed = _packed_sequences(mask_function, kv_length)
+        if packed is not None and _is_kernel_pattern(packed[0], local_size, config):
+            return packed[1]
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, config=config, **kwargs)
+
+
+#: The mask_mod of packed sequences (fagen_mask's ids are its input `doc`).
+DOCUMENT_MASK = "doc[b, i] == doc[b, j]"
+
+
+def _is_documents(mask) -> bool:
+    """fagen_mask's packed-sequence ids ((B, N) int32), as opposed to an SDPA mask (4-D, bool or float)."""
+    return isinstance(mask, torch.Tensor) and mask.dim() == 2 and mask.dtype == torch.int32
+
+
+def documents_mask(documents: torch.Tensor, window, causal: bool) -> torch.Tensor:
+    """SDPA's boolean (B, 1, N, N) mask for packed sequence ids (for calls that fall back to SDPA)."""
+    same = documents[:, None, :, None] == documents[:, None, None, :]
+    n = documents.shape[-1]
+    return same & bottom_right_mask(n, n, window, documents.device) if causal else same
+
+
+def _packed_sequences(mask_function, kv_length: int):
+    """(the pattern, the (B, N) int32 sequence ids) when mask_function is exactly transformers'
+    and_masks(pattern, packed_sequence_mask_function(ids)), else None. Read from the closures, in eager
+    mode only (while tracing, the SDPA mask is built as before)."""
+    if is_tracing() or getattr(mask_function, "__name__", None) != "and_mask" or not mask_function.__closure__:
+        return None
+    functions = dict(zip(mask_function.__code__.co_freevars,
+                         (cell.cell_contents for cell in mask_function.__closure__))).get("mask_functions")
+    if not isinstance(functions, tuple) or len(functions) != 2:
+        return None
+    pattern, packed = functions
+    if getattr(packed, "__qualname__", None) != "packed_sequence_mask_function.<locals>.inner_mask":
+        return None
+    ids = dict(zip(packed.__code__.co_freevars, (cell.cell_contents for cell in packed.__closure__ or ()))).get(
+        "packed_sequence_mask")
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
+        return None
+    return pattern, ids.to(torch.int32)
 
 
 def _bottom_right(q_length, kv_length, q_offset, kv_offset) -> bool:
