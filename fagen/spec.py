@@ -150,11 +150,29 @@ class Spec(BaseModel):
             raise ValueError(f"{value!r} is not allowed: a name is a C identifier (letters, digits, _)")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _expressions_from_python(cls, data: Any) -> Any:
+        """mask_mod / score_mod given from the API as sympy expressions or Python callables (traced with
+        fagen.expressions.Traced values, FlexAttention's parameter names accepted) become their text,
+        so that a spec is always data: YAML, JSON and the canonical name see the same thing."""
+        if not isinstance(data, dict):
+            return data
+        for field in ("mask_mod", "score_mod"):
+            value = data.get(field)
+            if value is not None and not isinstance(value, str):
+                from fagen.expressions import ExpressionError, as_text
+                inputs = data.get("inputs")
+                inputs = dict(inputs) if isinstance(inputs, (dict, list, tuple)) else None
+                try:
+                    data = {**data, field: as_text(value, field, inputs)}
+                except (ExpressionError, TypeError) as err:
+                    raise ValueError(str(err)) from None
+        return data
+
     @field_validator("mask_mod", "score_mod", mode="before")
     @classmethod
     def _expression_text(cls, value: Any) -> Any:
-        if value is not None and not isinstance(value, str) and type(value).__module__.startswith("sympy"):
-            return str(value)   # a sympy expression from the API: its text, which the parser reads back
         if isinstance(value, str) and not value.strip():
             raise ValueError("is empty: write an expression or leave the field out")
         return value

@@ -436,3 +436,50 @@ def test_summarised_tiles_of_distinct_documents_are_empty():
     assert mods.tile_class_python(128, 191, 0, 63, values={"doc": doc}, seq_q=256, seq_k=256) == EMPTY
     assert mods.tile_class_python(64, 127, 64, 127, values={"doc": doc}, seq_q=256, seq_k=256) == FULL
     assert mods.tile_class_python(32, 95, 0, 63, values={"doc": doc}, seq_q=256, seq_k=256) == PARTIAL
+
+
+# ---- Python callables and sympy expressions -----------------------------------------------------
+def test_callables_trace_to_text_that_means_the_same():
+    from fagen.expressions import as_text
+
+    def window_sinks(q_idx, kv_idx):            # FlexAttention's parameter names are accepted
+        return (kv_idx <= q_idx) & ((q_idx - kv_idx < 6) | (kv_idx < 2))
+
+    def bias(score, h, i, j, table, scale):
+        return score * scale + table[h, i - j] - (i // 3) % 2
+
+    cases = [("mask_mod", window_sinks, "(j <= i) and (i - j < 6 or j < 2)", {}),
+             ("score_mod", bias, "score * scale + table[h, i - j] - (i // 3) % 2", {"table": "float32", "scale": "scalar"})]
+    rng = np.random.default_rng(0)
+    values = {"table": rng.standard_normal((2, 40)).astype(np.float32), "scale": 0.7}
+    i, j = np.arange(9)[:, None], np.arange(9)[None, :]
+    for field, function, written, inputs in cases:
+        text = as_text(function, field, inputs)
+        traced = modifiers(*((text, None) if field == "mask_mod" else (None, text)), inputs or None)
+        direct = modifiers(*((written, None) if field == "mask_mod" else (None, written)), inputs or None)
+        if field == "mask_mod":
+            assert np.array_equal(traced.mask_numpy(0, 1, i, j, 9, 9, values), direct.mask_numpy(0, 1, i, j, 9, 9, values))
+        else:
+            score = rng.standard_normal((9, 9))
+            np.testing.assert_allclose(traced.score_numpy(score, 0, 1, i, j, 9, 9, values),
+                                       direct.score_numpy(score, 0, 1, i, j, 9, 9, values))
+
+
+def test_sympy_expressions_are_written_back_as_text():
+    from fagen.expressions import I, J, as_text
+
+    text = as_text(sp.Eq(sp.Mod(I - J, 4), 0) & (J <= I), "mask_mod")
+    assert modifiers(text, None, None).mask == modifiers("(i - j) % 4 == 0 and j <= i", None, None).mask
+
+
+@pytest.mark.parametrize("function, needle", [
+    (lambda i, j: i > j and j > 0, "no truth value"),
+    (lambda i, j, k: j <= i, "parameter 'k'"),
+    (lambda i, j: "x", "returned str"),
+    (lambda i, j: math.floor(i) > j, "has no number"),
+])
+def test_callables_that_cannot_be_traced_say_why(function, needle):
+    from fagen.expressions import as_text
+
+    with pytest.raises(ExpressionError, match=needle):
+        as_text(function, "mask_mod", {})

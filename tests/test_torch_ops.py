@@ -203,3 +203,19 @@ def test_modifier_inputs_are_checked_against_the_spec():
         fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 1.0})
     slots = fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 3, "slope": [1.0, 2.0, 3.0]})
     assert len(slots) == 8 and slots[0].shape == (3,) and slots[1:4] == [None] * 3 and slots[4:] == [3.0, 0, 0, 0]
+
+
+def test_flex_style_callables_with_torch_functions_become_spec_text():
+    """A FlexAttention score_mod / mask_mod (torch functions, Flex's parameter names) traces into a spec."""
+    def softcap(score, b, h, q_idx, kv_idx, cap):
+        return cap * torch.tanh(score / cap)
+
+    def local(b, h, q_idx, kv_idx):
+        return torch.where(q_idx - kv_idx < 8, kv_idx <= q_idx, kv_idx < 4)
+
+    spec = fagen.Spec(head_dim=64, score_mod=softcap, mask_mod=local, inputs={"cap": "scalar"})
+    assert spec.score_mod == "(cap * tanh((score / cap)))"
+    assert spec.modifiers.mask_numpy(0, 0, np.array([[9], [20]]), np.array([[2, 12, 19, 21]]), 30, 30).tolist() == [
+        [True, False, False, False], [True, False, True, False]]
+    with pytest.raises(fagen.SpecError, match="torch.erf has no fagen counterpart"):
+        fagen.spec.spec_from_dict({"head_dim": 64, "score_mod": lambda score: torch.erf(score)})
