@@ -39,7 +39,8 @@ def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int,
                    spec_flops(spec, batch, heads, seq_len, p), ms={i: None for i in IMPLS}, plan=_plan_text(kernel),
                    kv_heads=heads // kv_group)
             for p in passes}
-    sdpa_ok = spec.mask in SDPA_MASKS
+    # SDPA knows the mask kinds, not a spec's mask_mod / score_mod (fagen.bench.modifiers: against Flex)
+    sdpa_ok = spec.mask in SDPA_MASKS and not spec.modifiers.active
 
     # ---- correctness: fagen vs SDPA on these very inputs (checked launches) ----
     o = lse = None
@@ -50,7 +51,11 @@ def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int,
         for row in rows.values():
             row.notes["fagen"], row.check = f"forward failed: {reason(err)}", "FAIL"
     if o is not None:
-        if spec.dropout:
+        if spec.modifiers.active:
+            why = "not checked: mask_mod / score_mod (python -m fagen.bench modifiers checks them against Flex)"
+            for row in rows.values():
+                row.check = why
+        elif spec.dropout:
             why = "not checked: dropout (SDPA draws other random numbers)"
             for row in rows.values():
                 row.check = why
@@ -85,7 +90,7 @@ def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int,
                     row.rel_error = max(relative_error(g, r) for g, r in zip(grads, expected))
                     row.check = "ok" if row.rel_error <= BACKWARD_TOLERANCE else "FAIL"
                 del grads, expected
-        elif "backward" in rows and not spec.dropout:
+        elif "backward" in rows and not spec.dropout and not spec.modifiers.active:
             rows["backward"].check = f"not checked: SDPA has no {spec.mask} mask to compare with"
 
     # ---- timings ----
@@ -105,7 +110,8 @@ def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int,
                 row.notes["fagen"] = reason(err)
         for backend in IMPLS[1:]:
             if not sdpa_ok:
-                row.notes[backend] = f"SDPA has no {spec.mask} mask"
+                row.notes[backend] = ("SDPA has no mask_mod / score_mod" if spec.modifiers.active
+                                      else f"SDPA has no {spec.mask} mask")
                 continue
             try:
                 timer = time_sdpa_forward if pass_name == "forward" else time_sdpa_backward

@@ -138,6 +138,16 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0,
     if spec.mask == "block_sparse":
         blocks = math.ceil(seq_len / spec.block_size)
         args["block_mask"] = torch.ones((blocks, blocks), dtype=torch.uint8, device=DEVICE)
+    mods = spec.modifiers
+    if mods.tensors or mods.scalars:
+        # mask_mod / score_mod inputs: scalars 1, float tensors small normals, int tensors 0 (one document:
+        # every tile the mask kind allows is computed). `python -m fagen.bench modifiers` uses meaningful ones.
+        shapes = mods.input_shapes(batch, heads, seq_len, seq_len)
+        inputs = {name: (0.1 * torch.randn(shapes[name], device=DEVICE, generator=generator) if kind == "float32"
+                         else torch.zeros(shapes[name], dtype=torch.int32, device=DEVICE))
+                  for name, kind, _ in mods.tensors}
+        inputs.update({name: 1.0 for name in mods.scalars})
+        args["inputs"] = inputs
     return Inputs(q, k, v, do, args)
 
 
