@@ -26,6 +26,10 @@ SPECS = [
     # packed variable-length batches: empty and length-1 sequences, spare rows after the last one
     Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),
     Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1, layout="packed", arch="sm_80"),
+    # mask_mod / score_mod: a run-time summary (document ids) and clamped input loads; a derivative != 1
+    Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
+    Spec(head_dim=128, dtype="bf16", score_mod="cap * tanh(score / cap) + bias[h, i - j]",
+         inputs={"cap": "scalar", "bias": "float32"}, dropout=0.1),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
@@ -37,6 +41,11 @@ for spec in SPECS:
         extra["kv_lengths"] = (133, 70)
     if spec.mask == "block_sparse":
         extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
+    mods = spec.modifiers
+    if mods.active:   # inputs as the property tests draw them (shapes cover every index the expressions form)
+        shapes = mods.input_shapes(4, 4, 150, 133)
+        extra.update(inputs_seed=5, scalars=tuple((name, 2.5) for name in mods.scalars),
+                     input_shapes=tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors))
     cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
     if spec.layout == "packed":
         cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
