@@ -121,11 +121,10 @@ def test_register_is_idempotent_and_registers_both_interfaces():
 
 
 # ---- models against eager --------------------------------------------------------------------
-def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
-    eager, ours = model_pair(tiny(LlamaConfig))
-    x = tokens()
-    expected = eager(x, labels=x)
-    got = ours(x, labels=x)
+def assert_training_step_matches(eager, ours, x, **kwargs):
+    """Logits, and every parameter's gradient of the LM loss, agree with the eager model's."""
+    expected = eager(x, labels=x, **kwargs)
+    got = ours(x, labels=x, **kwargs)
     assert max_error(got.logits, expected.logits) < TOLERANCE
     expected.loss.backward()
     got.loss.backward()
@@ -133,6 +132,10 @@ def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
     for name, param in ours.named_parameters():
         assert max_error(param.grad, grads[name].grad) < TOLERANCE, name
 
+
+def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
+    eager, ours = model_pair(tiny(LlamaConfig))
+    assert_training_step_matches(eager, ours, tokens())
     assert len(calls) == 2 and not fagen_hf.fallback_reasons()  # one per layer
     for call in calls:
         assert call["spec"] == {"head_dim": 32, "dtype": "fp32", "mask": "causal", "softmax_scale": 32 ** -0.5}
@@ -151,14 +154,7 @@ def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_c
     x = tokens(batch=2, seq=18)
     position_ids = torch.tensor([[p for n in row for p in range(n)] for row in lengths])
     # (transformers looks for packing only without a cache: use_cache=False, as in training)
-    expected = eager(x, labels=x, position_ids=position_ids, use_cache=False)
-    got = ours(x, labels=x, position_ids=position_ids, use_cache=False)
-    assert max_error(got.logits, expected.logits) < TOLERANCE
-    expected.loss.backward()
-    got.loss.backward()
-    grads = dict(eager.named_parameters())
-    for name, param in ours.named_parameters():
-        assert max_error(param.grad, grads[name].grad) < TOLERANCE, name
+    assert_training_step_matches(eager, ours, x, position_ids=position_ids, use_cache=False)
     assert not fagen_hf.fallback_reasons() and len(calls) == 2
     for call in calls:
         assert call["spec"]["mask_mod"] == "doc[b, i] == doc[b, j]"
