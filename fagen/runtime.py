@@ -64,8 +64,9 @@ ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FI
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
     _SLOT[_name] = (sum(c for _, _, c in _FIELDS[:[f[0] for f in _FIELDS].index(_name)]), _count)
-for _n in range(4):   # one slot per mod_tensor entry, for the fast path's pointer refills
+for _n in range(4):   # one slot per mod_tensor / mod_summary entry, for the fast path's pointer refills
     _SLOT[f"mod_tensor{_n}"] = (_SLOT["mod_tensor"][0] + _n, 1)
+    _SLOT[f"mod_summary{_n}"] = (_SLOT["mod_summary"][0] + _n, 1)
 _FLOAT_SLOTS = frozenset(range(_SLOT["mod_scalar"][0], _SLOT["mod_scalar"][0] + 4))
 
 
@@ -278,7 +279,7 @@ class FastCall:
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "lock", "workspaces")
+    __slots__ = ("values", "params", "slots", "launches", "lock", "workspaces", "main")
 
     def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = ()):
         import ctypes
@@ -289,6 +290,9 @@ class FastCall:
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
         self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
         self.workspaces = workspaces  # shapes of fp32 scratch tensors whose pointers follow the outputs'
+        # the kernel a failure is reported against (the first launch that is not a helper)
+        self.main = next((launch[4] for launch in launches if not launch[4].endswith(_HELPER_KERNELS)),
+                         launches[0][4])
 
     def launch(self, device: int, stream: int, values: tuple) -> None:
         with self.lock:
@@ -575,16 +579,24 @@ class Kernel:
                 raise ArgumentError(f"inputs {name}: must be finite, got {scalars[n]}")
         args["mod_tensor"], args["mod_size"], args["mod_stride"], args["mod_scalar"] = pointers, sizes, strides, scalars
         if mods.summaries:   # min / max per SUMMARY_GRAIN positions, written by the pass's _summary kernel
-            from fagen.expressions import SUMMARY_GRAIN   # (sympy: loaded already for this spec's modifiers)
-
             summaries = [0] * 4
-            for n, dim in mods.summaries:
-                entries = sizes[2 * n + 1 - dim] * -(-sizes[2 * n + dim] // SUMMARY_GRAIN)
-                workspace = _allocate(like, (entries, 2), "fp32", stream)
+            for slot, shape in self._summary_workspaces(args):
+                workspace = _allocate(like, shape, "fp32", stream)
                 keep.append(workspace)
-                summaries[n] = as_device_tensor("summary", workspace).pointer
+                summaries[int(slot[-1])] = as_device_tensor("summary", workspace).pointer
             args["mod_summary"] = summaries
         return keep
+
+    def _summary_workspaces(self, args: LaunchArgs) -> list:
+        """(slot name, shape) of each run-time summary's workspace for the inputs in `args`: (entries, 2)
+        4-byte values, an entry per SUMMARY_GRAIN positions along the summarised dimension and per index
+        of the other one (templates/attention_common.cuh summarise_input)."""
+        from fagen.expressions import SUMMARY_GRAIN   # (sympy: loaded already for this spec's modifiers)
+
+        start = _SLOT["mod_size"][0]
+        sizes = args.values[start:start + 8]
+        return [(f"mod_summary{n}", (sizes[2 * n + 1 - dim] * -(-sizes[2 * n + dim] // SUMMARY_GRAIN), 2))
+                for n, dim in self.modifiers.summaries]
 
     @staticmethod
     def _input_tensor(name: str, value, like: DeviceTensor, dtype: str):
@@ -721,10 +733,7 @@ class Kernel:
     # ---- the fast path: a call whose signature was seen before ----
     def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, inputs, seed, offset):
         """The key of a FastCall for these torch tensors, or None where the full path must run (other
-        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds, and for now
-        specs whose mask_mod needs run-time summaries: their workspaces and launch are on the full path)."""
-        if inputs and self.modifiers.summaries:
-            return None
+        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
         torch_types = _torch_types()
         tensor_type = torch_types["Tensor"]
         parts = []
@@ -887,8 +896,8 @@ class Kernel:
                 return None
             offsets.append(cu.shape[0])
         key = self._signature("forward", tensors, (), kv_lengths, block_mask, inputs, seed, offset)
-        if key is None or any(len(t.shape) != 3 for t in tensors):
-            return None
+        if key is None or any(len(t.shape) != 3 for t in tensors) or (inputs and self.modifiers.summaries):
+            return None   # (packed calls with run-time summaries take the full path: their workspaces)
         if self._chunked_rows and not all(self._rows_aligned(t.data_ptr(), (0, t.stride(1), t.stride(0)))
                                           for t in tensors):
             return None
@@ -972,7 +981,7 @@ class Kernel:
                     call.launch(device, _TORCH["stream"](device),
                                 (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                  cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, seed, offset))
-                    self._finish(call.launches[0][4])
+                    self._finish(call.main)
                     return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, signature)
@@ -992,7 +1001,7 @@ class Kernel:
                 call.launch(device, _TORCH["stream"](device),
                             (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                              *[w.data_ptr() for w in workspaces], *extra, seed, offset))
-                self._finish(call.launches[0][4])
+                self._finish(call.main)
                 return o, lse
         return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
@@ -1060,8 +1069,13 @@ class Kernel:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             if sequences is not None:
                 names = ("cu_seqlens_q", "cu_seqlens_k") + names
-            self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse") + names,
-                           [(symbol, grid, plan.threads, plan.smem_bytes)], device)
+            launches = [(symbol, grid, plan.threads, plan.smem_bytes)]
+            summaries = self._summary_workspaces(args) if self.modifiers.summaries and sequences is None else []
+            if summaries:   # allocated per call like decode's workspaces: their pointers follow o and lse
+                launches.insert(0, (symbol + "_summary", SUMMARY_GRID, 256, 0))
+            self._remember(self._fast_forward, signature, args,
+                           ("q", "k", "v", "o", "lse") + tuple(slot for slot, _ in summaries) + names,
+                           launches, device, tuple(shape for _, shape in summaries))
         del keep  # torch's allocator orders the reuse of these after the kernel on this stream
         return o, lse
 
@@ -1136,9 +1150,12 @@ class Kernel:
                     dq_accum = torch.zeros((*q.shape[:3], self.plans["backward"].head_dim), dtype=torch.float32,
                                            device=q.device)
                     pointers.append(dq_accum.data_ptr())
+                # mask_mod inputs' run-time summaries, held until the launches are queued
+                summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
+                pointers += [s.data_ptr() for s in summaries]
                 _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                 call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
-                self._finish(call.launches[1][4])
+                self._finish(call.main)
                 return grads
         return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
@@ -1224,8 +1241,11 @@ class Kernel:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
             outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped else ("dq", "dk", "dv")
+            summaries = self._summary_workspaces(args) if self.modifiers.summaries else []
             self._remember(self._fast_backward, signature, args,
-                           ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces + names, launches, device)
+                           ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces
+                           + tuple(slot for slot, _ in summaries) + names, launches, device,
+                           tuple(shape for _, shape in summaries))
         del keep
         return grads
 
