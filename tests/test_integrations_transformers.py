@@ -67,6 +67,10 @@ def reference_attention(q, k, v, fields, inputs=None):
     visible = {"none": lambda: torch.ones_like(distance, dtype=torch.bool),
                "causal": lambda: distance >= 0,
                "sliding_window": lambda: (distance >= 0) & (distance < fields.get("window", 0))}[fields["mask"]]()
+    if "score_mod" in fields:   # the integration's soft-capping: "C * tanh(score / C)"
+        cap = float(fields["score_mod"].split(" * ")[0])
+        assert fields["score_mod"] == f"{cap!r} * tanh(score / {cap!r})"
+        scores = cap * torch.tanh(scores / cap)
     if "mask_mod" in fields:
         assert fields["mask_mod"] == "doc[b, i] == doc[b, j]" and fields["inputs"] == {"doc": "int32"}
         doc = inputs["doc"]
@@ -161,6 +165,20 @@ def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_c
         assert call["spec"]["mask"] == ("sliding_window" if overrides else "causal")
         ids = call["inputs"]["doc"]
         assert ids.dtype == torch.int32 and ids[0].tolist() == [0] * 5 + [1] + [2] * 9 + [3] * 3
+
+
+def test_gemma2_soft_capping_runs_as_a_score_mod_and_matches_eager(calls):
+    """Gemma 2's attention logit soft-capping (and its alternating sliding-window layers) on fagen:
+    the cap becomes the spec's score_mod, whose backward sympy derives; no fallback."""
+    from transformers import Gemma2Config
+
+    config = tiny(Gemma2Config, head_dim=32, attn_logit_softcapping=2.0, final_logit_softcapping=None,
+                  sliding_window=6, query_pre_attn_scalar=32)
+    eager, ours = model_pair(config)
+    assert_training_step_matches(eager, ours, tokens(seq=14))
+    assert not fagen_hf.fallback_reasons() and len(calls) == 2
+    assert all(call["spec"]["score_mod"] == "2.0 * tanh(score / 2.0)" for call in calls)
+    assert {call["spec"]["mask"] for call in calls} == {"sliding_window", "causal"}
 
 
 def test_set_attn_implementation_switches_an_existing_model_to_fagen(calls):
@@ -293,11 +311,10 @@ def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generat
     ({"head_dim": 264}, "head dims"),
     ({"dtype": torch.float64}, "dtypes"),
     ({"kwargs": {"output_attentions": True}}, "output_attentions"),
-    ({"kwargs": {"softcap": 30.0}}, "softcap"),
     ({"kwargs": {"s_aux": torch.zeros(2)}}, "s_aux"),
     ({"kwargs": {"position_bias": torch.zeros(1, 2, 8, 8)}}, "position_bias"),
     ({"dropout": 1.0}, "dropout"),
-], ids=["head-dim-264", "float64", "output-attentions", "softcap", "sinks", "position-bias", "dropout-1"])
+], ids=["head-dim-264", "float64", "output-attentions", "sinks", "position-bias", "dropout-1"])
 def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reason):
     q, k, v = qkv(head_dim=case.get("head_dim", 32), dtype=case.get("dtype", torch.float32))
     kwargs = case.get("kwargs", {})

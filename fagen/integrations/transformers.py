@@ -10,6 +10,8 @@ and `fagen_mask` to its AttentionMaskInterface. The second one is not optional: 
 mask interface does not know, transformers builds no mask at all, and a padding mask would be dropped
 without a word.
 
+Gemma-2-style logit soft-capping (`softcap`) becomes the spec's score_mod `cap * tanh(score / cap)`.
+
 `fagen_mask` builds SDPA's boolean masks, but returns None when the mask is one fagen's kernels
 apply by themselves: no padding, the queries being the last positions of the keys (fagen aligns the
 two sequences at the bottom right), and the pattern plain causal or the model's sliding window.
@@ -83,6 +85,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout, kwargs)
     if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
         attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
+    if reason is not None and _softcap(kwargs.get("softcap")) is not None:
+        reason += " (and transformers' SDPA ignores softcap)"
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
 
@@ -106,10 +110,14 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # which restores that generator before recomputing, regenerates the same dropout mask.
         seed = int(torch.randint(SEED_HIGH, (1,)))
     inputs = None
+    cap = _softcap(kwargs.get("softcap"))
+    if cap is not None:   # soft-capping: a score_mod with the cap written in (one spec per model)
+        extra += f', "score_mod": "{cap!r} * tanh(score / {cap!r})"'
     if documents is not None:   # packed sequences: a key is visible only within its query's sequence
         extra += f', "mask_mod": "{DOCUMENT_MASK}", "inputs": {{"doc": "int32"}}'
         inputs = {"doc": documents}
-    elif seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
+    elif cap is None and seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
+        # (the decode kernel takes no score_mod: soft-capped decoding runs the forward kernel)
         # generation's steps (one new token against the cache): the spec that also builds the split-KV
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
@@ -137,12 +145,20 @@ def _window(module, sliding_window):
     return window
 
 
+def _softcap(value):
+    """Gemma-2-style logit soft-capping, cap * tanh(score / cap), as a positive float, or None."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 < value < float("inf"):
+        return float(value)
+    return None
+
+
 def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     """Why fagen cannot compute this call exactly, or None when it can."""
     if attention_mask is not None:
         return "an explicit attention mask (padding, packed sequences or a pattern fagen has no kernel for)"
     changing = [name for name, value in kwargs.items()
-                if name not in NEUTRAL_KWARGS and value is not None and value is not False]
+                if name not in NEUTRAL_KWARGS and value is not None and value is not False
+                and not (name == "softcap" and _softcap(value) is not None)]
     if changing:
         return f"keyword arguments fagen does not implement: {', '.join(sorted(changing))}"
     if query.device.type not in DEVICE_TYPES:
