@@ -289,7 +289,9 @@ class FastCall:
         self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
         self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
-        self.workspaces = workspaces  # shapes of fp32 scratch tensors whose pointers follow the outputs'
+        # shapes of fp32 scratch tensors allocated per call: their pointers follow o, lse (forward) or
+        # delta, dq_accum (backward)
+        self.workspaces = workspaces
         # the kernel a failure is reported against (the first launch that is not a helper)
         self.main = next((launch[4] for launch in launches if not launch[4].endswith(_HELPER_KERNELS)),
                          launches[0][4])
@@ -995,7 +997,8 @@ class Kernel:
                 device = q.get_device()
                 o = torch.empty_like(q)
                 lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                # decode: the splits' partial O and LSE, held until the launches are queued
+                # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until
+                # the launches are queued
                 workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
                 _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                 call.launch(device, _TORCH["stream"](device),
@@ -1065,12 +1068,14 @@ class Kernel:
             self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
         self._launch(device, symbol, arguments, grid, plan.threads, plan.smem_bytes, stream)
         self._finish(symbol)
-        if signature is not None:   # the next call with this signature skips everything above
+        # (packed calls whose mask_mod needs run-time summaries get no signature: _packed_signature)
+        if signature is not None and not (sequences is not None and self.modifiers.summaries):
+            # the next call with this signature skips everything above
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             if sequences is not None:
                 names = ("cu_seqlens_q", "cu_seqlens_k") + names
             launches = [(symbol, grid, plan.threads, plan.smem_bytes)]
-            summaries = self._summary_workspaces(args) if self.modifiers.summaries and sequences is None else []
+            summaries = self._summary_workspaces(args) if self.modifiers.summaries else []
             if summaries:   # allocated per call like decode's workspaces: their pointers follow o and lse
                 launches.insert(0, (symbol + "_summary", SUMMARY_GRID, 256, 0))
             self._remember(self._fast_forward, signature, args,

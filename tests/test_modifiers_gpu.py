@@ -130,29 +130,43 @@ def test_input_errors_name_the_input():
         kernel.forward(q, k, v, inputs={"doc": torch.zeros(2, 64, device="cuda")})
 
 
-def test_fast_path_with_run_time_summaries_reads_each_calls_documents():
-    """Document ids decide tiles through a summary kernel; a repeated call (the fast path, with its
-    summary workspaces allocated per call) must use the new call's ids, forward and backward."""
+@pytest.mark.parametrize("grouped, deterministic", [(False, False), (True, False), (False, True)],
+                         ids=["mha", "gqa", "deterministic"])
+def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, deterministic, monkeypatch):
+    """Document ids decide tiles through a summary kernel; a repeated call must take the fast path (the
+    full path is made to fail), with the summary launch and per-call workspaces, and use the new ids."""
     import torch
 
-    from fagen import reference
-    from fagen.runtime import compile as compile_spec
+    from fagen import reference, runtime
 
-    kernel = compile_spec(LIBRARY[4])   # documents: causal AND doc[b, i] == doc[b, j]
+    spec = LIBRARY[4].model_copy(update={"deterministic": deterministic, "name": None})
+    kernel = runtime.compile(spec)
     q, k, v = _qkv(d=64, seq=333)
+    if grouped:
+        k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
     do = torch.randn_like(q)
+
+    def full_path(*args, **kwargs):
+        raise AssertionError("the second call with this signature took the full path")
+
     for seed in (1, 2):
         lengths = np.random.default_rng(seed).integers(1, 90, size=40)
         ids = np.repeat(np.arange(40), lengths)[:333]
         ids = np.pad(ids, (0, 333 - ids.size), mode="edge")
-        doc = torch.tensor(np.stack([ids, ids[::-1].copy() * 0]), dtype=torch.int32, device="cuda")
+        doc = torch.tensor(np.stack([ids, np.zeros_like(ids)]), dtype=torch.int32, device="cuda")
         o, lse = kernel.forward(q, k, v, inputs={"doc": doc})
         grads = kernel.backward(q, k, v, o, lse, do, inputs={"doc": doc})
         values = {"doc": doc.cpu().numpy()}
-        ref_o, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), kernel.spec, inputs=values)
-        ref_grads = reference.attention_backward(_as64(q), _as64(k), _as64(v), _as64(do), kernel.spec, inputs=values,
+        ref_o, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), spec, inputs=values)
+        ref_grads = reference.attention_backward(_as64(q), _as64(k), _as64(v), _as64(do), spec, inputs=values,
                                                  o=_as64(o))
         for name, got, want in zip(("o", "dq", "dk", "dv"), (o, *grads), (ref_o, *ref_grads)):
             error = np.linalg.norm(_as64(got) - want) / np.linalg.norm(want)
             assert error < 1e-2, (seed, name, error)
-    assert kernel._fast_forward and kernel._fast_backward, "the second call should have taken the fast path"
+        if seed == 1:   # the second iteration must not run the full paths
+            monkeypatch.setattr(runtime.Kernel, "_forward", full_path)
+            monkeypatch.setattr(runtime.Kernel, "_backward", full_path)
+    for table in (kernel._fast_forward, kernel._fast_backward):
+        (call,) = table.values()
+        assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 21, 2),)
+        assert call.launches[0][4].endswith("_summary")
