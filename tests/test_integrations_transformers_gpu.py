@@ -52,9 +52,9 @@ def config_for(head_dim, kv_heads, kind="llama", **extra):
     return (MistralConfig if kind == "mistral" else LlamaConfig)(**fields)
 
 
-def models(config, implementations=("fagen", "sdpa")):
+def models(config, implementations=("fagen", "sdpa"), reference="sdpa"):
     """{implementation: model} with the same random weights, bf16 on the GPU, plus "fp32": the same
-    weights in float32 (sdpa), the reference for logits."""
+    weights in float32 (`reference`'s attention), the reference for logits."""
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
@@ -65,7 +65,7 @@ def models(config, implementations=("fagen", "sdpa")):
     first = out[implementations[0]]
     for model in out.values():
         model.load_state_dict(first.state_dict())
-    out["fp32"] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="sdpa").cuda()
+    out["fp32"] = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=reference).cuda()
     out["fp32"].load_state_dict({k: v.float() for k, v in first.state_dict().items()})
     return out
 
@@ -130,6 +130,42 @@ def test_training_losses_match_sdpa(fagen_calls, head_dim, kv_heads):
 def test_sliding_window_model_matches_sdpa(fagen_calls):
     assert_logits_like_sdpa(config_for(64, 2, kind="mistral", sliding_window=128))
     assert fagen_calls and all('"sliding_window", "window": 128' in spec for spec in fagen_calls)
+
+
+def test_packed_sequences_match_sdpa_with_the_packed_mask(fagen_calls):
+    """Sequences packed back to back (position_ids restarting at 0, no cache): fagen runs the document
+    mask_mod with transformers' sequence ids; SDPA gets transformers' (N, N) packed mask."""
+    nets = models(config_for(64, 2))
+    x = batch()
+    lengths = [[100, 1, 230, 17, 164], [512]]
+    position_ids = torch.tensor([[p for n in row for p in range(n)] for row in lengths], device="cuda")
+    with torch.no_grad():
+        logits = {name: model(x, position_ids=position_ids, use_cache=False).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"], logits["fp32"])
+    sdpa_error = relative_error(logits["sdpa"], logits["fp32"])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+    unpacked = relative_error(nets["fp32"](x, use_cache=False).logits, logits["fp32"])
+    assert unpacked > 10 * sdpa_error, "the packing must matter for this check to mean anything"
+    assert fagen_calls and all('"mask_mod": "doc[b, i] == doc[b, j]"' in spec for spec in fagen_calls)
+
+
+def test_gemma2_soft_capping_matches_eager(fagen_calls):
+    """Gemma 2's logit soft-capping as fagen's score_mod (transformers' SDPA ignores softcap, so the
+    float32 reference is the eager implementation)."""
+    from transformers import Gemma2Config
+
+    config = Gemma2Config(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,
+                          num_attention_heads=8, num_key_value_heads=2, head_dim=64, max_position_embeddings=4096,
+                          attn_logit_softcapping=5.0, final_logit_softcapping=None, sliding_window=128,
+                          query_pre_attn_scalar=64)
+    nets = models(config, implementations=("fagen", "eager"), reference="eager")
+    x = batch()
+    with torch.no_grad():
+        logits = {name: model(x).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"], logits["fp32"])
+    eager_error = relative_error(logits["eager"], logits["fp32"])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * eager_error + 1e-3, (fagen_error, eager_error)
+    assert fagen_calls and all('"score_mod": "5.0 * tanh(score / 5.0)"' in spec for spec in fagen_calls)
 
 
 def test_cached_generation_matches_sdpa(fagen_calls):
