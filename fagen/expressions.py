@@ -38,7 +38,7 @@ import numpy as np
 import sympy as sp
 
 #: Positions per entry of a run-time summary (templates/attention_common.cuh has the same constant).
-SUMMARY_GRAIN = 16
+SUMMARY_GRAIN = 64
 
 __all__ = ["ExpressionError", "Modifiers", "modifiers", "parse", "trace", "to_text", "as_text", "Traced", "INPUT_KINDS", "FUNCTIONS"]
 
@@ -555,6 +555,8 @@ class _CPrinter:
         return self.emit(expr)
 
     def emit(self, expr) -> str:
+        if expr in self.names:   # symbols, and loads hoisted into members (Modifiers._hoisted_loads)
+            return self.names[expr]
         if _is_boolean(expr):
             return self.boolean(expr)
         if expr.is_Integer:
@@ -1364,7 +1366,20 @@ class Modifiers:
     def _c_names(self) -> dict:
         names = {B: "(int)b", H: "(int)h", I: "i", J: "j", NQ: "seq_q", NK: "seq_k", SCORE: "score"}
         names.update({sp.Symbol(name, real=True): f"s_{name}" for name in self.scalars})
+        names.update({load: f"p{n}" for n, load in enumerate(self._hoisted_loads)})
         return names
+
+    @functools.cached_property
+    def _hoisted_loads(self) -> tuple:
+        """Tensor loads whose indices depend on neither position nor score (ALiBi's slope[h], prefix[b]):
+        read once per block in the constructor instead of per element (the compiler cannot hoist a
+        global load out of the kernel's loops by itself: it cannot prove that no store aliases it)."""
+        loads = set()
+        for expr in (self.mask, self.score, self.score_grad):
+            if expr is not None:
+                loads |= {load for load in expr.atoms(sp.Indexed)
+                          if not load.has(I, J, SCORE) and not any(index.atoms(sp.Indexed) for index in load.indices)}
+        return tuple(sorted(loads, key=str))
 
     @functools.cached_property
     def _tile_program(self):
@@ -1410,6 +1425,8 @@ class Modifiers:
         for tname, _, _ in self.tensors:
             if tname in self._tile_program[2]:
                 lines.append(f"  const void* summary_{tname};")
+        for n, load in enumerate(self._hoisted_loads):
+            lines.append(f"  {'int' if load.is_integer else 'float'} p{n};   // {load}, read once")
         lines += ["",
                   f"  __device__ {name}(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)",
                   "      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {"]
@@ -1424,6 +1441,11 @@ class Modifiers:
         for k, (tname, _, _) in enumerate(self.tensors):
             if tname in self._tile_program[2]:
                 lines.append(f"    summary_{tname} = args.mod_summary[{k}];")
+        if self._hoisted_loads:
+            plain = {k: v for k, v in self._c_names().items() if not isinstance(k, sp.Indexed)}
+            loader = _CPrinter("inputs", plain)
+            for n, load in enumerate(self._hoisted_loads):
+                lines.append(f"    p{n} = {loader.emit(load)};")
         if not self.tensors and not self.scalars:
             lines.append("    (void)args;")
         lines += ["  }", "", _C_HELPERS.rstrip("\n")]

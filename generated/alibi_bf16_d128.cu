@@ -13,11 +13,13 @@ struct SpecMods {
   long long b, h;
   int seq_q, seq_k;
   const float* t_slope; int t_slope_size[1]; long long t_slope_stride[1];
+  float p0;   // slope[h], read once
 
   __device__ SpecMods(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
       : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
     t_slope = static_cast<const float*>(args.mod_tensor[0]);
     t_slope_size[0] = (int)args.mod_size[0][0]; t_slope_stride[0] = args.mod_stride[0][0];
+    p0 = load_slope((int)h);
   }
 
   // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
@@ -61,7 +63,7 @@ struct SpecMods {
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j) const {
-    return (score + (-((float)((i + (-j))) * load_slope((int)h))));
+    return (score + (-((float)((i + (-j))) * p0)));
   }
   // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {

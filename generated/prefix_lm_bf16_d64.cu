@@ -12,11 +12,13 @@ struct SpecMods {
   long long b, h;
   int seq_q, seq_k;
   const int* t_prefix; int t_prefix_size[1]; long long t_prefix_stride[1];
+  int p0;   // prefix[b], read once
 
   __device__ SpecMods(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
       : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
     t_prefix = static_cast<const int*>(args.mod_tensor[0]);
     t_prefix_size[0] = (int)args.mod_size[0][0]; t_prefix_stride[0] = args.mod_stride[0][0];
+    p0 = load_prefix((int)b);
   }
 
   // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
@@ -50,7 +52,7 @@ struct SpecMods {
 
   // the mask_mod
   __device__ __forceinline__ bool visible(int i, int j) const {
-    return ((j <= i) || (j < load_prefix((int)b)));
+    return ((j <= i) || (j < p0));
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
   // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
@@ -67,7 +69,7 @@ struct SpecMods {
     const bool t9 = t6 > 0LL;
     const int t10 = t9 ? 0 : 1;
     const int t11 = t8 ? 2 : t10;
-    const long long t12 = (long long)((-load_prefix((int)b)));
+    const long long t12 = (long long)((-p0));
     const long long t13 = t2 + t12;
     const long long t14 = t3 + t12;
     const bool t15 = t14 < 0LL;

@@ -219,7 +219,7 @@ enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 // the (min, max) of every SUMMARY_GRAIN consecutive positions, for each index of its other dimension
 // (1-D inputs: one row), into args.mod_summary[k]; the generated tile_class bounds a tile's loads by
 // the entries its positions cover. One thread per entry: SUMMARY_GRAIN reads each, a grid-stride loop.
-constexpr int SUMMARY_GRAIN = 16;
+constexpr int SUMMARY_GRAIN = 64;   // the tiles' own grain: a tile's bounds read 1-2 entries per axis
 
 // A NaN among a float input's values widens its entry to (-inf, inf): fminf / fmaxf would skip it, and a
 // tile whose bounds hid it could be called FULL while visible() is false at the NaN.
@@ -301,9 +301,11 @@ struct Visibility {
   __device__ bool tile_has_visible(int row0, int rows, int col0, int cols) const {
     if (rows <= 0 || cols <= 0 || col0 >= key_count) return false;
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
+    // the mask kind's own (arithmetic) test first: a mask_mod's may read its inputs' summaries
+    if (MASK == MASK_CAUSAL && col0 > last_row + shift) return false;
+    if (MASK == MASK_SLIDING_WINDOW && !(last_row + shift - col0 >= 0 && row0 + shift - last_col < WINDOW)) return false;
     if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) == TILE_EMPTY) return false;
-    if (MASK == MASK_CAUSAL) return col0 <= last_row + shift;
-    if (MASK == MASK_SLIDING_WINDOW) return last_row + shift - col0 >= 0 && row0 + shift - last_col < WINDOW;
+    if (MASK == MASK_CAUSAL || MASK == MASK_SLIDING_WINDOW) return true;
     if (MASK == MASK_BLOCK_SPARSE) {
       for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
         for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)
@@ -317,9 +319,10 @@ struct Visibility {
   __device__ bool tile_all_visible(int row0, int rows, int col0, int cols) const {
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
     if (last_col >= key_count) return false;
+    if (MASK == MASK_CAUSAL && last_col > row0 + shift) return false;
+    if (MASK == MASK_SLIDING_WINDOW && !(row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW)) return false;
     if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) != TILE_FULL) return false;
-    if (MASK == MASK_CAUSAL) return last_col <= row0 + shift;
-    if (MASK == MASK_SLIDING_WINDOW) return row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW;
+    if (MASK == MASK_CAUSAL || MASK == MASK_SLIDING_WINDOW) return true;
     if (MASK == MASK_BLOCK_SPARSE) {
       for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
         for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)

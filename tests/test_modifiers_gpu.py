@@ -168,5 +168,5 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
             monkeypatch.setattr(runtime.Kernel, "_backward", full_path)
     for table in (kernel._fast_forward, kernel._fast_backward):   # (other cases' shapes share the kernel)
         for call in table.values():
-            assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 21, 2),)
+            assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 6, 2),)
             assert call.launches[0][4].endswith("_summary")
