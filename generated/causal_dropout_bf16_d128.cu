@@ -87,8 +87,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_dro
   auto visible_block = [&](int j) {
     return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
   };
-  auto next_visible = [&](int j) {
-    while (j < col_blocks && !visible_block(j)) ++j;  // block-sparse / causal skip: never loaded
+  auto next_visible = [&](int j) {  // block-sparse / causal / mask_mod skip: never loaded
+    if (Mods::HAS_MASK) return visibility.next_visible_tile<true>(j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
+    while (j < col_blocks && !visible_block(j)) ++j;
     return j;
   };
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
@@ -345,9 +346,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_dro
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
-  auto next_visible = [&](int i) {
+  auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
+    if (Mods::HAS_MASK) return visibility.next_visible_tile<false>(i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
     while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
-    return i;  // causal / window / block-sparse: invisible row blocks are never loaded
+    return i;
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);

@@ -87,8 +87,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
   auto visible_block = [&](int j) {
     return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
   };
-  auto next_visible = [&](int j) {
-    while (j < col_blocks && !visible_block(j)) ++j;  // block-sparse / causal skip: never loaded
+  auto next_visible = [&](int j) {  // block-sparse / causal / mask_mod skip: never loaded
+    if (Mods::HAS_MASK) return visibility.next_visible_tile<true>(j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
+    while (j < col_blocks && !visible_block(j)) ++j;
     return j;
   };
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).

@@ -242,9 +242,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
-  auto next_visible = [&](int i) {
+  auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
+    if (Mods::HAS_MASK) return visibility.next_visible_tile<false>(i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
     while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
-    return i;  // causal / window / block-sparse: invisible row blocks are never loaded
+    return i;
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);

@@ -331,6 +331,33 @@ struct Visibility {
     return true;
   }
 
+  // The first tile index t in [first, tiles) whose tile of `size` positions holds a visible pair: key
+  // tiles against rows [other0, other0 + other_count) (KEYS), or query tiles against those keys, the
+  // positions ending at `extent`. For specs with a mask_mod, whose tile test may read its inputs'
+  // summaries from memory: stretches are first tested SPAN tiles at a time (bounds over a span hold for
+  // each tile in it, so an empty span is skipped by one test). The templates keep their plain tile-by-tile
+  // loop for the mask kinds alone (arithmetic tests; this one costs them registers).
+  template <bool KEYS>
+  __device__ int next_visible_tile(int first, int tiles, int size, int other0, int other_count, int extent) const {
+    constexpr int SPAN = 8;
+    auto any_visible = [&](int t0, int count) {
+      const int start = t0 * size, length = min(count * size, extent - start);
+      return KEYS ? tile_has_visible(other0, other_count, start, length)
+                  : tile_has_visible(start, length, other0, other_count);
+    };
+    int t = first;
+    while (t < tiles) {
+      const int end = min(t + SPAN, tiles);
+      if (!any_visible(t, end - t)) {
+        t = end;
+        continue;
+      }
+      for (; t < end; ++t)
+        if (any_visible(t, 1)) return t;
+    }
+    return tiles;
+  }
+
   // The score_mod applied to a raw product s = q.k (what the kernels accumulate): the modified score
   // in the same raw units (divided by tau again), so that the online softmax, which multiplies by
   // tau * log2(e), is unchanged. Identity without a score_mod.
