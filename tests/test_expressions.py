@@ -483,3 +483,25 @@ def test_callables_that_cannot_be_traced_say_why(function, needle):
 
     with pytest.raises(ExpressionError, match=needle):
         as_text(function, "mask_mod", {})
+
+
+# ---- the mask kinds as expressions: the derived tile decisions are exact ---------------------------
+@pytest.mark.parametrize("kind, text", [
+    ("causal", "j <= i + Nk - Nq"),
+    ("sliding_window", "0 <= i + Nk - Nq - j and i + Nk - Nq - j < 37"),
+    ("padding", "j < length[b]"),
+])
+@given(data=st.data())
+def test_mask_kinds_written_as_mask_mods_are_decided_exactly(kind, text, data):
+    """The hand-written kinds (templates/attention_common.cuh Visibility) decide every tile exactly;
+    written as mask_mods, interval arithmetic must too: EMPTY exactly when no pair is visible, FULL
+    exactly when all are (affine bounds are tight), so the machinery loses nothing on them."""
+    mods = modifiers(text, None, {"length": "int32"} if "length" in text else None)
+    seq_q, seq_k = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 300))
+    values = {"length": np.array([data.draw(st.integers(0, seq_k))], dtype=np.int32)}
+    i_lo, j_lo = data.draw(st.integers(0, seq_q - 1)), data.draw(st.integers(0, seq_k - 1))
+    i_hi, j_hi = data.draw(st.integers(i_lo, seq_q - 1)), data.draw(st.integers(j_lo, seq_k - 1))
+    got = mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k, values=values)
+    visible = mods.mask_numpy(0, 0, np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :],
+                              seq_q, seq_k, values)
+    assert got == (FULL if visible.all() else EMPTY if not visible.any() else PARTIAL)
