@@ -39,9 +39,9 @@ REGISTER_OVERHEAD = 40  # indices, pointers, loop state: measured against ptxas 
 PACKED_REGISTERS = 24
 # mask_mod / score_mod: the inputs' pointers and sizes, the expression's temporaries. Calibrated against
 # ptxas on forward_fa2_mma at d = 128 (ALiBi and soft-capping spilled 92-108 B at 255 registers without
-# it). A score_mod whose derivative is not 1 also keeps it per score in the backward; no family reserves
-# registers for that (score_grad_registers): at the plans the backward families have, it costs 4-32 B of
-# spills (tests/test_compiler.py KNOWN_SPILLS), cheaper than the smaller tiles a reservation forces.
+# it). A score_mod whose derivative is not 1 also keeps it per score in the backward; nothing is reserved
+# for that: at the plans the backward families have, it costs 4-32 B of spills (tests/test_compiler.py
+# KNOWN_SPILLS), cheaper than the smaller tiles a reservation forces.
 MODIFIER_REGISTERS = 24
 
 
@@ -66,7 +66,6 @@ class Family:
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     packed_registers: int = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above)
     modifier_registers: int = MODIFIER_REGISTERS  # mask_mod / score_mod (see above)
-    score_grad_registers: object = 0  # backward: d score_mod / d score per score a lane holds
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -399,13 +398,9 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
                                                               spec.element_bytes)
     smem = _exact_int(smem)
-    mods = spec.modifiers
-    score_grad_regs = (family.score_grad_registers if mods.score_grad is not None and mods.score_grad != 1 else 0)
-    if not isinstance(score_grad_regs, int):
-        score_grad_regs = score_grad_regs.subs({Br: block_r})
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
                           + (family.packed_registers if spec.layout == "packed" else 0)
-                          + (family.modifier_registers if mods.active else 0) + score_grad_regs)
+                          + (family.modifier_registers if spec.modifiers.active else 0))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

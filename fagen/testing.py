@@ -114,16 +114,26 @@ def cases(draw, spec: Spec, max_seq: int = 300, max_batch: int = 2, max_heads: i
         shape = (batch, heads, *blocks) if per_head else blocks
         flat = draw(st.lists(st.booleans(), min_size=int(np.prod(shape)), max_size=int(np.prod(shape))))
         block_mask = tuple(np.array(flat, dtype=np.uint8).reshape(shape).tolist())
-    inputs_seed = scalars = input_shapes = None
-    mods = spec.modifiers
+    mods, inputs = spec.modifiers, {}
     if mods.tensors or mods.scalars:
-        inputs_seed = draw(st.integers(0, 2**31 - 1))
-        scalars = tuple((name, draw(st.sampled_from([1.0, 2.5, 8.0, 30.0]))) for name in mods.scalars)
-        shapes = mods.input_shapes(batch, heads, seq_q, seq_k)
-        input_shapes = tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors)
+        seed = draw(st.integers(0, 2**31 - 1))
+        values = [draw(st.sampled_from([1.0, 2.5, 8.0, 30.0])) for _ in mods.scalars]
+        inputs = input_fields(spec, batch, heads, seq_q, seq_k, seed, values)
     return Case(batch, heads, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
                 draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                kv_lengths, block_mask, kv_heads, q_lengths, k_lengths, spare_rows, inputs_seed, scalars, input_shapes)
+                kv_lengths, block_mask, kv_heads, q_lengths, k_lengths, spare_rows, **inputs)
+
+
+def input_fields(spec: Spec, batch: int, heads: int, seq_q: int, seq_k: int, seed: int, scalars) -> dict:
+    """A Case's fields for the spec's mask_mod / score_mod inputs (none without them): the seed their
+    tensors are drawn from, the scalars' values (in declaration order) and the tensors' shapes, which
+    cover every index the expressions form at these sizes."""
+    mods = spec.modifiers
+    if not (mods.tensors or mods.scalars):
+        return {}
+    shapes = mods.input_shapes(batch, heads, seq_q, seq_k)
+    return {"inputs_seed": seed, "scalars": tuple(zip(mods.scalars, scalars)),
+            "input_shapes": tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors)}
 
 
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):

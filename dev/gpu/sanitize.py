@@ -9,7 +9,7 @@ import os
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 from fagen.spec import Spec
-from fagen.testing import Case, assert_matches_reference
+from fagen.testing import Case, assert_matches_reference, input_fields
 
 SPECS = [
     Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1),
@@ -41,11 +41,8 @@ for spec in SPECS:
         extra["kv_lengths"] = (133, 70)
     if spec.mask == "block_sparse":
         extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
-    mods = spec.modifiers
-    if mods.active:   # inputs as the property tests draw them (shapes cover every index the expressions form)
-        shapes = mods.input_shapes(4, 4, 150, 133)
-        extra.update(inputs_seed=5, scalars=tuple((name, 2.5) for name in mods.scalars),
-                     input_shapes=tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors))
+    # mask_mod / score_mod inputs as the property tests draw them, at sizes covering every case below
+    extra.update(input_fields(spec, 4, 4, 150, 133, seed=5, scalars=[2.5] * len(spec.modifiers.scalars)))
     cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
     if spec.layout == "packed":
         cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
