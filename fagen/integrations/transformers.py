@@ -85,7 +85,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout, kwargs)
     if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
         attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
-    if reason is not None and _softcap(kwargs.get("softcap")) is not None:
+    cap = _softcap(kwargs.get("softcap"))
+    if reason is not None and cap is not None:
         reason += " (and transformers' SDPA ignores softcap)"
     if reason is not None:
         return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
@@ -110,7 +111,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # which restores that generator before recomputing, regenerates the same dropout mask.
         seed = int(torch.randint(SEED_HIGH, (1,)))
     inputs = None
-    cap = _softcap(kwargs.get("softcap"))
     if cap is not None:   # soft-capping: a score_mod with the cap written in (one spec per model)
         extra += f', "score_mod": "{cap!r} * tanh(score / {cap!r})"'
     if documents is not None:   # packed sequences: a key is visible only within its query's sequence
@@ -224,11 +224,10 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is.
     SDPA's own skips are turned off: one of them (an empty static cache's prefill) relies on is_causal
     aligning at the top left, and fagen aligns at the bottom right."""
-    if (allow_is_causal_skip and _bottom_right(q_length, kv_length, q_offset, kv_offset)
-            and _no_padding(attention_mask, kv_offset, kv_length)
-            and _is_kernel_pattern(mask_function, local_size, config)):
-        return None
+    # (_no_padding reads the padding mask back to the host: once per call)
     if _bottom_right(q_length, kv_length, q_offset, kv_offset) and _no_padding(attention_mask, kv_offset, kv_length):
+        if allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config):
+            return None
         packed = _packed_sequences(mask_function, kv_length)
         if packed is not None and _is_kernel_pattern(packed[0], local_size, config):
             return packed[1]
