@@ -93,6 +93,11 @@ _forward_registers = 2 * sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD
 _EVEN_TILES_FOR_ODD_DIMS = ("Br and Bc even when d is odd (the fp32 tiles stay 4-byte aligned)",
                             lambda r, c, hd, w: hd % 2 == 0 or (r % 2 == 0 and c % 2 == 0))
 
+# The tensor-core backward families' dQ = dS K_j product: Br/16 row slabs x d/8 dim tiles over W warps.
+_DQ_TILES_OVER_WARPS = ("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
+                        lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
+                        else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0)
+
 FAMILIES: tuple[Family, ...] = (
     # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
     # stages of K_j, V_j in 128-byte-swizzled shared memory (+1 KB to align the swizzle atoms), read by
@@ -163,9 +168,27 @@ FAMILIES: tuple[Family, ...] = (
            / (Br * Bc),
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16, keys_per_warp=16, deterministic=False,
-           rules=(("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
-                   lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
-                   else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0),)),
+           rules=(_DQ_TILES_OVER_WARPS,)),
+    # The same loop order for head dims whose dK, dV do not fit one warp's registers (d >= 192): the W / (Bc/16)
+    # warps of a 16-key slab split the queries of S^T and the dims of dK, dV; P_drop^T and dS^T go through
+    # shared memory (Bc x Br each) to the warps that hold the other dims. A fallback: ranked after the
+    # families that keep S^T in the registers that use it.
+    Family("backward_fa2_mma_wide", "backward_fa2_mma_wide.cu.j2", ("backward",),
+           smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + 2 * Bc * (Br + 8)),
+           # dK, dV (16 keys x d/SPLIT each) + S^T, dP^T (16 keys x Br/SPLIT each) over 32 lanes, SPLIT = 16W/Bc,
+           # + a 16 x 32 dQ chunk + loop state and addresses
+           registers=(d + Br) * Bc / (16 * W) + 76,
+           # S^T, dP^T: K_w, V_w and the warp's Q, dO rows; dK, dV: P^T, dS^T and the warp's Q, dO dims; dQ: dS, K_j
+           smem_reads=E * (d * (32 * W + 2 * Br * Bc / 16) + 32 * W * Br + 2 * Br * d * Bc / 16
+                           + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16)) / (Br * Bc),
+           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br * Bc / (32 * W),
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
+           rules=(("whole 16-key slabs, the same number of warps each: W a multiple of Bc/16",
+                   lambda r, c, hd, w: w % (c // 16) == 0),
+                  ("each warp's queries and dims in pairs of 8-wide tiles: Br and d multiples of 16 W/(Bc/16)",
+                   lambda r, c, hd, w: w % (c // 16) == 0 and r % (16 * w // (c // 16)) == 0
+                   and hd % (16 * w // (c // 16)) == 0),
+                  _DQ_TILES_OVER_WARPS)),
     # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
     # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of
     # K_j, V_j (rows padded by 16 bytes); the warps' (m, l, O) merge over the K/V tiles at the end.

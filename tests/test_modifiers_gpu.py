@@ -31,6 +31,9 @@ FAMILIES = [
          layout="packed"),
     Spec(head_dim=64, dtype="fp16", mask_mod="i // 16 == j // 16 or j < 8", score_mod="score * 0.5 + 1",
          deterministic=True),
+    # the wide mma.sync backward (d = 192): soft-capping's derivative and a document mask from a summary
+    Spec(head_dim=192, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", score_mod="cap * tanh(score / cap)",
+         inputs={"doc": "int32", "cap": "scalar"}),
 ]
 SPECS = LIBRARY + FAMILIES
 

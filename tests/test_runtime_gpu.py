@@ -45,7 +45,12 @@ SPECS = _specs() + [  # head dims that are not multiples of 16 run on the CUDA-c
     Spec(head_dim=120, dtype="fp16", mask="none", dropout=0.2)]
 GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
     Spec(head_dim=64, dtype="fp16", mask="causal", dropout=0.1, deterministic=True),
+    # backward_fa2_mma_wide (d >= 160): Br = 64 on sm_90, Br = 32 where an sm_80 plan runs; an odd d padded to 256
     Spec(head_dim=256, dtype="bf16", mask="none"),
+    Spec(head_dim=160, dtype="fp16", mask="causal"),
+    Spec(head_dim=192, dtype="bf16", mask="sliding_window", window=100, dropout=0.1),
+    Spec(head_dim=256, dtype="bf16", mask="causal", arch="sm_80"),
+    Spec(head_dim=250, dtype="fp16", mask="padding"),
     Spec(head_dim=128, dtype="bf16", mask="block_sparse", block_size=128, dropout=0.3)]
 
 

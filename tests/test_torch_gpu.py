@@ -330,11 +330,11 @@ def test_repeated_backward_with_dropout_follows_the_seed():
     assert not torch.equal(first[0], other[0]) and not torch.equal(first[3], other[3]), "a new seed, a new mask"
 
 
-@pytest.mark.parametrize("head_dim, kv_heads", [(128, 2), (64, 1), (96, 4)])
+@pytest.mark.parametrize("head_dim, kv_heads", [(128, 2), (64, 1), (96, 4), (192, 2)])
 def test_grouped_kv_heads_without_copies(head_dim, kv_heads):
     """GQA / MQA: k, v with fewer heads go to the kernels as they are (no repeat in memory); the
     gradients of k, v are their groups' sums. Checked against the float64 reference through autograd,
-    twice (the second call takes the fast path), for the wgmma (d 128), mma and d 96 kernels."""
+    twice (the second call takes the fast path), for the wgmma (d 128), mma, d 96 and wide d 192 kernels."""
     import numpy as np
 
     import fagen

@@ -20,7 +20,8 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),      
          Spec(head_dim=96, dtype="fp16", mask="padding", layout="packed", deterministic=True),     # deterministic dQ
          Spec(head_dim=32, dtype="bf16", mask="block_sparse", block_size=32, layout="packed"),
          Spec(head_dim=59, dtype="fp32", mask="causal", dropout=0.1, layout="packed"),             # SIMT, odd d
-         Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", layout="packed")]        # FA1 forward
+         Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", layout="packed"),
+         Spec(head_dim=256, dtype="bf16", mask="causal", layout="packed")]                         # wide mma.sync backward        # FA1 forward
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -63,6 +63,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                            help="also time a first call (cold compile + forward + backward) of fagen and of Flex, "
                                 "each in a fresh process, at N=2048")
     modifiers.add_argument("--json", dest="json_path")
+    corners = sub.add_parser("corners", help="GPU: every head dim, dropout and the masks SDPA lacks against "
+                             "SDPA-flash, SDPA-cuDNN and FlexAttention, forward and backward (issue 13)")
+    corners.add_argument("--only", help="comma-separated substrings: run the rows whose variant name has one")
+    corners.add_argument("--json", dest="json_path")
     redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
     redraw.add_argument("report")
     redraw.add_argument("png")
@@ -90,6 +94,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       spec_file=args.spec_file or modifiers_bench.SPEC_FILE,
                                       variants=args.variants.split(",") if args.variants else None,
                                       first_call=args.first_call, json=args.json_path)
+        return 0
+    if args.command == "corners":
+        from fagen.bench.corners import CORNERS, run_corners
+
+        wanted = args.only.split(",") if args.only else None
+        run_corners([c for c in CORNERS if not wanted or any(w in c.spec.variant_name for w in wanted)],
+                    json=args.json_path)
         return 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)

@@ -1,0 +1,30 @@
+# Device call for issue 13 (no slow corners): precompile, the GPU tests of the new plans (`tests`: the
+# backward property tests, packed, modifiers, GQA), `all` (the whole GPU suite + sanitizers), `bench`
+# (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex).
+source dev/gpu/device_prelude.sh
+python3 -c "
+import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
+from fagen.bench.corners import CORNERS
+from fagen.runtime import precompile
+precompile(t.SPECS + t.GRAD_SPECS + v.SPECS + m.SPECS + s.SPECS + [c.spec for c in CORNERS], jobs=16)" 2>&1 | grep -iv warn | tail -3
+save_cache
+for step in "$@"; do
+  if [ "$step" = tests ]; then
+    echo "== pytest (issue 13 plans)"
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_runtime_gpu.py \
+      tests/test_varlen_gpu.py tests/test_modifiers_gpu.py "tests/test_torch_gpu.py::test_grouped_kv_heads_without_copies" 2>&1 | tail -25
+  fi
+  if [ "$step" = all ]; then
+    echo "== pytest -m gpu (all)"
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -8
+    for tool in memcheck racecheck; do
+      echo "== compute-sanitizer --tool $tool"
+      compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
+    done
+  fi
+  if [ "$step" = bench ]; then
+    echo "== bench corners"
+    timeout 400 python3 -m fagen.bench corners --json "$OUT/corners.json" 2>&1 | tail -30
+  fi
+done
+save_cache
