@@ -88,11 +88,14 @@ def philox4x32_10(counter, key) -> np.ndarray:
 
 # ---- 2. Dropout ------------------------------------------------------------------------------
 def dropout_threshold(p: float) -> int:
-    """The uint32 threshold for drop probability p: int(p * 2**32); an element is kept iff r >= it."""
+    """The 16-bit threshold for drop probability p: floor(p * 2**16); an element is kept iff its draw is >= it.
+
+    So the drop probability applied is floor(p * 2**16) / 2**16, within 2**-16 (< 1.6e-5) of p.
+    """
     p = float(p)
     if not (0.0 <= p < 1.0):
         raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    return int(p * 2**32)
+    return int(p * 2**16)
 
 
 def _philox_key(seed) -> np.ndarray:
@@ -100,36 +103,59 @@ def _philox_key(seed) -> np.ndarray:
     return np.array([seed % 2**32, (seed >> 32) % 2**32], dtype=np.uint64)
 
 
-def dropout_bits(seed: int, offset: int, num_heads: int, b, h, i, j) -> np.ndarray:
-    """The uint32 random word r of element (b, h, i, j) (integer arrays, broadcast together).
+# The random stream is laid out in patches that match the tensor-core accumulator layouts: rows {i, i + 8}
+# of an aligned 16-row slab x columns {j0, j0 + 1, j0 + 8, j0 + 9} (j0 & 9 == 0) share one Philox call,
+# whose word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds columns (j & ~1, j | 1) of row i as 16-bit halves.
+# A kernel thread then makes one call for 8 elements of the forward's fragments (4 of the backward's).
+def _dropout_counter(offset: int, num_heads: int, b, h, i, j) -> list:
+    """The four counter words of the patch of element (b, h, i, j) (int64 arrays, taken mod 2**32)."""
+    row_patch = (i >> 4) * 8 + (i & 7)
+    col_patch = (j >> 4) * 4 + ((j >> 1) & 3)
+    bh = b * operator.index(num_heads) + h
+    return [col_patch % 2**32, row_patch % 2**32, bh % 2**32,
+            np.full(np.shape(bh), operator.index(offset) % 2**32, dtype=np.int64)]
 
-    counter = (j // 4, i, b * num_heads + h, offset mod 2**32), key = (seed mod 2**32, seed >> 32 mod 2**32),
-    r = philox4x32_10(counter, key)[j % 4]. Element-wise on purpose (it recomputes each Philox call up to
-    four times): this is the definition the kernels follow and the tiled emulation calls it per block.
+
+def dropout_bits(seed: int, offset: int, num_heads: int, b, h, i, j) -> np.ndarray:
+    """The 16-bit random draw of element (b, h, i, j) (integer arrays, broadcast together), as uint32.
+
+    counter = (col_patch, row_patch, b * num_heads + h, offset mod 2**32) with
+    row_patch = (i >> 4) * 8 + (i & 7) and col_patch = (j >> 4) * 4 + ((j >> 1) & 3),
+    key = (seed mod 2**32, seed >> 32 mod 2**32); the draw is half j & 1 (0: the low 16 bits) of word
+    ((i >> 3) & 1) * 2 + ((j >> 3) & 1) of philox4x32_10(counter, key). Element-wise on purpose (it
+    recomputes each Philox call up to eight times): this is the definition the kernels follow and the
+    tiled emulation calls it per block.
     """
     b, h, i, j = np.broadcast_arrays(*(np.asarray(x, dtype=np.int64) for x in (b, h, i, j)))
     if b.size and min(b.min(), h.min(), i.min(), j.min()) < 0:
         raise ValueError("dropout_bits: b, h, i and j are non-negative indices")
-    words = [(j // 4) % 2**32, i % 2**32, (b * operator.index(num_heads) + h) % 2**32,
-             np.full(b.shape, operator.index(offset) % 2**32, dtype=np.int64)]
-    lanes = philox4x32_10(np.stack(words, axis=-1), _philox_key(seed))
-    return np.take_along_axis(lanes, (j % 4)[..., None], axis=-1)[..., 0]
+    lanes = philox4x32_10(np.stack(_dropout_counter(offset, num_heads, b, h, i, j), axis=-1), _philox_key(seed))
+    word = ((i >> 3) & 1) * 2 + ((j >> 3) & 1)
+    picked = np.take_along_axis(lanes, word[..., None], axis=-1)[..., 0]
+    return (picked >> (16 * (j & 1)).astype(np.uint32)) & np.uint32(0xFFFF)
 
 
 def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, p: float,
                       first_batch: int = 0) -> np.ndarray:
-    """bool (B, H, Nq, Nk): True where element (first_batch + b, h, i, j) is kept (r >= dropout_threshold(p)).
+    """bool (B, H, Nq, Nk): True where element (first_batch + b, h, i, j) is kept (draw >= dropout_threshold(p)).
 
-    Same bits as `dropout_bits`, computed with one Philox call per group of four columns.
+    Same bits as `dropout_bits`, computed with one Philox call per patch (8 elements) over the shape
+    padded to multiples of 16.
     """
     threshold = dropout_threshold(p)
-    groups = -(-Nk // 4)
-    b, h, i, g = np.meshgrid(np.arange(B) + first_batch, np.arange(H), np.arange(Nq), np.arange(groups),
-                             indexing="ij")
-    words = [g, i, b * H + h, np.full(b.shape, operator.index(offset) % 2**32)]
-    lanes = philox4x32_10(np.stack([w % 2**32 for w in words], axis=-1), _philox_key(seed))
-    bits = lanes.reshape(B, H, Nq, groups * 4)[..., :Nk]
-    return bits >= np.uint32(threshold) if threshold else np.ones((B, H, Nq, Nk), dtype=bool)
+    if not threshold:
+        return np.ones((B, H, Nq, Nk), dtype=bool)
+    slabs, squares = -(-Nq // 16), -(-Nk // 16)
+    # one call per (b, h, 16-row slab, row i & 7, 16-column square, column pair (j >> 1) & 3)
+    b, h, s, r, q, c = np.meshgrid(np.arange(B) + first_batch, np.arange(H), np.arange(slabs), np.arange(8),
+                                   np.arange(squares), np.arange(4), indexing="ij")
+    lanes = philox4x32_10(np.stack(_dropout_counter(offset, H, b, h, 16 * s + r, 16 * q + 2 * c), axis=-1),
+                          _philox_key(seed))
+    # axes (B, H, slab, i & 7, square, pair, word = (i & 8, j & 8), half j & 1), put back in the order of
+    # i = 16 slab + (i & 8) + (i & 7) and j = 16 square + (j & 8) + 2 pair + (j & 1)
+    halves = np.stack([lanes & 0xFFFF, lanes >> 16], axis=-1).reshape(B, H, slabs, 8, squares, 4, 2, 2, 2)
+    draws = halves.transpose(0, 1, 2, 6, 3, 4, 7, 5, 8).reshape(B, H, 16 * slabs, 16 * squares)
+    return draws[:, :, :Nq, :Nk] >= np.uint32(threshold)
 
 
 def _dropout_scale(spec: "Spec", seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, first_batch: int = 0):
@@ -145,8 +171,8 @@ def _dropout_scale_block(spec: "Spec", seed: int, offset: int, H: int, b: int, h
     """Z / (1 - p) of one tile, regenerated from absolute indices as a kernel does; None without dropout."""
     if not spec.dropout:
         return None
-    bits = dropout_bits(seed, offset, H, b, h, rows[:, None], cols[None, :])
-    return (bits >= np.uint32(dropout_threshold(spec.dropout))) / (1.0 - spec.dropout)
+    draws = dropout_bits(seed, offset, H, b, h, rows[:, None], cols[None, :])
+    return (draws >= np.uint32(dropout_threshold(spec.dropout))) / (1.0 - spec.dropout)
 
 
 # ---- 3. Masks --------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ DECODE_MASKS = ("none", "causal", "sliding_window", "padding")
 TILE_POLICIES = ("paper", "auto")
 LAYOUTS = ("padded", "packed")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+MIN_DROPOUT = 2.0**-16   # the kernels keep an element iff its 16-bit draw >= floor(p * 2**16): a smaller p drops nothing
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?i?[bB]?)\s*$")
@@ -66,7 +67,8 @@ class Spec(BaseModel):
         None, description="sliding_window only: each query sees itself and the window-1 keys before it.")
     block_size: Optional[int] = Field(
         None, description="block_sparse only: granularity of the run-time block layout (16..256, power of 2).")
-    dropout: float = Field(0.0, description="Dropout probability on the attention weights, in [0, 1).")
+    dropout: float = Field(0.0, description="Dropout probability on the attention weights: 0, or in [2**-16, 1) "
+                                            "(applied as floor(p * 65536) / 65536).")
     softmax_scale: Optional[float] = Field(None, description="Scale tau applied to Q.K^T; default 1/sqrt(head_dim).")
     loop_order: Literal["fa1", "fa2"] = Field(
         "fa2", description="fa1: K/V blocks outer, O/l/m in HBM (FlashAttention-1). fa2: Q blocks outer.")
@@ -109,6 +111,9 @@ class Spec(BaseModel):
     def _dropout(cls, value: float) -> float:
         if not (0.0 <= value < 1.0):
             raise ValueError(f"{value} is not allowed: dropout is a probability in [0, 1)")
+        if 0.0 < value < MIN_DROPOUT:
+            raise ValueError(f"{value} is not allowed: a non-zero dropout must be at least 2**-16 "
+                             f"(~1.5e-5), the resolution of the 16-bit random draws; use 0 for none")
         return float(value)
 
     @field_validator("softmax_scale")

@@ -172,21 +172,22 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
       rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
       row_max[half] = m_new;
       row_sum[half] *= rescale[half];
-      const int row = warp_row0 + group + half * 8;
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
+        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
         row_sum[half] += p0 + p1;
-        if (HAS_DROPOUT) {
-          const int col = col0 + t * 8 + quad * 2;
-          const uint4 draw = dropout_draws(args, bh, row, col);  // one draw serves this thread's 2 columns
-          const unsigned w0 = (col & 2) ? draw.z : draw.x, w1 = (col & 2) ? draw.w : draw.y;
-          p0 = dropout_word_kept(w0, DROPOUT_THRESHOLD) ? p0 * KEEP_SCALE : 0.f;
-          p1 = dropout_word_kept(w1, DROPOUT_THRESHOLD) ? p1 * KEEP_SCALE : 0.f;
-        }
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;
+      }
+    }
+    // dropout(P~), after l took P~ itself: one Philox call per 16 x 16 patch (n-tiles 2c, 2c + 1; col0
+    // and warp_row0 are multiples of 16, as the patches need)
+    if (HAS_DROPOUT) {
+#pragma unroll
+      for (int c = 0; c < S_TILES / 2; ++c) {
+        const uint4 draws = dropout_draws(args, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
+        dropout_accumulator_pair(s_acc[2 * c], s_acc[2 * c + 1], draws, DROPOUT_THRESHOLD, KEEP_SCALE);
       }
     }
   };
@@ -486,22 +487,34 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
         o_acc[t][2 * half] *= rescale;
         o_acc[t][2 * half + 1] *= rescale;
       }
-      const int r = frag_row + half * 8;
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
+        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
         row_sum[half] += p0 + p1;
-        if (HAS_DROPOUT) {
-          const int key = warp_col0 + t * 8 + quad * 2;
-          // one draw serves this thread's 2 keys of the row (its query head and position)
-          const uint4 draw = dropout_draws(args, b * args.heads + row_head(h_kv, group, r), row_position(group, r), key);
-          const unsigned w0 = (key & 2) ? draw.z : draw.x, w1 = (key & 2) ? draw.w : draw.y;
-          p0 = dropout_word_kept(w0, DROPOUT_THRESHOLD) ? p0 * KEEP_SCALE : 0.f;
-          p1 = dropout_word_kept(w1, DROPOUT_THRESHOLD) ? p1 * KEEP_SCALE : 0.f;
-        }
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;
+      }
+    }
+    // dropout(P~_w), after l took P~_w itself. The slab's rows r, r + 8 are (query head, position) pairs
+    // of their own, not rows i, i + 8 of one head, so one Philox call serves a row's 4 elements of a
+    // 16-key patch (n-tiles 2c, 2c + 1; warp_col0 is a multiple of 16).
+    if (HAS_DROPOUT) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = frag_row + half * 8, position = row_position(group, r);
+        const long long bh = b * args.heads + row_head(h_kv, group, r);
+        const int word = ((position >> 3) & 1) * 2;   // the row's words: 0, 1 or 2, 3
+#pragma unroll
+        for (int c = 0; c < S_TILES / 2; ++c) {
+          const uint4 draws = dropout_draws(args, bh, position, warp_col0 + c * 16 + quad * 2);
+          const unsigned lo = dropout_word(draws, word), hi = dropout_word(draws, word + 1);
+#pragma unroll
+          for (int e = 2 * half; e < 2 * half + 2; ++e) {
+            s_acc[2 * c][e] = dropout_half_kept(lo, e % 2, DROPOUT_THRESHOLD) ? s_acc[2 * c][e] * KEEP_SCALE : 0.f;
+            s_acc[2 * c + 1][e] = dropout_half_kept(hi, e % 2, DROPOUT_THRESHOLD) ? s_acc[2 * c + 1][e] * KEEP_SCALE : 0.f;
+          }
+        }
       }
     }
 

@@ -172,21 +172,22 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_bf16_blocksparse
       rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
       row_max[half] = m_new;
       row_sum[half] *= rescale[half];
-      const int row = warp_row0 + group + half * 8;
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
+        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
         row_sum[half] += p0 + p1;
-        if (HAS_DROPOUT) {
-          const int col = col0 + t * 8 + quad * 2;
-          const uint4 draw = dropout_draws(args, bh, row, col);  // one draw serves this thread's 2 columns
-          const unsigned w0 = (col & 2) ? draw.z : draw.x, w1 = (col & 2) ? draw.w : draw.y;
-          p0 = dropout_word_kept(w0, DROPOUT_THRESHOLD) ? p0 * KEEP_SCALE : 0.f;
-          p1 = dropout_word_kept(w1, DROPOUT_THRESHOLD) ? p1 * KEEP_SCALE : 0.f;
-        }
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;
+      }
+    }
+    // dropout(P~), after l took P~ itself: one Philox call per 16 x 16 patch (n-tiles 2c, 2c + 1; col0
+    // and warp_row0 are multiples of 16, as the patches need)
+    if (HAS_DROPOUT) {
+#pragma unroll
+      for (int c = 0; c < S_TILES / 2; ++c) {
+        const uint4 draws = dropout_draws(args, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
+        dropout_accumulator_pair(s_acc[2 * c], s_acc[2 * c + 1], draws, DROPOUT_THRESHOLD, KEEP_SCALE);
       }
     }
   };
@@ -481,6 +482,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
         }
     }
 
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
+                                                                                    DROPOUT_THRESHOLD) : 0ull;
+
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
 #pragma unroll
@@ -491,7 +496,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
         const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {
-          const float keep = dropout_keep(args, bh, row0 + r, warp_col0 + group + (e / 2) * 8, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
+          const float keep = (kept >> (4 * n + e)) & 1 ? KEEP_SCALE : 0.f;
           dp *= keep;
           s_acc[n][e] = p * keep;
         } else {

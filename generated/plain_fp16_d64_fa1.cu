@@ -377,6 +377,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
         }
     }
 
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
+                                                                                    DROPOUT_THRESHOLD) : 0ull;
+
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
 #pragma unroll
@@ -387,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
         const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {
-          const float keep = dropout_keep(args, bh, row0 + r, warp_col0 + group + (e / 2) * 8, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
+          const float keep = (kept >> (4 * n + e)) & 1 ? KEEP_SCALE : 0.f;
           dp *= keep;
           s_acc[n][e] = p * keep;
         } else {

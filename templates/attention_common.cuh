@@ -167,23 +167,76 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
   return counter;
 }
 
-// The four 32-bit draws of columns (col & ~3) .. (col | 3) of one row: word (col & 3) is col's.
+// The random stream is laid out in patches that match the m16n8 accumulator layouts (the PTX ISA's: a
+// thread holds rows g, g + 8 of a 16-row slab and columns 2t, 2t + 1 of each 8-column tile), so that
+// one Philox call serves 8 elements of the forward's fragments and 4 of the backward's (transposed)
+// ones instead of one per element: Philox is what a dropout kernel spends its time on.
+// A patch is rows {i, i + 8} x columns {j0, j0 + 1, j0 + 8, j0 + 9} (i & 8 == 0, j0 & 9 == 0) of an
+// aligned 16 x 16 square; its call's word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds the row's pair of
+// columns j0 + (j & 8), 16 bits each (column j in half j & 1). fagen/reference.py: dropout_bits.
 __device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long long bh, int row, int col) {
-  const uint4 counter = make_uint4((unsigned)col >> 2, (unsigned)row, (unsigned)bh, (unsigned)args.offset);
+  const unsigned row_patch = ((unsigned)row >> 4) * 8 + ((unsigned)row & 7);
+  const unsigned col_patch = ((unsigned)col >> 4) * 4 + (((unsigned)col >> 1) & 3);
+  const uint4 counter = make_uint4(col_patch, row_patch, (unsigned)bh, (unsigned)args.offset);
   const uint2 key = make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32));
   return philox4x32_10(counter, key);
 }
 
-// Kept iff the element's 32-bit draw is >= threshold = floor(p * 2^32). The threshold is a parameter,
-// not the templates' constant, so that a spec without dropout (threshold 0) compiles without nvcc's
-// "pointless comparison" warning in code that HAS_DROPOUT switches off anyway.
-__device__ __forceinline__ bool dropout_word_kept(unsigned word, unsigned threshold) { return word >= threshold; }
+// Word `word` of a patch's draws (a compile-time index in the unrolled loops, so the choice folds away).
+__device__ __forceinline__ unsigned dropout_word(const uint4& draws, int word) {
+  return word == 0 ? draws.x : word == 1 ? draws.y : word == 2 ? draws.z : draws.w;
+}
 
+// Kept iff the 16-bit draw in half `half` of `word` (0: low bits) is >= threshold = floor(p * 2^16).
+// The threshold is a parameter, not the templates' constant, so that a spec without dropout
+// (threshold 0) compiles without nvcc's "pointless comparison" warning in code that HAS_DROPOUT
+// switches off anyway.
+__device__ __forceinline__ bool dropout_half_kept(unsigned word, int half, unsigned threshold) {
+  return ((word >> (16 * half)) & 0xFFFFu) >= threshold;
+}
+
+// One element's decision, a whole Philox call for it: the SIMT templates and the split-KV decode.
 __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long long bh, int row, int col,
                                              unsigned threshold) {
-  const uint4 draw = dropout_draws(args, bh, row, col);
-  const unsigned word = (col & 3) == 0 ? draw.x : (col & 3) == 1 ? draw.y : (col & 3) == 2 ? draw.z : draw.w;
-  return dropout_word_kept(word, threshold);
+  const uint4 draws = dropout_draws(args, bh, row, col);
+  return dropout_half_kept(dropout_word(draws, ((row >> 3) & 1) * 2 + ((col >> 3) & 1)), col & 1, threshold);
+}
+
+// Dropout of one thread's share of a 16 x 16 patch of m16n8 accumulators: n-tiles `lo` (columns
+// 16c .. 16c + 7) and `hi` (16c + 8 .. 16c + 15) of a 16-row slab, whose element e is row g + 8 (e / 2),
+// column 2t + e % 2. `draws` = dropout_draws(row g, column 16c + 2t): that is the whole patch.
+__device__ __forceinline__ void dropout_accumulator_pair(float (&lo)[4], float (&hi)[4], const uint4& draws,
+                                                         unsigned threshold, float keep_scale) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    const int word = (e / 2) * 2;   // rows g + 8 are words 2, 3; the hi tile's columns are words 1, 3
+    lo[e] = dropout_half_kept(dropout_word(draws, word), e % 2, threshold) ? lo[e] * keep_scale : 0.f;
+    hi[e] = dropout_half_kept(dropout_word(draws, word + 1), e % 2, threshold) ? hi[e] * keep_scale : 0.f;
+  }
+}
+
+// The dropout decisions of one thread's share of the backward's transposed m16n8 accumulators
+// (S^T of 16 keys x 8 * R_TILES queries; element e of n-tile n is key key0 + group + 8 (e / 2), query
+// row0 + 8 n + 2 quad + e % 2), as bit 4 n + e. A patch is queries q, q + 8 (n-tiles 2c, 2c + 1) x keys
+// group, group + 8: one Philox call for 4 elements, words 0 .. 3 all in half group & 1 (row0 and key0
+// are multiples of 16). A bit mask, and a loop that is not unrolled, because the backward runs at the
+// edge of its registers: unrolled, ptxas interleaves the Philox calls and spills.
+template <int R_TILES>
+__device__ __forceinline__ unsigned long long dropout_transposed_mask(const AttentionArgs& args, long long bh, int row0,
+                                                                      int key0, int group, int quad, unsigned threshold) {
+  static_assert(4 * R_TILES <= 64, "one bit per element");
+  unsigned long long kept = 0;
+#pragma unroll 1
+  for (int pair = 0; pair < R_TILES; ++pair) {   // n-tiles 2c, 2c + 1, queries 2 quad + col
+    const int c = pair / 2, col = pair % 2;
+    const uint4 draws = dropout_draws(args, bh, row0 + c * 16 + quad * 2 + col, key0 + group);
+    unsigned bits = 0;   // word w is n-tile 2c + w / 2, element 2 (w % 2) + col: bit 8c + col + 2w
+#pragma unroll
+    for (int word = 0; word < 4; ++word)
+      bits |= (unsigned)dropout_half_kept(dropout_word(draws, word), group & 1, threshold) << (2 * word);
+    kept |= (unsigned long long)bits << (8 * c + col);
+  }
+  return kept;
 }
 
 // ---- masks ---------------------------------------------------------------------------------

@@ -314,7 +314,8 @@ def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generat
     ({"kwargs": {"s_aux": torch.zeros(2)}}, "s_aux"),
     ({"kwargs": {"position_bias": torch.zeros(1, 2, 8, 8)}}, "position_bias"),
     ({"dropout": 1.0}, "dropout"),
-], ids=["head-dim-264", "float64", "output-attentions", "sinks", "position-bias", "dropout-1"])
+    ({"dropout": 1e-6}, "dropout"),   # below the 16-bit draws' resolution: it would drop nothing
+], ids=["head-dim-264", "float64", "output-attentions", "sinks", "position-bias", "dropout-1", "dropout-1e-6"])
 def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reason):
     q, k, v = qkv(head_dim=case.get("head_dim", 32), dtype=case.get("dtype", torch.float32))
     kwargs = case.get("kwargs", {})

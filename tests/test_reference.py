@@ -102,22 +102,43 @@ def test_philox_rejects_words_that_are_not_uint32():
 # ---- dropout ---------------------------------------------------------------------------------
 def test_dropout_threshold():
     assert dropout_threshold(0.0) == 0
-    assert dropout_threshold(0.5) == 2**31
-    assert dropout_threshold(0.1) == int(0.1 * 2**32) == 429496729
+    assert dropout_threshold(0.5) == 2**15
+    assert dropout_threshold(0.1) == int(0.1 * 2**16) == 6553
+    assert dropout_threshold(2**-16) == 1
+    for p in (0.1, 0.37, 0.9, 1 - 2**-20):  # p is applied as floor(p * 2**16) / 2**16
+        assert 0 <= p - dropout_threshold(p) / 2**16 < 2**-16 < 1.6e-5
     for bad in (1.0, -0.01, 1.5):
         with pytest.raises(ValueError):
             dropout_threshold(bad)
 
 
-def test_dropout_bits_follow_the_counter_layout():
-    """Element (b, h, i, j): counter (j//4, i, b*H + h, offset), key (seed lo, seed hi), lane j % 4."""
-    seed, offset, H = 0x0123456789ABCDEF, 2**32 + 5, 3
-    b, h, i, j = 1, 2, 7, 10
-    lanes = philox4x32_10(np.array([j // 4, i, b * H + h, offset % 2**32], dtype=np.uint32),
-                          np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32))
-    assert dropout_bits(seed, offset, H, b, h, i, j) == lanes[j % 4]
-    mask = dropout_keep_mask(seed, offset, 2, H, 8, 12, 0.37)
-    assert mask[b, h, i, j] == (lanes[j % 4] >= dropout_threshold(0.37))
+def test_dropout_bits_follow_the_patch_layout():
+    """Element (b, h, i, j): counter (col_patch, row_patch, b*H + h, offset), key (seed lo, seed hi),
+    word 2 ((i >> 3) & 1) + ((j >> 3) & 1), half j & 1; rows i, i + 8 and columns j0, j0 + 1, j0 + 8, j0 + 9
+    of an aligned 16 x 16 square share the call."""
+    seed, offset, H, b, h, threshold = 0x0123456789ABCDEF, 2**32 + 5, 3, 1, 2, dropout_threshold(0.37)
+    mask = dropout_keep_mask(seed, offset, 2, H, 48, 48, 0.37)
+    for i0, j0 in ((0, 0), (5, 2), (23, 36), (16 + 7, 16 + 6)):   # (i & 8, j & 9) == 0: a patch's corner
+        row_patch, col_patch = (i0 >> 4) * 8 + (i0 & 7), (j0 >> 4) * 4 + ((j0 >> 1) & 3)
+        lanes = philox4x32_10(np.array([col_patch, row_patch, b * H + h, offset % 2**32], dtype=np.uint32),
+                              np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32))
+        for word, (di, dj) in enumerate(((0, 0), (0, 8), (8, 0), (8, 8))):
+            for half in (0, 1):
+                i, j = i0 + di, j0 + dj + half
+                draw = (int(lanes[word]) >> (16 * half)) & 0xFFFF
+                assert dropout_bits(seed, offset, H, b, h, i, j) == draw, (i, j)
+                assert mask[b, h, i, j] == (draw >= threshold)
+
+
+@pytest.mark.parametrize("B, H, Nq, Nk, first_batch", [(2, 3, 37, 45, 0), (1, 2, 1, 17, 3), (1, 1, 16, 16, 0),
+                                                       (2, 1, 9, 1, 1)])
+def test_dropout_keep_mask_is_dropout_bits_elementwise(B, H, Nq, Nk, first_batch):
+    seed, offset, p = 0xFEDCBA987654321, 11, 0.3
+    b, h, i, j = np.meshgrid(np.arange(B) + first_batch, np.arange(H), np.arange(Nq), np.arange(Nk), indexing="ij")
+    draws = dropout_bits(seed, offset, H, b, h, i, j)
+    assert draws.max() < 2**16
+    assert np.array_equal(dropout_keep_mask(seed, offset, B, H, Nq, Nk, p, first_batch),
+                          draws >= dropout_threshold(p))
 
 
 @pytest.mark.parametrize("p", [0.1, 0.5, 0.9])
@@ -125,11 +146,15 @@ def test_dropout_keep_rate(p):
     keep = dropout_keep_mask(seed=1234, offset=7, B=2, H=4, Nq=128, Nk=130, p=p)
     assert keep.dtype == bool and keep.shape == (2, 4, 128, 130)
     n = keep.size
+    p_applied = dropout_threshold(p) / 2**16
     sigma = math.sqrt(p * (1 - p) / n)
-    assert abs(keep.mean() - (1 - p)) < 6 * sigma
-    # no structure by column lane or by row: each quarter of the columns and rows keeps ~1-p too
-    for lane in range(4):
-        assert abs(keep[..., lane::4].mean() - (1 - p)) < 6 * 2 * sigma
+    assert abs(keep.mean() - (1 - p_applied)) < 6 * sigma
+    # no structure by position in a patch (word, half) or by row: each part keeps ~1-p too
+    for i8 in (0, 8):
+        for j8 in (0, 8):
+            for half in (0, 1):
+                rows, cols = (np.arange(128) & 8) == i8, (np.arange(130) & 9) == (j8 | half)
+                assert abs(keep[:, :, rows][..., cols].mean() - (1 - p_applied)) < 6 * 3 * sigma
     assert abs(keep[:, :, ::2].mean() - keep[:, :, 1::2].mean()) < 6 * 2 * sigma
 
 

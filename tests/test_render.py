@@ -19,7 +19,7 @@ from fagen import render as rendering
 from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbols, render, template_context
 from fagen.solver import FAMILIES, InfeasibleSpec, Plan, family_plans, solve
 from fagen.target import target_for
-from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, Spec, load_specs
+from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec, load_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "generated"
@@ -78,7 +78,7 @@ def spec_fields(draw) -> dict:
         "dtype": draw(st.sampled_from(DTYPES)),
         "mask": draw(st.sampled_from(MASKS)),
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
-        "dropout": draw(st.one_of(st.just(0.0), st.floats(0.0, 0.9))),
+        "dropout": draw(st.one_of(st.just(0.0), st.floats(MIN_DROPOUT, 0.9))),
         "softmax_scale": draw(st.one_of(st.none(), st.floats(1e-3, 10.0))),
         "sram_budget": draw(st.one_of(st.none(), st.integers(16_384, 240_000), st.sampled_from(["48KiB", "96KB"]))),
         "tile_policy": draw(st.sampled_from(("auto", "auto", "paper"))),
@@ -156,7 +156,7 @@ FIELD_VALUES = {
     "mask": st.sampled_from(MASKS),
     "window": st.integers(1, 4096),
     "block_size": st.sampled_from([16, 32, 64, 128, 256]),
-    "dropout": st.floats(0.0, 0.99),
+    "dropout": st.just(0.0) | st.floats(MIN_DROPOUT, 0.99),
     "softmax_scale": st.one_of(st.none(), st.floats(1e-4, 100.0)),
     "loop_order": st.sampled_from(LOOP_ORDERS),
     "sram_budget": st.one_of(st.none(), st.integers(1, 1 << 20), st.integers(1, 256).map(lambda k: f"{k}KiB")),

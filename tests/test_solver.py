@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fagen import solver
 from fagen.solver import Bc, Br, InfeasibleSpec, Plan, W, d, solve
-from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, PASSES, Spec
+from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec
 from fagen.target import TARGETS, target_for
 
 REGISTER_CEILING = 255
@@ -39,7 +39,7 @@ def spec_fields(draw, policy=None, passes=None, mask=None) -> dict:
         "dtype": draw(st.sampled_from(DTYPES)),
         "mask": mask or draw(st.sampled_from(MASKS)),
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
-        "dropout": draw(st.one_of(st.just(0.0), st.floats(0.0, 0.9))),
+        "dropout": draw(st.one_of(st.just(0.0), st.floats(MIN_DROPOUT, 0.9))),
         "sram_budget": draw(budgets),
         "tile_policy": policy or draw(st.sampled_from(("paper", "auto"))),
         "arch": draw(st.sampled_from(ARCHS)),

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fagen.spec import (ARCHS, DTYPES, LAYOUTS, LOOP_ORDERS, MASKS, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
+from fagen.spec import (ARCHS, DTYPES, LAYOUTS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
                         load_specs, parse_bytes, spec_from_dict)
 
 EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples").glob("*.yaml"))
@@ -88,6 +88,7 @@ BAD_FIELDS = [
     ("head_dim: 64\npasses: [fwd]", "passes", ["fwd", *PASSES]),
     ("head_dim: 64\ndropout: 1.0", "dropout", ["1.0", "[0, 1)"]),
     ("head_dim: 64\ndropout: -0.5", "dropout", ["-0.5", "[0, 1)"]),
+    ("head_dim: 64\ndropout: 1.0e-6", "dropout", ["1e-06", "2**-16"]),
     ("head_dim: 64\nsoftmax_scale: -1", "softmax_scale", ["-1", "positive"]),
     ("head_dim: 64\nsram_budget: lots", "sram_budget", ["lots", "48KiB"]),
     ("head_dim: 64\nname: 1bad", "name", ["1bad", "identifier"]),
@@ -175,7 +176,7 @@ def spec_fields(draw) -> dict:
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
         "tile_policy": draw(st.sampled_from(TILE_POLICIES)),
         "arch": draw(st.sampled_from(ARCHS)),
-        "dropout": draw(st.just(0.0) | st.sampled_from([0.1, 0.2, 0.5]) | st.floats(0, 1, exclude_max=True)),
+        "dropout": draw(st.just(0.0) | st.sampled_from([0.1, 0.2, 0.5]) | st.floats(MIN_DROPOUT, 1, exclude_max=True)),
         "softmax_scale": draw(st.none() | st.floats(1e-3, 1e3)),
         "sram_budget": draw(st.none() | st.integers(1, 1 << 18)),
     }

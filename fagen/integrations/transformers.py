@@ -35,6 +35,7 @@ from transformers.masking_utils import AttentionMaskInterface, causal_mask_funct
 from transformers.utils.import_utils import is_tracing
 
 import fagen.torch as fagen_torch
+from fagen.spec import MIN_DROPOUT
 
 NAME = "fagen"
 #: Device types fagen's kernels run on; tensors elsewhere take the SDPA path.
@@ -171,8 +172,8 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
         return f"head dims q {head_dim}, k {key.shape[-1]}, v {value.shape[-1]} (fagen: one d from 1 to 256)"
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} KV heads (not a multiple)"
-    if not 0.0 <= dropout < 1.0:
-        return f"dropout {dropout} (fagen: a probability in [0, 1))"
+    if not (dropout == 0.0 or MIN_DROPOUT <= dropout < 1.0):
+        return f"dropout {dropout} (fagen: 0 or a probability in [2**-16, 1))"
     return None
 
 
