@@ -1,6 +1,7 @@
 # Device call for issue 13 (no slow corners): precompile, the GPU tests of the new plans (`tests`: the
 # backward property tests, packed, modifiers, GQA), `all` (the whole GPU suite + sanitizers), `bench`
-# (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex).
+# (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex),
+# `bench-dropout` (its dropout rows only).
 source dev/gpu/device_prelude.sh
 python3 -c "
 import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
@@ -25,6 +26,10 @@ for step in "$@"; do
   if [ "$step" = bench ]; then
     echo "== bench corners"
     timeout 400 python3 -m fagen.bench corners --json "$OUT/corners.json" 2>&1 | tail -30
+  fi
+  if [ "$step" = bench-dropout ]; then
+    echo "== bench corners (dropout rows)"
+    timeout 200 python3 -m fagen.bench corners --only drop --json "$OUT/corners_dropout.json" 2>&1 | tail -8
   fi
 done
 save_cache
