@@ -109,7 +109,8 @@ FAMILIES: tuple[Family, ...] = (
            # the tensor cores read K_j, V_j once per warpgroup and Q_g once per K/V block
            smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
-           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=56, min_block_c=64, max_block_c=128,
+           # dropout: 8 registers (ptxas at d = 64, 128: 112-224 registers, no spills, with the 16-bit draws)
+           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
            packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
            modifier_registers=4,  # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64, archs=("sm_90",),
@@ -145,7 +146,8 @@ FAMILIES: tuple[Family, ...] = (
            # 64 x d over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
            registers=d + Br + Br * d / (32 * W) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
-           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
+           # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
+           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=4,
            packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
            modifier_registers=0,  # the template's only plan at d = 128: soft-capping spills 32 B there
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
@@ -169,10 +171,10 @@ FAMILIES: tuple[Family, ...] = (
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16, keys_per_warp=16, deterministic=False,
            rules=(_DQ_TILES_OVER_WARPS,)),
-    # The same loop order for head dims whose dK, dV do not fit one warp's registers (d >= 192): the W / (Bc/16)
-    # warps of a 16-key slab split the queries of S^T and the dims of dK, dV; P_drop^T and dS^T go through
-    # shared memory (Bc x Br each) to the warps that hold the other dims. A fallback: ranked after the
-    # families that keep S^T in the registers that use it.
+    # The same loop order for head dims whose dK, dV do not fit one warp's registers (d >= 160): the W / (Bc/16)
+    # warps of a 16-key slab split the queries of S^T; dK, dV are split by dims over the warps of 16 or 32
+    # keys (the template's KV_M); P_drop^T and dS^T go through shared memory (Bc x Br each) from one layout
+    # to the other. A fallback: ranked after the families that keep S^T in the registers that use it.
     Family("backward_fa2_mma_wide", "backward_fa2_mma_wide.cu.j2", ("backward",),
            smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + 2 * Bc * (Br + 8)),
            # dK, dV (16 keys x d/SPLIT each) + S^T, dP^T (16 keys x Br/SPLIT each) over 32 lanes, SPLIT = 16W/Bc,

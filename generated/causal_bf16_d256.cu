@@ -263,14 +263,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
 // FlashAttention-2 backward on tensor cores (mma.sync m16n8k16, fp32 accumulation) for large head dims.
 // K_j, V_j blocks OUTER (one block of threads each), Q row blocks inner, as in backward_fa2_mma.cu.j2.
 // There one warp holds all d columns of its 16 keys' dK and dV: 2 x 16 x d fp32 over 32 lanes, which at
-// d = 256 is the whole register file. Here the warps that share a slab of 16 keys split the head dim of
-// dK, dV between them (SPLIT warps per slab), so that no thread holds more than 2 x 16 x d / SPLIT.
-// The scores are still computed transposed, one slab of keys per warp, the SPLIT warps of a slab taking
-// a share of the queries each; P^T and dS^T then go through shared memory to reach the warps that
-// accumulate the other dims:
+// d = 256 is the whole register file. Here the block's keys and dims are shared out twice over:
+// - the scores, transposed as there: one slab of 16 keys per warp, the SPLIT warps of a slab taking a
+//   share of the queries each;
+// - dK, dV: KV_M slabs of 16 keys per warp (two where the dims split evenly: each fragment of Q, dO read
+//   from shared memory then feeds twice the MMAs), the KV_SPLIT warps of those keys taking a share of
+//   the dims each, so that no thread holds more than 2 x 16 x d / SPLIT accumulators.
+// P_drop^T and dS^T go from the first layout to the second through shared memory:
 //   S^T = K_w Q_i^T,  P^T = exp(tau S^T - LSE_i),  dP^T = V_w dO_i^T,  dS^T = P^T o (dP^T o Z - D_i)
 //        (the warp's 16 keys x BLOCK_R / SPLIT queries, in registers, then P_drop^T, dS^T to shared memory)
-//   dV_w += P_drop^T dO_i,  dK_w += tau dS^T Q_i   (the warp's 16 keys x HEAD_DIM / SPLIT dims)
+//   dV_w += P_drop^T dO_i,  dK_w += tau dS^T Q_i   (the warp's 16 KV_M keys x HEAD_DIM / KV_SPLIT dims)
 //   dQ_i += tau dS K_j                              (fp32 atomics, a few 8-dim tiles at a time)
 // Q_i, dO_i, LSE_i and D_i arrive by cp.async into two stages, so block i+1 loads while i computes.
 #include "tensor_core.cuh"
@@ -285,7 +287,12 @@ constexpr int WARPS = THREADS / 32;
 constexpr int KEY_SLABS = BLOCK_C / 16;
 constexpr int SPLIT = WARPS / KEY_SLABS;            // warps per key slab
 constexpr int WARP_ROWS = BLOCK_R / SPLIT;          // queries of a warp's S^T
-constexpr int WARP_DIMS = HEAD_DIM / SPLIT;         // dims of a warp's dK, dV
+// dK, dV: KV_M slabs of 16 keys per warp (2 where the dims still split into pairs of 8-wide tiles)
+constexpr int KV_M = BLOCK_C % 32 == 0 && WARPS % (BLOCK_C / 32) == 0 &&
+                     (HEAD_DIM / (WARPS / (BLOCK_C / 32))) % 16 == 0 ? 2 : 1;
+constexpr int KV_SLABS = BLOCK_C / (16 * KV_M);
+constexpr int KV_SPLIT = WARPS / KV_SLABS;          // warps per KV_M slabs of keys
+constexpr int WARP_DIMS = HEAD_DIM / KV_SPLIT;      // dims of a warp's dK, dV
 constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
 constexpr int P_PITCH = BLOCK_R + 8;
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d (S^T, dP^T)
@@ -295,7 +302,7 @@ constexpr int D_TILES = WARP_DIMS / 8;              // n-tiles of the warp's dK,
 constexpr int Q_SLABS = BLOCK_R / 16;
 constexpr int DQ_M = Q_SLABS > WARPS ? Q_SLABS / WARPS : 1;
 constexpr int DQ_N = HEAD_DIM / 8 / (WARPS > Q_SLABS ? WARPS / Q_SLABS : 1);
-constexpr int DQ_CHUNK = DQ_N % 4 == 0 ? 4 : 2;
+constexpr int DQ_CHUNK = DQ_N % 8 == 0 ? 8 : DQ_N % 4 == 0 ? 4 : 2;
 constexpr float SCALE = 6.250000000e-02f;
 constexpr float SCALE_LOG2 = 9.016844006e-02f;
 constexpr float LOG2E = 1.4426950408889634f;
@@ -309,7 +316,8 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C % 16 == 0 && WARPS % KEY_SLABS == 0, "whole slabs of 16 keys, the same number of warps each");
-static_assert(WARP_ROWS % 16 == 0 && D_TILES % 2 == 0, "each warp's queries and dims in pairs of 8-wide tiles");
+static_assert(WARP_ROWS % 16 == 0 && D_TILES % 2 == 0 && WARPS % KV_SLABS == 0,
+              "each warp's queries and dims in pairs of 8-wide tiles");
 static_assert(HEAD_DIM % 16 == 0 && BLOCK_R % 16 == 0, "tensor-core tile multiples");
 static_assert(DQ_M * DQ_N * WARPS * 16 * 8 == BLOCK_R * HEAD_DIM && DQ_N % DQ_CHUNK == 0, "dQ tiles split evenly over warps");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
@@ -344,7 +352,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const Tiles t(shared_raw);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
-  const int slab = warp % KEY_SLABS, part = warp / KEY_SLABS;      // the warp's 16 keys; its share of queries / dims
+  const int slab = warp % KEY_SLABS, part = warp / KEY_SLABS;      // scores: the warp's 16 keys, its share of queries
+  const int kv_slab = warp % KV_SLABS, kv_part = warp / KV_SLABS;  // dK, dV: the warp's 16 KV_M keys, its share of dims
   const Problem<PACKED> problem(args, blockIdx.y);
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
@@ -385,11 +394,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
 
-  float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // keys group, group + 8 of the slab; dims part * WARP_DIMS ..
+  float dk_acc[KV_M][D_TILES][4], dv_acc[KV_M][D_TILES][4];  // keys 16 m + group (+ 8), dims kv_part * WARP_DIMS ..
 #pragma unroll
-  for (int n = 0; n < D_TILES; ++n)
+  for (int m = 0; m < KV_M; ++m)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
+    for (int n = 0; n < D_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dk_acc[m][n][e] = dv_acc[m][n][e] = 0.f;
 
   // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
   constexpr int E = sizeof(elem_t);
@@ -397,8 +408,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const unsigned v_warp = tc::shared_address(t.v) + (slab * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;    // A: V_w
   const unsigned b_pair = (tc::b_pair_lane_offset(lane, PITCH) + part * WARP_ROWS * PITCH) * E;                 // B: the warp's Q, dO rows
   const unsigned b_pair_trans = tc::b_pair_trans_lane_offset(lane, PITCH) * E;
-  const unsigned p_warp = tc::shared_address(t.p) + (slab * 16 * P_PITCH + tc::a_lane_offset(lane, P_PITCH)) * E;  // A: P_drop^T
-  const unsigned ds_warp = tc::shared_address(t.ds) + (slab * 16 * P_PITCH + tc::a_lane_offset(lane, P_PITCH)) * E; // A: dS^T
+  const unsigned kv_rows = (kv_slab * KV_M * 16 * P_PITCH + tc::a_lane_offset(lane, P_PITCH)) * E;
+  const unsigned p_warp = tc::shared_address(t.p) + kv_rows;                                                    // A: P_drop^T
+  const unsigned ds_warp = tc::shared_address(t.ds) + kv_rows;                                                  // A: dS^T
   const unsigned k_trans = tc::shared_address(t.k) + b_pair_trans;                                               // B: K_j
   const unsigned ds_trans = tc::shared_address(t.ds) + tc::b_pair_lane_offset(lane, P_PITCH) * E;               // A: dS
   int stage = 0;
@@ -506,19 +518,28 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     // dV_w += P_drop^T dO_i and dK_w += dS^T Q_i over the warp's dims: A from the key rows of P^T / dS^T
 #pragma unroll
     for (int kk = 0; kk < BLOCK_R / 16; ++kk) {
-      unsigned p_frag[4], ds_frag[4];
-      tc::ldmatrix_x4(p_frag, p_warp + kk * 16 * E);
-      tc::ldmatrix_x4(ds_frag, ds_warp + kk * 16 * E);
+      unsigned p_frag[KV_M][4], ds_frag[KV_M][4];
+#pragma unroll
+      for (int m = 0; m < KV_M; ++m) {
+        tc::ldmatrix_x4(p_frag[m], p_warp + (m * 16 * P_PITCH + kk * 16) * E);
+        tc::ldmatrix_x4(ds_frag[m], ds_warp + (m * 16 * P_PITCH + kk * 16) * E);
+      }
 #pragma unroll
       for (int pair = 0; pair < D_TILES / 2; ++pair) {
-        const unsigned b_offset = b_pair_trans + (kk * 16 * PITCH + part * WARP_DIMS + pair * 16) * E;
+        const unsigned b_offset = b_pair_trans + (kk * 16 * PITCH + kv_part * WARP_DIMS + pair * 16) * E;
         unsigned dof[4], qf[4];
         tc::ldmatrix_x4_trans(dof, do_tile + b_offset);
-        tc::mma_16x8x16<elem_t>(dv_acc[2 * pair], p_frag, dof[0], dof[1]);
-        tc::mma_16x8x16<elem_t>(dv_acc[2 * pair + 1], p_frag, dof[2], dof[3]);
+#pragma unroll
+        for (int m = 0; m < KV_M; ++m) {
+          tc::mma_16x8x16<elem_t>(dv_acc[m][2 * pair], p_frag[m], dof[0], dof[1]);
+          tc::mma_16x8x16<elem_t>(dv_acc[m][2 * pair + 1], p_frag[m], dof[2], dof[3]);
+        }
         tc::ldmatrix_x4_trans(qf, q_tile + b_offset);
-        tc::mma_16x8x16<elem_t>(dk_acc[2 * pair], ds_frag, qf[0], qf[1]);
-        tc::mma_16x8x16<elem_t>(dk_acc[2 * pair + 1], ds_frag, qf[2], qf[3]);
+#pragma unroll
+        for (int m = 0; m < KV_M; ++m) {
+          tc::mma_16x8x16<elem_t>(dk_acc[m][2 * pair], ds_frag[m], qf[0], qf[1]);
+          tc::mma_16x8x16<elem_t>(dk_acc[m][2 * pair + 1], ds_frag[m], qf[2], qf[3]);
+        }
       }
     }
 
@@ -580,18 +601,20 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   elem_t* dk = problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = warp_col0 + group + half * 8;
-    if (key >= seq_k) continue;
+  for (int m = 0; m < KV_M; ++m)
 #pragma unroll
-    for (int n = 0; n < D_TILES; ++n) {
-      const int dim = part * WARP_DIMS + n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
-                                       dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
+    for (int half = 0; half < 2; ++half) {
+      const int key = col0 + (kv_slab * KV_M + m) * 16 + group + half * 8;
+      if (key >= seq_k) continue;
+#pragma unroll
+      for (int n = 0; n < D_TILES; ++n) {
+        const int dim = kv_part * WARP_DIMS + n * 8 + quad * 2;
+        tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[m][n][2 * half] * SCALE,
+                                         dk_acc[m][n][2 * half + 1] * SCALE);
+        tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[m][n][2 * half],
+                                         dv_acc[m][n][2 * half + 1]);
+      }
     }
-  }
 }
 
 // ---- fagen_bwd_d256_bf16_causal_fa2_sm90_br64_bc64_w8_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
