@@ -1,7 +1,7 @@
 # Device call for issue 13 (no slow corners): precompile, the GPU tests of the new plans (`tests`: the
 # backward property tests, packed, modifiers, GQA), `all` (the whole GPU suite + sanitizers), `bench`
 # (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex),
-# `bench-dropout` (its dropout rows only).
+# `bench-dropout` (its dropout rows only). ONLY=a,b limits `bench` to the rows whose variant names have a or b.
 source dev/gpu/device_prelude.sh
 # precompile in parallel what the steps use (the test modules' specs only when tests run); the kernel cache
 # is not carried back: with every variant in it the archive is over what a device call returns
@@ -31,7 +31,7 @@ for step in "$@"; do
   fi
   if [ "$step" = bench ]; then
     echo "== bench corners"
-    timeout 400 python3 -m fagen.bench corners --json "$OUT/corners.json" 2>&1 | tail -30
+    timeout 400 python3 -m fagen.bench corners ${ONLY:+--only $ONLY} --json "$OUT/corners.json" 2>&1 | tail -30
   fi
   if [ "$step" = bench-dropout ]; then
     echo "== bench corners (dropout rows)"
