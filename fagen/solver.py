@@ -149,7 +149,9 @@ FAMILIES: tuple[Family, ...] = (
            # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=4,
            packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
-           modifier_registers=0,  # the template's only plan at d = 128: soft-capping spills 32 B there
+           # mask_mod / score_mod: 4 (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled
+           # 72 B with a bias table); at d = 128 the template's one plan stays (soft-capping spills 32 B there)
+           modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",

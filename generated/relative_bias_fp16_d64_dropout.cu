@@ -2,7 +2,7 @@
 // spec relative_bias_fp16_d64_dropout: {"arch": "sm_90", "block_size": null, "deterministic": false, "dropout": 0.1, "dtype": "fp16", "head_dim": 64, "inputs": {"bias": "float32"}, "layout": "padded", "loop_order": "fa2", "mask": "causal", "name": "relative_bias_fp16_d64_dropout", "passes": ["forward", "backward"], "score_mod": "score + bias[h, i - j]", "softmax_scale": null, "sram_budget": null, "tile_policy": "auto", "window": null}
 // plan (auto policy, sm_90, budget 232448 B):
 //   forward: forward_wgmma.cu.j2 Br=128 Bc=128 warps=8 smem=82944 B
-//   backward: backward_wgmma.cu.j2 Br=128 Bc=128 warps=8 smem=134144 B
+//   backward: backward_wgmma.cu.j2 Br=64 Bc=64 warps=4 smem=59392 B
 #include "attention_common.cuh"
 // score_mod: score + bias[h, i - j]
 // score_grad: 1
@@ -213,7 +213,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_causal_drop
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
-  auto softmax = [&](int col0, float (&rescale)[2]) {
+  auto softmax = [&](int col0, float (&rescale)[2], unsigned long long kept) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test
     // (a score_mod visits every element: S = score_mod(S), then the mask)
     const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
@@ -248,14 +248,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_causal_drop
         s_acc[t][2 * half + 1] = p1;
       }
     }
-    // dropout(P~), after l took P~ itself: one Philox call per 16 x 16 patch (n-tiles 2c, 2c + 1; col0
-    // and warp_row0 are multiples of 16, as the patches need)
+    // dropout(P~), after l took P~ itself: bit 4 t + e of `kept` (drawn ahead) is element e of n-tile t's decision
     if (HAS_DROPOUT) {
 #pragma unroll
-      for (int c = 0; c < S_TILES / 2; ++c) {
-        const uint4 draws = dropout_draws(args, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
-        dropout_accumulator_pair(s_acc[2 * c], s_acc[2 * c + 1], draws, DROPOUT_THRESHOLD, KEEP_SCALE);
-      }
+      for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s_acc[t][e] = (kept >> (4 * t + e)) & 1 ? s_acc[t][e] * KEEP_SCALE : 0.f;
     }
   };
   auto rescale_output_and_pack = [&](const float (&rescale)[2]) {  // once O's last product has landed
@@ -288,13 +286,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_causal_drop
     tc::cp_async_commit();
     issue_scores(i);
     if (i > 0) issue_output(i - 1);
+    // dropout of S_j's elements, drawn while the tensor cores work (the decisions depend on positions only):
+    // one Philox call per 16 x 16 patch (j BLOCK_C and warp_row0 are multiples of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_accumulator_mask<S_TILES>(
+        args, bh, warp_row0 + group, j * BLOCK_C, quad, DROPOUT_THRESHOLD) : 0ull;
     if (i > 0) {
       wg::wait<1>();  // S_j is done; P~_{j-1} V_{j-1} may still run
     } else {
       wg::wait<0>();
     }
     wg::fence_registers(s_acc);
-    softmax(j * BLOCK_C, rescale);
+    softmax(j * BLOCK_C, rescale, kept);
     wg::wait<0>();
     wg::fence_registers(o_acc);
     rescale_output_and_pack(rescale);
@@ -326,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_causal_drop
   }
 }
 
-// ---- fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8: made by templates/backward_wgmma.cu.j2 ----
+// ---- fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4: made by templates/backward_wgmma.cu.j2 ----
 // FlashAttention-2 backward on Hopper's warpgroup MMA (wgmma, sm_90a). K_j, V_j blocks OUTER (one
 // block of threads each, 64 keys per warpgroup, 16 per warp), Q row blocks inner. Each warpgroup
 // works on the transposed scores of its 64 keys, so that everything it accumulates stays in registers:
@@ -338,13 +340,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_causal_drop
 // Per warp, the accumulator layout is the one of templates/backward_fa2_mma.cu.j2 (16 keys per warp).
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
 #include "warpgroup_mma.cuh"
-namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config {
+namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;
 constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br query rows per step
-constexpr int BLOCK_C = 128;              // Bc = 64 keys per warpgroup
-constexpr int THREADS = 256;
+constexpr int BLOCK_R = 64;              // Br query rows per step
+constexpr int BLOCK_C = 64;              // Bc = 64 keys per warpgroup
+constexpr int THREADS = 128;
 constexpr int WARPS = THREADS / 32;
 constexpr int GROUPS = WARPS / 4;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T, dP^T)
@@ -377,12 +379,12 @@ static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
 // (dS^T Q_i), m64 x d, A from registers, B transposed; dq_product: dQ += dS K_j, both read transposed.
-__device__ __forceinline__ void scores_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
+__device__ __forceinline__ void scores_product(float (&d)[8][4], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 __device__ __forceinline__ void key_grad_product(float (&d)[8][4], const unsigned (&a)[4], unsigned long long b, int accumulate) {
@@ -402,10 +404,10 @@ __device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long 
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-}  // namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config
+}  // namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config
 
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config;
+extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config;
   using namespace fagen;
   // Shared memory (fagen/solver.py declares the same footprint): K_j, V_j, 2 stages x (Q_i, dO_i), dS^T,
   // all swizzled and 1024-byte aligned (1 KB of slack), then 2 stages of LSE_i and of D_i.
@@ -522,6 +524,14 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + k_major_step(BLOCK_C, kk), do_rows + k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements).
+    // The decisions depend on positions only, so they are drawn while the tensor cores work, except with
+    // a score_mod, whose inputs then need those registers (a bias table with dropout spilled 24 B)
+    auto draw_dropout = [&] {
+      return dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad, DROPOUT_THRESHOLD);
+    };
+    constexpr bool DRAW_EARLY = HAS_DROPOUT && !Mods::HAS_SCORE;
+    unsigned long long kept = DRAW_EARLY ? draw_dropout() : 0ull;
     wg::wait<0>();
     wg::fence_registers(s_acc);
     wg::fence_registers(dp_acc);
@@ -549,9 +559,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
-                                                                                    DROPOUT_THRESHOLD) : 0ull;
+    if (HAS_DROPOUT && !DRAW_EARLY) kept = draw_dropout();
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
@@ -652,11 +660,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop
   }
 }
 
-// ---- fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
+// ---- fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
 // The small kernels every backward template launches around its main kernel.
 // D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_delta(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_delta(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config;
   using namespace fagen;
   const long long row = (long long)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -671,8 +679,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop
 }
 
 // dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_dq_convert(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_dq_convert(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config;
   using namespace fagen;
   const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
@@ -685,8 +693,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop
 
 // Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which
 // the main kernel wrote into the dk/dv workspace. Added in fp32; one thread per output element.
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_kv_group_sum(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br128_bc128_w8_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_kv_group_sum(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7_br64_bc64_w4_config;
   using namespace fagen;
   const long long kv_heads = args.heads / args.kv_group;
   const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;

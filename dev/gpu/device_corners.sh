@@ -1,11 +1,13 @@
 # Device call for issue 13 (no slow corners): precompile, the GPU tests of the new plans (`tests`: the
 # backward property tests, packed, modifiers, GQA), `all` (the whole GPU suite + sanitizers), `bench`
 # (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex),
-# `bench-dropout` (its dropout rows only). ONLY=a,b limits `bench` to the rows whose variant names have a or b.
+# `dropout-tests` (the GPU tests with dropout), `bench-dropout` (the bench's dropout rows only). ONLY=a,b limits `bench` to the rows whose variant names have a or b.
 source dev/gpu/device_prelude.sh
 # precompile in parallel what the steps use (the test modules' specs only when tests run); the kernel cache
 # is not carried back: with every variant in it the archive is over what a device call returns
 case " $* " in *" tests "*|*" all "*) TEST_SPECS=1 ;; esac
+case " $* " in *" bench "*|*" tests "*|*" all "*) ;; *) SKIP_PRECOMPILE=1 ;; esac
+[ -z "${SKIP_PRECOMPILE:-}" ] && \
 TEST_SPECS=${TEST_SPECS:-} python3 -c "
 import os
 from fagen.bench.corners import CORNERS
@@ -32,6 +34,15 @@ for step in "$@"; do
   if [ "$step" = bench ]; then
     echo "== bench corners"
     timeout 400 python3 -m fagen.bench corners ${ONLY:+--only $ONLY} --json "$OUT/corners.json" 2>&1 | tail -30
+  fi
+  if [ "$step" = dropout-tests ]; then
+    echo "== pytest (dropout: bit for bit against the reference, GQA, packed, modifiers, autograd)"
+    python3 -c "
+import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m
+from fagen.runtime import precompile
+precompile([s for s in t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + v.SPECS + m.SPECS if s.dropout], jobs=16)" 2>&1 | grep -iv warn | tail -2
+    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_runtime_gpu.py tests/test_varlen_gpu.py \
+      tests/test_modifiers_gpu.py tests/test_torch_gpu.py -k "drop or grouped or seed" 2>&1 | tail -6
   fi
   if [ "$step" = bench-dropout ]; then
     echo "== bench corners (dropout rows)"
