@@ -350,14 +350,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + k_major_step(BLOCK_C, kk), do_rows + k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements).
-    // The decisions depend on positions only, so they are drawn while the tensor cores work, except with
-    // a score_mod, whose inputs then need those registers (a bias table with dropout spilled 24 B)
-    auto draw_dropout = [&] {
-      return dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad, DROPOUT_THRESHOLD);
-    };
-    constexpr bool DRAW_EARLY = HAS_DROPOUT && !Mods::HAS_SCORE;
-    unsigned long long kept = DRAW_EARLY ? draw_dropout() : 0ull;
     wg::wait<0>();
     wg::fence_registers(s_acc);
     wg::fence_registers(dp_acc);
@@ -385,7 +377,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
         }
     }
 
-    if (HAS_DROPOUT && !DRAW_EARLY) kept = draw_dropout();
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
+                                                                                    DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.

@@ -251,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_bf16_causal_fa2_
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
-  auto softmax = [&](int col0, float (&rescale)[2], unsigned long long kept) {
+  auto softmax = [&](int col0, float (&rescale)[2]) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test
     // (a score_mod visits every element: S = score_mod(S), then the mask)
     const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
@@ -286,12 +286,14 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_bf16_causal_fa2_
         s_acc[t][2 * half + 1] = p1;
       }
     }
-    // dropout(P~), after l took P~ itself: bit 4 t + e of `kept` (drawn ahead) is element e of n-tile t's decision
+    // dropout(P~), after l took P~ itself: one Philox call per 16 x 16 patch (n-tiles 2c, 2c + 1; col0
+    // and warp_row0 are multiples of 16, as the patches need)
     if (HAS_DROPOUT) {
 #pragma unroll
-      for (int t = 0; t < S_TILES; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s_acc[t][e] = (kept >> (4 * t + e)) & 1 ? s_acc[t][e] * KEEP_SCALE : 0.f;
+      for (int c = 0; c < S_TILES / 2; ++c) {
+        const uint4 draws = dropout_draws(args, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
+        dropout_accumulator_pair(s_acc[2 * c], s_acc[2 * c + 1], draws, DROPOUT_THRESHOLD, KEEP_SCALE);
+      }
     }
   };
   auto rescale_output_and_pack = [&](const float (&rescale)[2]) {  // once O's last product has landed
@@ -324,17 +326,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_bf16_causal_fa2_
     tc::cp_async_commit();
     issue_scores(i);
     if (i > 0) issue_output(i - 1);
-    // dropout of S_j's elements, drawn while the tensor cores work (the decisions depend on positions only):
-    // one Philox call per 16 x 16 patch (j BLOCK_C and warp_row0 are multiples of 16, as the patches need)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_accumulator_mask<S_TILES>(
-        args, bh, warp_row0 + group, j * BLOCK_C, quad, DROPOUT_THRESHOLD) : 0ull;
     if (i > 0) {
       wg::wait<1>();  // S_j is done; P~_{j-1} V_{j-1} may still run
     } else {
       wg::wait<0>();
     }
     wg::fence_registers(s_acc);
-    softmax(j * BLOCK_C, rescale, kept);
+    softmax(j * BLOCK_C, rescale);
     wg::wait<0>();
     wg::fence_registers(o_acc);
     rescale_output_and_pack(rescale);
@@ -565,14 +563,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + k_major_step(BLOCK_C, kk), do_rows + k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements).
-    // The decisions depend on positions only, so they are drawn while the tensor cores work, except with
-    // a score_mod, whose inputs then need those registers (a bias table with dropout spilled 24 B)
-    auto draw_dropout = [&] {
-      return dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad, DROPOUT_THRESHOLD);
-    };
-    constexpr bool DRAW_EARLY = HAS_DROPOUT && !Mods::HAS_SCORE;
-    unsigned long long kept = DRAW_EARLY ? draw_dropout() : 0ull;
     wg::wait<0>();
     wg::fence_registers(s_acc);
     wg::fence_registers(dp_acc);
@@ -600,7 +590,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
         }
     }
 
-    if (HAS_DROPOUT && !DRAW_EARLY) kept = draw_dropout();
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
+                                                                                    DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.

@@ -202,40 +202,17 @@ __device__ __forceinline__ bool dropout_keep(const AttentionArgs& args, long lon
   return dropout_half_kept(dropout_word(draws, ((row >> 3) & 1) * 2 + ((col >> 3) & 1)), col & 1, threshold);
 }
 
-// Dropout of one thread's share of a 16 x 16 patch of m16n8 accumulators: n-tiles 2c (columns 16c ..
-// 16c + 7) and 2c + 1 (16c + 8 .. 16c + 15) of a 16-row slab, whose element e is row g + 8 (e / 2),
-// column 2t + e % 2. `draws` = dropout_draws(row g, column 16c + 2t): that is the whole patch; element e
-// of n-tile 2c + h is word 2 (e / 2) + h (rows g + 8 are words 2, 3), half e % 2.
-__device__ __forceinline__ bool dropout_patch_kept(const uint4& draws, int h, int e, unsigned threshold) {
-  return dropout_half_kept(dropout_word(draws, (e / 2) * 2 + h), e % 2, threshold);
-}
-
+// Dropout of one thread's share of a 16 x 16 patch of m16n8 accumulators: n-tiles `lo` (columns
+// 16c .. 16c + 7) and `hi` (16c + 8 .. 16c + 15) of a 16-row slab, whose element e is row g + 8 (e / 2),
+// column 2t + e % 2. `draws` = dropout_draws(row g, column 16c + 2t): that is the whole patch.
 __device__ __forceinline__ void dropout_accumulator_pair(float (&lo)[4], float (&hi)[4], const uint4& draws,
                                                          unsigned threshold, float keep_scale) {
 #pragma unroll
   for (int e = 0; e < 4; ++e) {
-    lo[e] = dropout_patch_kept(draws, 0, e, threshold) ? lo[e] * keep_scale : 0.f;
-    hi[e] = dropout_patch_kept(draws, 1, e, threshold) ? hi[e] * keep_scale : 0.f;
+    const int word = (e / 2) * 2;   // rows g + 8 are words 2, 3; the hi tile's columns are words 1, 3
+    lo[e] = dropout_half_kept(dropout_word(draws, word), e % 2, threshold) ? lo[e] * keep_scale : 0.f;
+    hi[e] = dropout_half_kept(dropout_word(draws, word + 1), e % 2, threshold) ? hi[e] * keep_scale : 0.f;
   }
-}
-
-// The same decisions for a whole row of S_TILES n-tiles (columns col0 .. col0 + 8 S_TILES, col0 a multiple
-// of 16), as bit 4 t + e for element e of n-tile t: drawn ahead, while the tensor cores compute the scores.
-template <int S_TILES>
-__device__ __forceinline__ unsigned long long dropout_accumulator_mask(const AttentionArgs& args, long long bh, int row,
-                                                                       int col0, int quad, unsigned threshold) {
-  static_assert(4 * S_TILES <= 64 && S_TILES % 2 == 0, "one bit per element, whole 16-column patches");
-  unsigned long long kept = 0;
-#pragma unroll
-  for (int c = 0; c < S_TILES / 2; ++c) {
-    const uint4 draws = dropout_draws(args, bh, row, col0 + c * 16 + quad * 2);
-#pragma unroll
-    for (int h = 0; h < 2; ++h)
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        kept |= (unsigned long long)dropout_patch_kept(draws, h, e, threshold) << (4 * (2 * c + h) + e);
-  }
-  return kept;
 }
 
 // The dropout decisions of one thread's share of the backward's transposed m16n8 accumulators
