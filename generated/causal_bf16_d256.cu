@@ -455,10 +455,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
       }
     }
 
-    // mask: only tiles that cross a mask edge or the end of Q / K pay for the per-element test.
-    // Element e of n-tile n is key warp_col0 + group + 8 (e / 2), query warp_row0 + 8 n + 2 quad + e % 2.
-    // A score_mod visits every element: its derivative at S (the factor dS takes) is kept, then
-    // S = score_mod(S), then the mask.
+    // ---- from S^T, dP^T to P_drop^T, dS^T: made by templates/backward_transposed_scores.cu.j2 ----
+    // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
+    // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
+    // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
+    // per-element test. A score_mod visits every element: its derivative at S (the factor dS takes) is
+    // kept, then S = score_mod(S), then the mask.
     const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k &&
                           visibility.tile_all_visible(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
@@ -489,7 +491,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = part * WARP_ROWS + n * 8 + quad * 2 + (e % 2);
+        const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
         const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {

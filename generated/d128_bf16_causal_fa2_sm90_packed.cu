@@ -284,6 +284,7 @@ constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T
 constexpr int R_STEPS = BLOCK_R / 16;               // k-steps over the queries (dV, dK)
 constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ)
 constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S^T per warp
+constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
 // dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x one 64-dim panel
 constexpr bool DQ_BY_ROWS = BLOCK_R == 64 * GROUPS;
@@ -445,6 +446,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
     const unsigned long long q_cols = q_cols0 + stage * stage_step, do_cols = do_cols0 + stage * stage_step;
     const int row0 = i * BLOCK_R;
+    const int warp_row0 = row0;                                    // every warp scores the whole row block
 
     // S^T = K_g Q_i^T and dP^T = V_g dO_i^T
     wg::fence_registers(s_acc);
@@ -459,19 +461,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     wg::fence_registers(s_acc);
     wg::fence_registers(dp_acc);
 
-    // mask: only tiles that cross a mask edge or the end of Q / K pay for the per-element test.
-    // Element e of n-tile n is key warp_col0 + group + 8 (e / 2), query row0 + 8 n + 2 quad + e % 2.
-    // A score_mod visits every element: its derivative at S (the factor dS takes) is kept, then
-    // S = score_mod(S), then the mask.
-    const bool interior = row0 + BLOCK_R <= seq_q && warp_col0 + 16 <= seq_k &&
-                          visibility.tile_all_visible(row0, BLOCK_R, warp_col0, 16);
+    // ---- from S^T, dP^T to P_drop^T, dS^T: made by templates/backward_transposed_scores.cu.j2 ----
+    // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
+    // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
+    // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
+    // per-element test. A score_mod visits every element: its derivative at S (the factor dS takes) is
+    // kept, then S = score_mod(S), then the mask.
+    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k &&
+                          visibility.tile_all_visible(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
+          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
           s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
@@ -482,9 +486,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
-                                                                                    DROPOUT_THRESHOLD) : 0ull;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements;
+    // warp_row0 is a multiple of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
+                                                                                    quad, DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
@@ -492,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = n * 8 + quad * 2 + (e % 2);
+        const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
         const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {

@@ -176,6 +176,7 @@ constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatr
 constexpr int DS_PITCH = BLOCK_R + 8;
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d (S^T, dP^T)
 constexpr int R_TILES = BLOCK_R / 8;                // n-tiles of S^T (8 queries each)
+constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // n-tiles of dK, dV, dQ (8 dims each)
 // dQ_i = dS K_j split over the warps: DQ_M 16-row slabs x DQ_N 8-dim tiles each
 constexpr int Q_SLABS = BLOCK_R / 16;
@@ -295,6 +296,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
     const float* lse_tile = t.lse + stage * BLOCK_R;
     const float* delta_tile = t.delta + stage * BLOCK_R;
     const int row0 = i * BLOCK_R;
+    const int warp_row0 = row0;                                    // every warp scores the whole row block
 
     // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: one ldmatrix of Q (dO) feeds two 8-query n-tiles
     float s_acc[R_TILES][4], dp_acc[R_TILES][4];
@@ -320,19 +322,21 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
       }
     }
 
-    // mask: only tiles that cross a mask edge or the end of Q / K pay for the per-element test.
-    // Element e of n-tile n is key warp_col0 + group + 8 (e / 2), query row0 + 8 n + 2 quad + e % 2.
-    // A score_mod visits every element: its derivative at S (the factor dS takes) is kept, then
-    // S = score_mod(S), then the mask.
-    const bool interior = row0 + BLOCK_R <= seq_q && warp_col0 + 16 <= seq_k &&
-                          visibility.tile_all_visible(row0, BLOCK_R, warp_col0, 16);
+    // ---- from S^T, dP^T to P_drop^T, dS^T: made by templates/backward_transposed_scores.cu.j2 ----
+    // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
+    // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
+    // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
+    // per-element test. A score_mod visits every element: its derivative at S (the factor dS takes) is
+    // kept, then S = score_mod(S), then the mask.
+    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k &&
+                          visibility.tile_all_visible(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int row = row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
+          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
           s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
@@ -343,9 +347,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, row0, warp_col0, group, quad,
-                                                                                    DROPOUT_THRESHOLD) : 0ull;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements;
+    // warp_row0 is a multiple of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
+                                                                                    quad, DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
@@ -353,7 +358,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        const int r = n * 8 + quad * 2 + (e % 2);
+        const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
         const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {
