@@ -28,6 +28,7 @@ if TYPE_CHECKING:  # the spec is only read (mask, window, block_size, dropout, s
 
 __all__ = [
     "philox4x32_10",
+    "dropout_keep_scale",
     "dropout_threshold",
     "dropout_bits",
     "dropout_keep_mask",
@@ -98,6 +99,12 @@ def dropout_threshold(p: float) -> int:
     return int(p * 2**16)
 
 
+def dropout_keep_scale(p: float) -> float:
+    """The factor kept weights take: 1 / the keep probability applied, 2**16 / (2**16 - dropout_threshold(p)),
+    so that E[Z * scale] = 1 exactly (1 / (1 - p) would be off by up to 2**-16 / (1 - p))."""
+    return 2**16 / (2**16 - dropout_threshold(p))
+
+
 def _philox_key(seed) -> np.ndarray:
     seed = operator.index(seed)  # any Python/numpy integer; a float seed is a bug
     return np.array([seed % 2**32, (seed >> 32) % 2**32], dtype=np.uint64)
@@ -159,20 +166,20 @@ def dropout_keep_mask(seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, 
 
 
 def _dropout_scale(spec: "Spec", seed: int, offset: int, B: int, H: int, Nq: int, Nk: int, first_batch: int = 0):
-    """Z / (1 - p) as float64 (B, H, Nq, Nk), or None when the spec has no dropout."""
+    """Z * dropout_keep_scale(p) as float64 (B, H, Nq, Nk), or None when the spec has no dropout."""
     if not spec.dropout:
         return None
     keep = dropout_keep_mask(seed, offset, B, H, Nq, Nk, spec.dropout, first_batch)
-    return keep / (1.0 - spec.dropout)
+    return keep * dropout_keep_scale(spec.dropout)
 
 
 def _dropout_scale_block(spec: "Spec", seed: int, offset: int, H: int, b: int, h: int,
                          rows: np.ndarray, cols: np.ndarray):
-    """Z / (1 - p) of one tile, regenerated from absolute indices as a kernel does; None without dropout."""
+    """Z * dropout_keep_scale(p) of one tile, regenerated from absolute indices as a kernel does; None without dropout."""
     if not spec.dropout:
         return None
     draws = dropout_bits(seed, offset, H, b, h, rows[:, None], cols[None, :])
-    return (draws >= np.uint32(dropout_threshold(spec.dropout))) / (1.0 - spec.dropout)
+    return (draws >= np.uint32(dropout_threshold(spec.dropout))) * dropout_keep_scale(spec.dropout)
 
 
 # ---- 3. Masks --------------------------------------------------------------------------------
@@ -329,7 +336,7 @@ def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None
     """(o, lse): o = dropout(softmax(spec.scale * q k^T, masked)) v, lse = logsumexp of the visible scores.
 
     o is (B, H, Nq, d), lse is (B, H, Nq), both float64. Dropout (only when spec.dropout > 0) is keyed by
-    (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by 1/(1 - p). A row with no
+    (seed, offset) as `dropout_keep_mask` describes; kept weights are scaled by dropout_keep_scale(p). A row with no
     visible key gives o = 0 and lse = -inf. `first_batch`: the batch index of q[0] in the dropout
     stream and in mask_mod / score_mod (a packed batch's sequence b is computed as a batch of one at
     first_batch = b). `inputs`: the run-time inputs a spec's mask_mod / score_mod declare.

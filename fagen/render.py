@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from fagen.reference import dropout_threshold
+from fagen.reference import dropout_keep_scale, dropout_threshold
 from fagen.solver import Plan, Solution, family_named
 from fagen.sources import TEMPLATE_DIR
 from fagen.spec import Spec
@@ -149,7 +149,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "grain": spec.block_size or 1,
         "has_dropout": "true" if spec.dropout > 0 else "false",
         "dropout_threshold": f"{dropout_threshold(spec.dropout)}u",
-        "keep_scale": float_literal(1.0 / (1.0 - spec.dropout)),
+        "keep_scale": float_literal(dropout_keep_scale(spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "packed": "true" if spec.layout == "packed" else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",

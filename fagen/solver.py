@@ -180,7 +180,7 @@ FAMILIES: tuple[Family, ...] = (
     Family("backward_fa2_mma_wide", "backward_fa2_mma_wide.cu.j2", ("backward",),
            smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + 2 * Bc * (Br + 8)),
            # dK, dV (16 keys x d/SPLIT each) + S^T, dP^T (16 keys x Br/SPLIT each) over 32 lanes, SPLIT = 16W/Bc,
-           # + a 16 x 32 dQ chunk + loop state and addresses
+           # + a 16 x 64 dQ chunk (32, where the dims split that way) + loop state and addresses
            registers=(d + Br) * Bc / (16 * W) + 76,
            # S^T, dP^T: K_w, V_w and the warp's Q, dO rows; dK, dV: P^T, dS^T and the warp's Q, dO dims; dQ: dS, K_j
            smem_reads=E * (d * (32 * W + 2 * Br * Bc / 16) + 32 * W * Br + 2 * Br * d * Bc / 16

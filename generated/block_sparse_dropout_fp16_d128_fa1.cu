@@ -27,7 +27,7 @@ constexpr int GRAIN = 128;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111111111e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d128_fp16_blocksparse128_drop0p1_fa1_sm90_br64_bc128_w8_config
@@ -198,7 +198,7 @@ constexpr int GRAIN = 128;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111111111e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ splits over warpgroups by rows or by dims");
 static_assert(BLOCK_R % 64 == 0 && HEAD_DIM % fagen::wg::PANEL_COLUMNS == 0, "whole swizzle panels");

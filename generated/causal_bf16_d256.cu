@@ -268,7 +268,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
 //   share of the queries each;
 // - dK, dV: KV_M slabs of 16 keys per warp (two where the dims split evenly: each fragment of Q, dO read
 //   from shared memory then feeds twice the MMAs), the KV_SPLIT warps of those keys taking a share of
-//   the dims each, so that no thread holds more than 2 x 16 x d / SPLIT accumulators.
+//   the dims each, so that a warp holds 2 x 16 x d / SPLIT accumulators (over its 32 lanes), not 2 x 16 x d.
 // P_drop^T and dS^T go from the first layout to the second through shared memory:
 //   S^T = K_w Q_i^T,  P^T = exp(tau S^T - LSE_i),  dP^T = V_w dO_i^T,  dS^T = P^T o (dP^T o Z - D_i)
 //        (the warp's 16 keys x BLOCK_R / SPLIT queries, in registers, then P_drop^T, dS^T to shared memory)
@@ -318,6 +318,8 @@ constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C % 16 == 0 && WARPS % KEY_SLABS == 0, "whole slabs of 16 keys, the same number of warps each");
 static_assert(WARP_ROWS % 16 == 0 && D_TILES % 2 == 0 && WARPS % KV_SLABS == 0,
               "each warp's queries and dims in pairs of 8-wide tiles");
+static_assert(WARP_ROWS * SPLIT == BLOCK_R && WARP_DIMS * KV_SPLIT == HEAD_DIM && KV_SLABS * KV_M * 16 == BLOCK_C,
+              "the warps cover every query of S^T and every key and dim of dK, dV");
 static_assert(HEAD_DIM % 16 == 0 && BLOCK_R % 16 == 0, "tensor-core tile multiples");
 static_assert(DQ_M * DQ_N * WARPS * 16 * 8 == BLOCK_R * HEAD_DIM && DQ_N % DQ_CHUNK == 0, "dQ tiles split evenly over warps");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
@@ -402,7 +404,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
 #pragma unroll
       for (int e = 0; e < 4; ++e) dk_acc[m][n][e] = dv_acc[m][n][e] = 0.f;
 
-  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
+  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets (and the dQ
+  // loop, which is not unrolled, its chunk's).
   constexpr int E = sizeof(elem_t);
   const unsigned k_warp = tc::shared_address(t.k) + (slab * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;    // A: K_w
   const unsigned v_warp = tc::shared_address(t.v) + (slab * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;    // A: V_w

@@ -27,7 +27,7 @@ constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111111111e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_w8_config
@@ -193,7 +193,7 @@ constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111111111e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(BLOCK_C == 16 * WARPS, "16 keys per warp");
 static_assert(BLOCK_R % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(DQ_M * DQ_N * WARPS * 16 * 8 == BLOCK_R * HEAD_DIM && DQ_N % 2 == 0, "dQ tiles split evenly over warps");

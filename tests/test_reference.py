@@ -20,6 +20,7 @@ from fagen.reference import (
     attention_forward,
     dropout_bits,
     dropout_keep_mask,
+    dropout_keep_scale,
     dropout_threshold,
     packed_backward,
     packed_forward,
@@ -110,6 +111,14 @@ def test_dropout_threshold():
     for bad in (1.0, -0.01, 1.5):
         with pytest.raises(ValueError):
             dropout_threshold(bad)
+
+
+def test_dropout_keep_scale_is_one_over_the_applied_keep_probability():
+    for p in (0.1, 0.37, 0.9, 0.99):
+        keep_probability = 1 - dropout_threshold(p) / 2**16
+        assert keep_probability * dropout_keep_scale(p) == pytest.approx(1.0, rel=1e-15)
+        assert abs(dropout_keep_scale(p) - 1 / (1 - p)) <= 2**-16 / (1 - p) ** 2 * 1.01
+    assert dropout_keep_scale(0.0) == 1.0
 
 
 def test_dropout_bits_follow_the_patch_layout():
@@ -300,7 +309,7 @@ def naive_attention(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, off
                 total = sum(weights)
                 lse[b, h, i] = top + math.log(total)
                 for j, w in zip(cols, weights):
-                    factor = (keep[i, j] / (1 - spec.dropout)) if spec.dropout else 1.0
+                    factor = keep[i, j] * 65536 / (65536 - threshold) if spec.dropout else 1.0  # 1 / the applied keep probability
                     o[b, h, i] += (w / total) * factor * v[b, h, j]
     return o, lse
 

@@ -99,9 +99,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from fagen.bench.corners import CORNERS, run_corners
 
         wanted = args.only.split(",") if args.only else None
-        run_corners([c for c in CORNERS if not wanted or any(w in c.spec.variant_name for w in wanted)],
-                    json=args.json_path)
-        return 0
+        result = run_corners([c for c in CORNERS if not wanted or any(w in c.spec.variant_name for w in wanted)],
+                             json=args.json_path)
+        return 1 if result["failed"] else 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)
         return 0
