@@ -187,7 +187,9 @@ FAMILIES: tuple[Family, ...] = (
                            + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16)) / (Br * Bc),
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br * Bc / (32 * W),
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
-           rules=(("whole 16-key slabs, the same number of warps each: W a multiple of Bc/16",
+           rules=(("head dims above 128 (at 128 and below the families above hold dK, dV in one warp; the GPU tests "
+                    "cover this template from d = 160)", lambda r, c, hd, w: hd > 128),
+                  ("whole 16-key slabs, the same number of warps each: W a multiple of Bc/16",
                    lambda r, c, hd, w: w % (c // 16) == 0),
                   ("each warp's queries and dims in pairs of 8-wide tiles: Br and d multiples of 16 W/(Bc/16)",
                    lambda r, c, hd, w: w % (c // 16) == 0 and r % (16 * w // (c // 16)) == 0

@@ -384,3 +384,29 @@ def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, com
     assert (plan.family, plan.head_dim) == (family, computed)
     fp32 = solve(Spec(head_dim=head_dim, dtype="fp32", mask="causal", passes=["forward"])).plans["forward"]
     assert (fp32.family, fp32.head_dim) == ("forward_fa2_simt", head_dim)
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_head_dim_has_a_tensor_core_backward(arch):
+    """Issue 13: fp16/bf16 backward on tensor cores at every d from 1 to 256 (d > 128 on backward_fa2_mma_wide,
+    whose warps split dK, dV by dims; the CUDA-core backward took 68 s to compile at d = 256 and ran at 0.03x
+    SDPA-flash). One gap is left: on sm_80 with dropout, d = 97 .. 112 (computed as 112) fits neither
+    backward_fa2_mma's registers nor its dQ split, and stays on CUDA cores."""
+    for head_dim in range(1, 257):
+        for dtype, mask, dropout in (("bf16", "causal", 0.0), ("fp16", "none", 0.1)):
+            plan = solve(Spec(head_dim=head_dim, dtype=dtype, mask=mask, dropout=dropout, arch=arch)).plans["backward"]
+            gap = arch == "sm_80" and dropout and 97 <= head_dim <= 112
+            assert plan.tensor_cores != gap, (head_dim, dtype, dropout, plan.family)
+            assert (plan.family == "backward_fa2_mma_wide") == (head_dim > 128), (head_dim, plan.family)
+
+
+@pytest.mark.parametrize("head_dim, keys_per_warp", [(160, 16), (192, 32), (256, 32)])
+def test_wide_backward_plans_at_large_head_dims(head_dim, keys_per_warp):
+    """Br x Bc = 64 x 64 over 8 warps on sm_90 (Br = 32 on sm_80, whose blocks have less shared memory);
+    the template's dK, dV take 32 keys per warp where d / (W / (Bc / 32)) is a multiple of 16, else 16."""
+    for arch, block_r in (("sm_90", 64), ("sm_80", 64 if head_dim == 160 else 32)):
+        plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", arch=arch)).plans["backward"]
+        assert (plan.family, plan.block_r, plan.block_c, plan.warps) == ("backward_fa2_mma_wide", block_r, 64, 8)
+        assert plan.smem_bytes <= target_for(arch).smem_per_block
+        kv_m = 2 if (plan.head_dim // (plan.warps // (plan.block_c // 32))) % 16 == 0 else 1
+        assert 16 * kv_m == keys_per_warp
