@@ -381,3 +381,25 @@ def test_module_cli_parses_the_modifiers_command(monkeypatch):
     (args, kwargs), = calls
     assert args == ([1024], 4, 16) and kwargs["json"] == "x.json" and kwargs["first_call"] is False
     assert kwargs["spec_file"] == modifiers.SPEC_FILE and kwargs["variants"] is None
+
+
+# ---- corners (issue 13): the masks Flex gets are fagen's -------------------------------------
+@pytest.mark.parametrize("spec", [Spec(head_dim=64, dtype="bf16", mask="causal"),
+                                  Spec(head_dim=64, dtype="bf16", mask="sliding_window", window=37),
+                                  Spec(head_dim=64, dtype="bf16", mask="block_sparse", block_size=16)],
+                         ids=lambda s: s.mask)
+def test_corners_flex_masks_are_the_reference_masks(spec):
+    """`python -m fagen.bench corners` times Flex on a mask_mod written by hand: it must be the mask fagen
+    computes (fagen.reference.visible_mask), or the comparison is of different work."""
+    import numpy as np
+
+    from fagen import reference
+    from fagen.bench.corners import CORNERS, _flex_mask
+
+    n = 100
+    table = (np.random.default_rng(0).random((7, 7)) < 0.5).astype(np.uint8)
+    q_idx, kv_idx = np.meshgrid(np.arange(n), np.arange(n), indexing="ij")
+    flex = np.asarray(_flex_mask(spec, n, table)(0, 0, q_idx, kv_idx), dtype=bool)
+    fagen_mask = reference.visible_mask(spec, 1, 1, n, n, block_mask=table)[0, 0]
+    assert np.array_equal(flex, np.broadcast_to(fagen_mask, (n, n)))
+    assert {c.spec.mask for c in CORNERS} >= {"causal", "sliding_window", "block_sparse"}
