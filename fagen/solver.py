@@ -187,8 +187,11 @@ FAMILIES: tuple[Family, ...] = (
                            + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16)) / (Br * Bc),
            warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br * Bc / (32 * W),
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
-           rules=(("head dims above 128 (at 128 and below the families above hold dK, dV in one warp; the GPU tests "
-                    "cover this template from d = 160)", lambda r, c, hd, w: hd > 128),
+           # The template takes other Bc and W (its static_asserts check the layouts); the solver offers the
+           # shapes the GPU tests have run: d > 128, 8 warps over 64 keys (two warps per 16-key slab)
+           rules=(("head dims above 128 (at 128 and below the families above hold dK, dV in one warp)",
+                   lambda r, c, hd, w: hd > 128),
+                  ("Bc = 64 over W = 8 warps (the shape the GPU tests cover)", lambda r, c, hd, w: c == 64 and w == 8),
                   ("whole 16-key slabs, the same number of warps each: W a multiple of Bc/16",
                    lambda r, c, hd, w: w % (c // 16) == 0),
                   ("each warp's queries and dims in pairs of 8-wide tiles: Br and d multiples of 16 W/(Bc/16)",
