@@ -413,6 +413,17 @@ def padded_head_dim(family: Family, head_dim: int) -> int:
     return padded if family.tensor_cores and padded <= 256 else 0
 
 
+def padded_head_dims(family: Family, head_dim: int) -> list[int]:
+    """The head dims `family` may compute `head_dim` with, least padding first: `padded_head_dim`'s, then,
+    for the tensor-core templates, each further multiple up to 256. The solver tries the larger ones only
+    where no family of the tier fits a tile plan at less padding (on sm_80, d = 200 fits the wide
+    backward's shared memory and dQ split only as 256): more padded columns, still far ahead of the CUDA cores."""
+    first = padded_head_dim(family, head_dim)
+    if not first or not family.tensor_cores:
+        return [first] if first else []
+    return list(range(first, 257, family.head_dim_multiple))
+
+
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
     """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
     integers, so that policy needs a family that takes any tile."""
@@ -423,10 +434,11 @@ def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Famil
 
 
 def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
-             block_r: int, block_c: int, warps: int) -> tuple[Plan, list[str]]:
-    """The plan for these tiles and the list of constraints it breaks (empty: feasible)."""
+             block_r: int, block_c: int, warps: int, head_dim: Optional[int] = None) -> tuple[Plan, list[str]]:
+    """The plan for these tiles and the list of constraints it breaks (empty: feasible); computed at
+    `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
-    head_dim = padded_head_dim(family, spec.head_dim) or spec.head_dim
+    head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
     smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
                                                               spec.element_bytes)
     smem = _exact_int(smem)
@@ -461,13 +473,14 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     return plan, broken
 
 
-def family_plans(family: Family, spec: Spec, target: Target, pass_name: str, tiles=None):
+def family_plans(family: Family, spec: Spec, target: Target, pass_name: str, tiles=None,
+                 head_dim: Optional[int] = None):
     """(plan, broken constraints) for each warp count of the family and each (Br, Bc) in `tiles`
     (default: every pair of TILE_CHOICES), before any shared-memory budget is applied."""
     tiles = tiles or [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
     for warps in family.warps:
         for block_r, block_c in tiles:
-            yield evaluate(family, spec, target, pass_name, block_r, block_c, warps)
+            yield evaluate(family, spec, target, pass_name, block_r, block_c, warps, head_dim)
 
 
 def _budget(spec: Spec, target: Target) -> int:
@@ -486,21 +499,28 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
     for pass_name in spec.passes:
         ranked = []
         failures = []
-        tier = None  # tensor-core families compete with each other; CUDA-core ones are the fallback
-        for family in families_for(spec, pass_name, policy):
-            if ranked and family.tensor_cores != tier:
+        families = families_for(spec, pass_name, policy)
+        # tensor-core families compete with each other; CUDA-core ones are the fallback. Each family first at
+        # its least padded head dim; the next multiples only where no family of the tier fits there
+        for tier in dict.fromkeys(f.tensor_cores for f in families):
+            members = [f for f in families if f.tensor_cores == tier]
+            dims = {f.name: padded_head_dims(f, spec.head_dim) for f in members}
+            for step in range(max(len(d) for d in dims.values())):
+                for family in (f for f in members if step < len(dims[f.name])):
+                    tiles = [(paper_r, paper_c)] if policy == "paper" else None
+                    for plan, broken in family_plans(family, spec, target, pass_name, tiles, dims[family.name][step]):
+                        # The paper policy fixes the tiles from M; the template must still fit the hardware.
+                        limit = target.smem_per_block if policy == "paper" else budget
+                        if plan.smem_bytes > limit:
+                            broken.append(f"shared memory {_compiled(family).smem_text} = {plan.smem_bytes} <= {limit}")
+                        if broken:
+                            failures.append((plan, broken))
+                        else:
+                            ranked.append(plan)
+                if ranked:
+                    break
+            if ranked:
                 break
-            tier = family.tensor_cores
-            tiles = [(paper_r, paper_c)] if policy == "paper" else None
-            for plan, broken in family_plans(family, spec, target, pass_name, tiles):
-                # The paper policy fixes the tiles from M; the template must still fit the hardware.
-                limit = target.smem_per_block if policy == "paper" else budget
-                if plan.smem_bytes > limit:
-                    broken.append(f"shared memory {_compiled(family).smem_text} = {plan.smem_bytes} <= {limit}")
-                if broken:
-                    failures.append((plan, broken))
-                else:
-                    ranked.append(plan)
         if not ranked:
             raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
         ranked.sort(key=Plan.rank_key)

@@ -88,18 +88,24 @@ def substitutions(spec: Spec, plan: Plan) -> dict:
 def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
     """Every auto plan of the first tier (tensor-core families, then CUDA-core ones) able to realise the
     pass, found by enumerating each family's tile choices through `solver.evaluate` and applying the
-    budget here."""
+    budget here: at each family's least padded head dim, then at its next multiples, as long as nothing
+    in the tier fits."""
     target, budget = target_for(spec.arch), effective_budget(spec)
     families = solver.families_for(spec, pass_name)
     for tier in (True, False):
-        feasible = []
-        for family in (f for f in families if f.tensor_cores == tier):
-            for warps, block_r, block_c in itertools.product(family.warps, solver.TILE_CHOICES, solver.TILE_CHOICES):
-                plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps)
-                if not broken and plan.smem_bytes <= budget:
-                    feasible.append(plan)
-        if feasible:
-            return feasible
+        members = [f for f in families if f.tensor_cores == tier]
+        for step in range(max((len(solver.padded_head_dims(f, spec.head_dim)) for f in members), default=0)):
+            feasible = []
+            for family in members:
+                dims = solver.padded_head_dims(family, spec.head_dim)
+                if step >= len(dims):
+                    continue
+                for warps, block_r, block_c in itertools.product(family.warps, solver.TILE_CHOICES, solver.TILE_CHOICES):
+                    plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps, dims[step])
+                    if not broken and plan.smem_bytes <= budget:
+                        feasible.append(plan)
+            if feasible:
+                return feasible
     return []
 
 
@@ -388,17 +394,30 @@ def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, com
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_every_head_dim_has_a_tensor_core_backward(arch):
-    """Issue 13: fp16/bf16 backward on tensor cores at every d from 1 to 256 (d > 128 on backward_fa2_mma_wide,
-    whose warps split dK, dV by dims; the CUDA-core backward took 68 s to compile at d = 256 and ran at 0.03x
-    SDPA-flash). Gaps left on sm_80, on CUDA cores: with dropout, d = 97 .. 112 (computed as 112) fits
-    neither backward_fa2_mma's registers nor its dQ split; d = 193 .. 224 (computed as 224) leaves the wide
-    template Br = 32 only (sm_80's shared memory), where its dQ tiles do not split into pairs over 8 warps."""
+    """Issue 13: fp16/bf16 backward on tensor cores at every d from 1 to 256, with and without dropout (d > 128
+    on backward_fa2_mma_wide, whose warps split dK, dV by dims; the CUDA-core backward took 68 s to compile
+    at d = 256 and ran at 0.03x SDPA-flash). Where a family's least padded d fits none of its tile plans, a
+    larger multiple is tried: on sm_80 d = 193-224 run as 256 (the wide template at 224 has Br = 32 only,
+    whose dQ tiles do not split over 8 warps), and with dropout d = 97-112 as 128 on backward_fa2_mma."""
     for head_dim in range(1, 257):
         for dtype, mask, dropout in (("bf16", "causal", 0.0), ("fp16", "none", 0.1)):
             plan = solve(Spec(head_dim=head_dim, dtype=dtype, mask=mask, dropout=dropout, arch=arch)).plans["backward"]
-            gap = arch == "sm_80" and ((dropout and 97 <= head_dim <= 112) or 193 <= head_dim <= 224)
-            assert plan.tensor_cores != gap, (head_dim, dtype, dropout, plan.family)
-            assert (plan.family == "backward_fa2_mma_wide") == (head_dim > 128 and not gap), (head_dim, plan.family)
+            assert plan.tensor_cores, (head_dim, dtype, dropout, plan.family)
+            assert (plan.family == "backward_fa2_mma_wide") == (head_dim > 128), (head_dim, plan.family)
+            padded = solver.padded_head_dim(solver.family_named(plan.family), head_dim)
+            further = arch == "sm_80" and (193 <= head_dim <= 224 or (dropout and 97 <= head_dim <= 112))
+            assert (plan.head_dim > padded) == further, (head_dim, dropout, plan.head_dim)
+
+
+def test_more_padding_only_where_less_fits_no_plan():
+    """The least padded d wins whenever it has a plan: the larger multiples are tried only after it fits none."""
+    plan = solve(Spec(head_dim=200, dtype="bf16", mask="causal", arch="sm_90")).plans["backward"]
+    assert (plan.family, plan.head_dim) == ("backward_fa2_mma_wide", 224)
+    plan = solve(Spec(head_dim=200, dtype="bf16", mask="causal", arch="sm_80")).plans["backward"]
+    assert (plan.family, plan.head_dim, plan.block_r) == ("backward_fa2_mma_wide", 256, 32)
+    wide = solver.family_named("backward_fa2_mma_wide")
+    assert solver.padded_head_dims(wide, 200) == [224, 256] and solver.padded_head_dims(wide, 256) == [256]
+    assert solver.padded_head_dims(solver.family_named("backward_simt"), 200) == [200]
 
 
 @pytest.mark.parametrize("head_dim, keys_per_warp", [(160, 16), (192, 32), (256, 32)])
