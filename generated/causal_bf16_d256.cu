@@ -356,6 +356,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
   const int slab = warp % KEY_SLABS, part = warp / KEY_SLABS;      // scores: the warp's 16 keys, its share of queries
   const int kv_slab = warp % KV_SLABS, kv_part = warp / KV_SLABS;  // dK, dV: the warp's 16 KV_M keys, its share of dims
+  // ---- one K_j, V_j block: made by templates/backward_mma_key_block.cu.j2 ----
   const Problem<PACKED> problem(args, blockIdx.y);
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;

@@ -227,13 +227,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
   const Tiles t(shared_raw);
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
+  const int slab = warp;                                           // 16 keys per warp
+  // ---- one K_j, V_j block: made by templates/backward_mma_key_block.cu.j2 ----
   const Problem<PACKED> problem(args, blockIdx.y);
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;
   if (PACKED && col0 >= seq_k) return;  // packed: the grid is sized for the longest sequence
   const int cols_here = min(BLOCK_C, seq_k - col0);
-  const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
+  const int warp_col0 = col0 + slab * 16;                          // this warp's 16 keys
   const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
