@@ -252,9 +252,14 @@ def test_kv_lengths_are_read_only_through_the_clamp():
         "return MASK == MASK_PADDING ? min(max(args.kv_lengths[b], 0), seq_k) : seq_k;"]
     assert "key_count = visible_keys<MASK>(args, b, seq_k);" in code
     for family in FAMILIES:
-        text = templates[family.template]
+        text = _with_includes(family.template, templates)
         assert ("const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);" in text
                 or "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, " in text), family.template
+
+
+def _with_includes(name: str, templates: dict) -> str:
+    """A template's text with the shared pieces it includes ({% include 'x' %}) written in place."""
+    return re.sub(r"\{% include '([^']+)' %\}", lambda m: _with_includes(m.group(1), templates), templates[name])
 
 
 def test_cu_seqlens_are_read_only_through_the_clamp():
@@ -274,7 +279,8 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
     assert "seq_k = min(k_end - k_begin, (int)args.max_seq_k);" in code
     for family in FAMILIES:
         if "forward" in family.passes or "backward" in family.passes:
-            assert "const Problem<PACKED> problem(args, blockIdx.y);" in templates[family.template], family.template
+            assert "const Problem<PACKED> problem(args, blockIdx.y);" in _with_includes(family.template, templates), \
+                family.template
 
 
 def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():
