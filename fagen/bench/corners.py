@@ -17,9 +17,9 @@ import math
 from pathlib import Path
 from typing import Any, NamedTuple, Optional, Sequence
 
-from fagen.bench.peers import sdpa_backward, sdpa_forward, time_sdpa_backward, time_sdpa_forward
+from fagen.bench.peers import allow_flex_recompiles, sdpa_backward, time_sdpa_backward, time_sdpa_forward
 from fagen.bench.report import environment, make_console, reason, strict_json
-from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, make_inputs, relative_error, spec_flops, time_cuda
+from fagen.bench.timing import DEVICE, make_inputs, relative_error, spec_flops, time_us_after_first_call
 from fagen.spec import Spec
 
 TOLERANCE = 2e-2
@@ -74,18 +74,13 @@ def run_corners(corners: Sequence[Corner] = CORNERS, warmup: int = 5, repeats: i
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
-    config = torch._dynamo.config   # a flex_attention compile per row: keep Dynamo from giving up after 8
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 256))
+    allow_flex_recompiles(torch)
     flex = torch.compile(flex_attention, dynamic=False)
     meta = environment(torch)
     console.print(escape(f"fagen bench corners on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}"))
 
     def timed(fn) -> float:
-        fn()
-        torch.cuda.synchronize()
-        return 1e3 * time_cuda(fn, warmup, repeats, MAX_SECONDS_PER_MEASUREMENT)
+        return time_us_after_first_call(fn, warmup, repeats)
 
     rows = []
     for spec, batch, heads, seq_len in corners:

@@ -32,7 +32,8 @@ from pathlib import Path
 from typing import Any, Callable, NamedTuple, Optional, Sequence
 
 from fagen.bench.report import environment, make_console, reason, strict_json
-from fagen.bench.timing import DEVICE, DROPOUT_SEED, MAX_SECONDS_PER_MEASUREMENT, relative_error, time_cuda
+from fagen.bench.peers import allow_flex_recompiles
+from fagen.bench.timing import DEVICE, DROPOUT_SEED, relative_error, time_us_after_first_call
 from fagen.spec import Spec
 
 TOLERANCE = 2e-2
@@ -213,15 +214,6 @@ def _load(spec_file, variants: Optional[Sequence[str]] = None) -> list[Spec]:
     return specs
 
 
-def _raise_recompile_limit(torch) -> None:
-    """Every (variant, N) compiles flex_attention anew (new functions, new captured tensors): keep
-    Dynamo from falling back to eager after its default 8 recompiles."""
-    config = torch._dynamo.config
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(config, name):
-            setattr(config, name, max(getattr(config, name), 256))
-
-
 def _fmt(value: Optional[float], spec: str, unit: str) -> str:
     return "n/a" if value is None else format(value, spec) + unit
 
@@ -240,7 +232,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
-    _raise_recompile_limit(torch)
+    allow_flex_recompiles(torch)
     meta = {**environment(torch), "batch": batch, "heads": heads, "seq_lens": list(seq_lens),
             "spec_file": str(spec_file), "tolerance": TOLERANCE}
     console.print(escape(f"fagen bench modifiers on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}: "
@@ -248,9 +240,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
     flex = torch.compile(flex_attention, dynamic=False)
 
     def timed(fn, warm: int = warmup, reps: int = repeats) -> float:
-        fn()   # a first call (compiles, allocates) before time_cuda's estimate
-        torch.cuda.synchronize()
-        return 1e3 * time_cuda(fn, warm, reps, MAX_SECONDS_PER_MEASUREMENT)
+        return time_us_after_first_call(fn, warm, reps)
 
     rows = []
     for spec in specs:

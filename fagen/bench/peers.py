@@ -95,3 +95,12 @@ def reference_output(spec: Spec, inputs: Inputs) -> tuple[Any, str]:
         except Exception as err:  # backend unavailable for this dtype / head dim / GPU
             errors.append(f"{backend}: {reason(err, 80)}")
     return None, "; ".join(errors)
+
+
+def allow_flex_recompiles(torch) -> None:
+    """Every variant and shape compiles flex_attention anew (new functions, new captured tensors): keep
+    Dynamo from falling back to eager after its default 8 recompiles."""
+    config = torch._dynamo.config
+    for name in ("recompile_limit", "cache_size_limit"):
+        if hasattr(config, name):
+            setattr(config, name, max(getattr(config, name), 256))

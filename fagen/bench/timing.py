@@ -94,6 +94,16 @@ def time_cuda(fn: Callable[[], Any], warmup: int = 10, repeats: int = 50,
     return statistics.median(start.elapsed_time(end) for start, end in zip(starts, ends))
 
 
+def time_us_after_first_call(fn: Callable[[], Any], warmup: int, repeats: int) -> float:
+    """Median microseconds of fn (time_cuda, capped at MAX_SECONDS_PER_MEASUREMENT) after one untimed call
+    that compiles and allocates, so that time_cuda's estimate is of a warm call."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    return 1e3 * time_cuda(fn, warmup, repeats, MAX_SECONDS_PER_MEASUREMENT)
+
+
 @contextlib.contextmanager
 def unchecked_launches():
     """fagen.runtime.CHECK_LAUNCHES off (no synchronise after each launch) inside; restored after."""
