@@ -185,18 +185,15 @@ FAMILIES: tuple[Family, ...] = (
            # S^T, dP^T: K_w, V_w and the warp's Q, dO rows; dK, dV: P^T, dS^T and the warp's Q, dO dims; dQ: dS, K_j
            smem_reads=E * (d * (32 * W + 2 * Br * Bc / 16) + 32 * W * Br + 2 * Br * d * Bc / 16
                            + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16)) / (Br * Bc),
-           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br * Bc / (32 * W),
-           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
            # The template takes other Bc and W (its static_asserts check the layouts); the solver offers the
-           # shapes the GPU tests have run: d > 128, 8 warps over 64 keys (two warps per 16-key slab)
+           # shape the GPU tests have run: 8 warps over 64 keys (two warps per 16-key slab), d > 128
+           warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True,
+           dropout_registers=Br * Bc / (32 * W),
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
            rules=(("head dims above 128 (at 128 and below the families above hold dK, dV in one warp)",
                    lambda r, c, hd, w: hd > 128),
-                  ("Bc = 64 over W = 8 warps (the shape the GPU tests cover)", lambda r, c, hd, w: c == 64 and w == 8),
-                  ("whole 16-key slabs, the same number of warps each: W a multiple of Bc/16",
-                   lambda r, c, hd, w: w % (c // 16) == 0),
-                  ("each warp's queries and dims in pairs of 8-wide tiles: Br and d multiples of 16 W/(Bc/16)",
-                   lambda r, c, hd, w: w % (c // 16) == 0 and r % (16 * w // (c // 16)) == 0
-                   and hd % (16 * w // (c // 16)) == 0),
+                  ("the two warps of a 16-key slab take half the queries each, in pairs of 8-wide tiles: Br a "
+                   "multiple of 32", lambda r, c, hd, w: r % 32 == 0),
                   _DQ_TILES_OVER_WARPS)),
     # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
     # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of
@@ -496,6 +493,8 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
     m_elements = (spec.sram_budget or target.smem_per_block) // spec.element_bytes
     paper_r, paper_c = paper_tiles(spec.head_dim, m_elements)
     plans, candidates = {}, {}
+    tiles = [(paper_r, paper_c)] if policy == "paper" else None
+    limit = target.smem_per_block if policy == "paper" else budget   # the paper's tiles must still fit the hardware
     for pass_name in spec.passes:
         ranked = []
         failures = []
@@ -507,10 +506,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
             dims = {f.name: padded_head_dims(f, spec.head_dim) for f in members}
             for step in range(max(len(d) for d in dims.values())):
                 for family in (f for f in members if step < len(dims[f.name])):
-                    tiles = [(paper_r, paper_c)] if policy == "paper" else None
                     for plan, broken in family_plans(family, spec, target, pass_name, tiles, dims[family.name][step]):
-                        # The paper policy fixes the tiles from M; the template must still fit the hardware.
-                        limit = target.smem_per_block if policy == "paper" else budget
                         if plan.smem_bytes > limit:
                             broken.append(f"shared memory {_compiled(family).smem_text} = {plan.smem_bytes} <= {limit}")
                         if broken:
