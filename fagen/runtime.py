@@ -59,7 +59,7 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("dv_sum_stride", "q", 3), ("cu_seqlens_q", "Q", 1), ("cu_seqlens_k", "Q", 1),
               ("max_seq_q", "q", 1), ("max_seq_k", "q", 1),
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
-              ("mod_summary", "Q", 4)])
+              ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -146,6 +146,27 @@ def as_device_tensor(name: str, value: Any) -> DeviceTensor:
     else:
         strides = tuple(s // itemsize for s in cai["strides"])
     return DeviceTensor(name, int(cai["data"][0]), shape, strides, dtype, value, False, cai.get("stream"))
+
+
+def _is_device_array(value) -> bool:
+    return (type(value).__module__.startswith("torch") and getattr(value, "is_cuda", False)) or \
+        hasattr(value, "__cuda_array_interface__")
+
+
+def _fast_seed(seed, offset, tensor_type, int64, device: int) -> bool:
+    """Whether the fast path takes this seed as it is: an int in range, or a torch tensor of one int64
+    on the call's device (anything else goes through the full path, which checks it)."""
+    if type(offset) is not int or not 0 <= offset < 2**32:
+        return False
+    if type(seed) is int:
+        return 0 <= seed < 2**64
+    return type(seed) is tensor_type and seed.dtype is int64 and seed.numel() == 1 and seed.get_device() == device
+
+
+def _seed_values(seed, offset) -> tuple:
+    """The fast path's (seed, offset, seed_pointer) slots: an int seed by value, a CUDA tensor seed by
+    address (checked by the call that made the FastCall: see _signature)."""
+    return (0, offset, seed.data_ptr()) if type(seed) is not int else (seed, offset, 0)
 
 
 def stream_handle(stream) -> int:
@@ -245,7 +266,7 @@ def _torch_types():
         import torch
 
         _TORCH["Tensor"], _TORCH["int32"], _TORCH["uint8"] = torch.Tensor, torch.int32, torch.uint8
-        _TORCH["float32"] = torch.float32
+        _TORCH["float32"], _TORCH["int64"] = torch.float32, torch.int64
         raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
         _TORCH["stream"] = raw or (lambda device: torch.cuda.current_stream(device).cuda_stream)
     return _TORCH
@@ -268,6 +289,21 @@ _HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine", "_summa
 #: The summary kernel's grid (templates/attention_common.cuh summarise_input loops over what it does not cover).
 SUMMARY_GRID = (64, 1, 1)
 
+#: The most blocks a grid's y (or z) dimension holds.
+GRID_YZ_LIMIT = 65535
+
+
+def problem_grid(blocks_x: int, problems: int, args) -> tuple:
+    """The grid of `blocks_x` blocks for each of `problems` (sequence, head) pairs, and sets
+    args["problems"]. The pairs go along y; beyond what y holds they fold over z, and the kernels
+    return at once from the spare blocks of the last z slice (templates/attention_common.cuh
+    grid_problem)."""
+    slices = -(-problems // GRID_YZ_LIMIT)
+    if slices > GRID_YZ_LIMIT:
+        raise ArgumentError(f"{problems} (sequence, head) pairs in one call: at most {GRID_YZ_LIMIT ** 2} are supported")
+    args["problems"] = problems
+    return (blocks_x, -(-problems // slices), slices)
+
 
 #: Fast-path signatures kept per kernel and pass; a table that fills up is cleared (see _remember).
 FAST_CALLS_KEPT = 256
@@ -286,7 +322,7 @@ class FastCall:
 
         self.values = (ctypes.c_uint64 * len(args.values)).from_buffer_copy(ARGS_STRUCT.pack(*args.values))
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
-        self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset"))
+        self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset", "seed_pointer"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
         self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
         # shapes of fp32 scratch tensors allocated per call: their pointers follow o, lse (forward) or
@@ -502,10 +538,15 @@ class Kernel:
             args["cu_seqlens_q"], args["cu_seqlens_k"] = sequences.pointers
             args["max_seq_q"], args["max_seq_k"] = sequences.max_q, sequences.max_k
             keep += sequences.keep
+        if _is_device_array(seed):
+            held = self._device_seed(seed, tensors["q"])
+            keep.append(held.owner)
+            args["seed_pointer"], seed = held.pointer, 0
         try:
             seed, offset = int(seed), int(offset)
         except (TypeError, ValueError):
-            raise ArgumentError(f"seed and offset must be integers, got {seed!r}, {offset!r}") from None
+            raise ArgumentError(f"seed and offset must be integers (or the seed a CUDA tensor holding one int64), "
+                                f"got {seed!r}, {offset!r}") from None
         if not (0 <= seed < 2**64 and 0 <= offset < 2**32):
             raise ArgumentError(f"seed must be in [0, 2**64) and offset in [0, 2**32), got {seed}, {offset}")
         args["seed"], args["offset"] = seed, offset
@@ -625,6 +666,19 @@ class Kernel:
         if kind == "i" and array.dtype.kind == "f":
             raise ArgumentError(f"inputs {name}: declared int32, got {array.dtype} (convert it explicitly)")
         return gpuarray.to_gpu(np.ascontiguousarray(array.astype(dtype)))
+
+    @staticmethod
+    def _device_seed(seed, like: DeviceTensor) -> DeviceTensor:
+        """A dropout seed given as a CUDA tensor: one int64 (read as unsigned 64 bits), on q's device.
+        The kernels read it when they run, so a CUDA graph replaying a seed drawn on the GPU (torch's
+        generator is graph-safe) draws a new mask each replay."""
+        held = as_device_tensor("seed", seed)
+        size = math.prod(held.shape)
+        if held.dtype != "int64" or size != 1:
+            raise ArgumentError(f"seed: a CUDA tensor seed must hold one int64, got {size} values of {held.dtype}")
+        if held.is_torch and like.is_torch and held.owner.device != like.owner.device:
+            raise ArgumentError(f"seed is on {held.owner.device}, q on {like.owner.device}")
+        return held
 
     @staticmethod
     def _small_int_tensor(name: str, value, like: DeviceTensor, dtype: str, upper: Optional[int] = None):
@@ -748,9 +802,9 @@ class Kernel:
             # from that copy would launch with the copy's strides on the caller's pointer
             if not all(self._rows_aligned(t.data_ptr(), t.stride()) for t in aligned):
                 return None
-        if type(seed) is not int or type(offset) is not int or not (0 <= seed < 2**64 and 0 <= offset < 2**32):
-            return None
         device = parts[0][3]
+        if not _fast_seed(seed, offset, tensor_type, torch_types["int64"], device):
+            return None
         lengths_key = _small_tensor_key(kv_lengths, torch_types["int32"], device)
         mask_key = _small_tensor_key(block_mask, torch_types["uint8"], device)
         if lengths_key is False or mask_key is False:
@@ -982,7 +1036,7 @@ class Kernel:
                     _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                     call.launch(device, _TORCH["stream"](device),
                                 (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, seed, offset))
+                                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
                     self._finish(call.main)
                     return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
@@ -1003,7 +1057,7 @@ class Kernel:
                 _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
                 call.launch(device, _TORCH["stream"](device),
                             (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                             *[w.data_ptr() for w in workspaces], *extra, seed, offset))
+                             *[w.data_ptr() for w in workspaces], *extra, *_seed_values(seed, offset)))
                 self._finish(call.main)
                 return o, lse
         return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
@@ -1060,9 +1114,9 @@ class Kernel:
             # Enough row groups to fill the GPU twice over; each group walks j outer, i inner.
             row_groups = max(1, min(row_blocks, math.ceil(2 * self.target.sm_count / (problems[0] * heads))))
             args["row_groups"] = row_groups
-            grid = (row_groups, problems[0] * heads, 1)
+            grid = problem_grid(row_groups, problems[0] * heads, args)
         else:
-            grid = (row_blocks, problems[0] * heads, 1)
+            grid = problem_grid(row_blocks, problems[0] * heads, args)
         arguments = args.packed()
         if self.modifiers.summaries:   # the mask_mod inputs' per-tile bounds, before the kernel reads them
             self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
@@ -1110,7 +1164,7 @@ class Kernel:
             keep.append(workspace)
             args[name] = as_device_tensor(name, workspace).pointer
         args["row_groups"] = splits
-        launches = [(main, (splits, base, 1), plan.threads, plan.smem_bytes),
+        launches = [(main, problem_grid(splits, base, args), plan.threads, plan.smem_bytes),
                     (combine, (batch * heads * seq_q, 1, 1), 128, 0)]
         arguments = args.packed()
         for symbol, grid, threads, smem in launches:
@@ -1159,7 +1213,7 @@ class Kernel:
                 summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
                 pointers += [s.data_ptr() for s in summaries]
                 _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-                call.launch(device, _TORCH["stream"](device), (*pointers, *extra, seed, offset))
+                call.launch(device, _TORCH["stream"](device), (*pointers, *extra, *_seed_values(seed, offset)))
                 self._finish(call.main)
                 return grads
         return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
@@ -1223,15 +1277,14 @@ class Kernel:
             dq_accum = _allocate(like, (batch, heads, seq_q, plan.head_dim), "fp32", stream, zero=True)
             keep.append(dq_accum)
             args["dq_accum"] = as_device_tensor("dq_accum", dq_accum).pointer
-        arguments = args.packed()
         main = plan.symbols[0]
         rows = batch * heads * seq_q
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
         launches += [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0),
-                    (main, (math.ceil(problems[3] / plan.block_c), problems[0] * heads, 1), plan.threads,
-                     plan.smem_bytes)]
+                    (main, problem_grid(math.ceil(problems[3] / plan.block_c), problems[0] * heads, args),
+                     plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
-            launches.append((main + "_dq", (math.ceil(problems[2] / plan.block_r), problems[0] * heads, 1),
+            launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))
         else:
             total = rows * self.spec.head_dim
@@ -1239,6 +1292,7 @@ class Kernel:
         if grouped:
             total = batch * tensors["k"].shape[1] * seq_k * self.spec.head_dim
             launches.append((main + "_kv_group_sum", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
+        arguments = args.packed()   # after problem_grid set args["problems"]
         for symbol, grid, threads, smem in launches:
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main)

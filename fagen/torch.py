@@ -84,6 +84,8 @@ def _grad(tensor):
 _library = torch.library.Library("fagen", "DEF")
 MOD_SLOTS = 4   # AttentionArgs holds up to 4 tensor and 4 scalar inputs
 _RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0, int offset=0, "
+                   # a dropout seed on the GPU (one int64), read by the kernels when they run: replaces `seed`
+                   "Tensor? seed_tensor=None, "
                    "Tensor? cu_seqlens_q=None, Tensor? cu_seqlens_k=None, int max_seqlen_q=-1, int max_seqlen_k=-1, "
                    # mask_mod / score_mod inputs in the spec's declaration order (no list arguments: torch's
                    # autograd rules for lists in custom ops are brittle); MOD_SLOTS of each
@@ -111,17 +113,19 @@ def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, 
     return kwargs
 
 
-def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
     kernel = kernel_for(spec, q.get_device())
+    seed = seed if seed_tensor is None else seed_tensor
     return kernel.forward(q, k, v, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
                                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
 
 
 def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+                   seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     kernel = kernel_for(spec, q.get_device())
+    seed = seed if seed_tensor is None else seed_tensor
     return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset,
                                                                       cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                                       max_seqlen_k, mods))
@@ -132,8 +136,8 @@ _library.impl("attention_backward", _backward_cuda, "CUDA")
 
 
 @torch.library.register_fake("fagen::attention_forward")
-def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                  cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
+                  cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout;
     # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
     if cu_seqlens_q is not None:
@@ -143,17 +147,17 @@ def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offse
 
 @torch.library.register_fake("fagen::attention_backward")
 def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+                   seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
 def _setup_context(ctx, inputs, output):
-    q, k, v, spec, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods = inputs
+    q, k, v, spec, kv_lengths, block_mask, seed, offset, seed_tensor, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods = inputs
     o, lse = output
     mod_tensors = list(mods[:MOD_SLOTS])
-    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors)
+    ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, seed_tensor, cu_seqlens_q, cu_seqlens_k, *mod_tensors)
     ctx.spec, ctx.seed, ctx.offset, ctx.max_seqlens = spec, seed, offset, (max_q, max_k)
     ctx.mod_scalars, ctx.input_count = list(mods[MOD_SLOTS:]), len(inputs)
     ctx.mark_non_differentiable(lse)
@@ -161,9 +165,9 @@ def _setup_context(ctx, inputs, output):
 
 def _backward_rule(ctx, grad_o, grad_lse):
     # Gradients through the LSE output are not supported (it is returned for inspection only).
-    q, k, v, o, lse, kv_lengths, block_mask, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
+    q, k, v, o, lse, kv_lengths, block_mask, seed_tensor, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
     dq, dk, dv = torch.ops.fagen.attention_backward(q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask,
-                                                    ctx.seed, ctx.offset, cu_seqlens_q, cu_seqlens_k,
+                                                    ctx.seed, ctx.offset, seed_tensor, cu_seqlens_q, cu_seqlens_k,
                                                     *ctx.max_seqlens, *mod_tensors, *ctx.mod_scalars)
     # the inputs of mask_mod / score_mod get no gradient (data, not parameters, for now): None for
     # every argument after q, k, v
@@ -235,7 +239,17 @@ def _as_tensor_or_none(value, name: str):
         raise runtime.ArgumentError(f"{name}: expected a tensor or a list of integers ({err})") from None
 
 
-def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0, offset: int = 0,
+def dropout_seed(device=None) -> torch.Tensor:
+    """A fresh dropout seed drawn on the GPU by torch's CUDA generator, for `attention(..., seed=)`.
+
+    The kernels read it when they run, so a CUDA graph (torch.cuda.graph, torch.compile's
+    "reduce-overhead") that captured this draw makes a new one, and so a new mask, at every replay,
+    where an int seed would be replayed as captured. torch.manual_seed reproduces the draws, and
+    activation checkpointing, which restores the CUDA generator before recomputing, the masks."""
+    return torch.randint(SEED_LIMIT - 1, (1,), dtype=torch.int64, device=device if device is not None else "cuda")
+
+
+def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset: int = 0,
               return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
               inputs: Optional[dict] = None):
     """Attention of q, k, v (batch, heads, seq, head_dim) under `spec`, differentiable in q, k and v.
@@ -245,11 +259,18 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
 
     `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number.
 
+    `seed` (dropout): an int in [0, 2**63), or a CUDA int64 tensor of one element that the kernels
+    read when they run (`dropout_seed()` draws one; what CUDA graphs need). The backward regenerates
+    the mask from the same tensor, so it must still hold the same value then.
+
     Specs with layout packed: q (total_q, heads, d), k and v (total_k, kv_heads, d), with
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
-    if not 0 <= seed < SEED_LIMIT:
+    seed_tensor = None
+    if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
+        seed_tensor, seed = seed, 0
+    elif not 0 <= seed < SEED_LIMIT:
         raise runtime.ArgumentError(f"seed must be in [0, 2**63) when called through torch, got {seed}")
     kv_lengths = _as_tensor_or_none(kv_lengths, "kv_lengths")
     block_mask = _as_tensor_or_none(block_mask, "block_mask")
@@ -258,7 +279,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
         if not q.is_cuda:
             raise runtime.ArgumentError(f"q: tensor is on {q.device}; fagen kernels need CUDA tensors")
         kernel = spec if isinstance(spec, runtime.Kernel) else kernel_for(spec_key(spec), q.get_device())
-        kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "seed": seed, "offset": offset}
+        kwargs = {"kv_lengths": kv_lengths, "block_mask": block_mask, "offset": offset,
+                  "seed": seed if seed_tensor is None else seed_tensor}
         if inputs:
             kwargs["inputs"] = dict(inputs)   # the backward sees this call's inputs even if the caller's dict changes
         if packed:
@@ -273,8 +295,9 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed: int = 0,
         if packed:
             cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
             cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
-        o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
-                                                   cu_seqlens_k, -1 if max_seqlen_q is None else max_seqlen_q,
+        o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, seed_tensor,
+                                                   cu_seqlens_q, cu_seqlens_k,
+                                                   -1 if max_seqlen_q is None else max_seqlen_q,
                                                    -1 if max_seqlen_k is None else max_seqlen_k,
                                                    *_mod_slots(key, inputs))
     return (o, lse) if return_lse else o

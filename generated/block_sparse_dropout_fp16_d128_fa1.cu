@@ -45,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
   float* coef = l_tile + BLOCK_R;               // [2 * Br]: the two weights of the O_i update
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R, col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
@@ -251,7 +252,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;
@@ -467,7 +469,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
-  const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, blockIdx.y) : problem;
+  const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = keys.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll

@@ -59,7 +59,9 @@ __device__ __forceinline__ void o_product(float (&d)[32][4], const unsigned (&a)
 }
 }  // namespace fagen_fwd_d256_bf16_causal_fa2_sm90_br128_bc64_w8_config
 
-extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2_sm90_br128_bc64_w8(const fagen::AttentionArgs args) {
+// The solver picked this plan for the blocks it expects per multiprocessor (a second one fills the tensor
+// cores while a block runs its softmax): held to that many, ptxas keeps within their registers.
+extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d256_bf16_causal_fa2_sm90_br128_bc64_w8(const fagen::AttentionArgs args) {
   using namespace fagen_fwd_d256_bf16_causal_fa2_sm90_br128_bc64_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
@@ -70,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d256_bf16_causal_fa2
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
@@ -357,7 +360,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const int slab = warp % KEY_SLABS, part = warp / KEY_SLABS;      // scores: the warp's 16 keys, its share of queries
   const int kv_slab = warp % KV_SLABS, kv_part = warp / KV_SLABS;  // dK, dV: the warp's 16 KV_M keys, its share of dims
   // ---- one K_j, V_j block: made by templates/backward_mma_key_block.cu.j2 ----
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;

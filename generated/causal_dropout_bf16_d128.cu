@@ -59,7 +59,9 @@ __device__ __forceinline__ void o_product(float (&d)[16][4], const unsigned (&a)
 }
 }  // namespace fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w8_config
 
-extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w8(const fagen::AttentionArgs args) {
+// The solver picked this plan for the blocks it expects per multiprocessor (a second one fills the tensor
+// cores while a block runs its softmax): held to that many, ptxas keeps within their registers.
+extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w8(const fagen::AttentionArgs args) {
   using namespace fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
@@ -70,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_dro
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
@@ -356,7 +359,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_dro
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;
@@ -572,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_dro
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
-  const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, blockIdx.y) : problem;
+  const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = keys.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll

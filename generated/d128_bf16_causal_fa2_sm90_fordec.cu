@@ -59,7 +59,9 @@ __device__ __forceinline__ void o_product(float (&d)[16][4], const unsigned (&a)
 }
 }  // namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8_config
 
-extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8(const fagen::AttentionArgs args) {
+// The solver picked this plan for the blocks it expects per multiprocessor (a second one fills the tensor
+// cores while a block runs its softmax): held to that many, ptxas keeps within their registers.
+extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8(const fagen::AttentionArgs args) {
   using namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
@@ -70,7 +72,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_bf16_causal_fa2
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
@@ -382,7 +385,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   const int frag_row = lane / 4, quad = lane % 4;                  // mma fragment coordinates
   const int group = (int)args.kv_group, seq_q = (int)args.seq_q;
   const int kv_heads = (int)args.heads / group;
-  const long long b = blockIdx.y / kv_heads, h_kv = blockIdx.y % kv_heads;
+  exit_if_spare(args);
+  const long long b = grid_problem() / kv_heads, h_kv = grid_problem() % kv_heads;
   const int rows = group * seq_q;                                  // <= 16 (the host's choice)
   const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h_kv * args.k_stride[1];
   const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h_kv * args.v_stride[1];

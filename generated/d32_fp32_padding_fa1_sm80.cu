@@ -45,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_fp32_padding_fa1
   float* coef = l_tile + BLOCK_R;               // [2 * Br]: the two weights of the O_i update
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R, col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
@@ -243,7 +244,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   extern __shared__ float4 shared_raw[];
   const Tiles t(shared_raw);
   const int tid = threadIdx.x;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;
@@ -323,7 +325,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   extern __shared__ float4 shared_raw[];
   const Tiles t(shared_raw);
   const int tid = threadIdx.x;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row0 = blockIdx.x * BLOCK_R;

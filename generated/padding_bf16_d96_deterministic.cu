@@ -50,7 +50,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d96_bf16_padding_fa2
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
@@ -346,7 +347,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   extern __shared__ float4 shared_raw[];
   const Tiles t(shared_raw);
   const int tid = threadIdx.x;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;
@@ -426,7 +428,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   extern __shared__ float4 shared_raw[];
   const Tiles t(shared_raw);
   const int tid = threadIdx.x;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row0 = blockIdx.x * BLOCK_R;

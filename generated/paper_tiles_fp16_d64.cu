@@ -44,7 +44,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
   float* coef = l_tile + BLOCK_R;               // [2 * Br]: the two weights of the O_i update
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R, col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;

@@ -45,7 +45,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_bf16_slidingwind
   float* coef = l_tile + BLOCK_R;               // [2 * Br]: the two weights of the O_i update
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R, col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
@@ -229,7 +230,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
   const int group = lane / 4, quad = lane % 4;                     // mma fragment coordinates
   const int slab = warp;                                           // 16 keys per warp
   // ---- one K_j, V_j block: made by templates/backward_mma_key_block.cu.j2 ----
-  const Problem<PACKED> problem(args, blockIdx.y);
+  exit_if_spare(args);
+  const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.x * BLOCK_C;

@@ -64,6 +64,11 @@ struct AttentionArgs {
   // its min and max per SUMMARY_GRAIN positions along the dimension the tile's positions index,
   // written by summarise_input before the attention kernels run; nullptr for the others.
   void* mod_summary[4];
+  // The (sequence, head) pairs the grid covers (fagen/runtime.py: problem_grid): grid_problem() below.
+  long long problems;
+  // Dropout's seed in device memory, or nullptr for `seed` above: a seed drawn on the GPU each step (by
+  // torch's CUDA generator), which a CUDA graph then replays as a new draw instead of a captured value.
+  const unsigned long long* seed_pointer;
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -71,7 +76,20 @@ struct AttentionArgs {
 __device__ __forceinline__ long long kv_head(const AttentionArgs& args, long long h) { return (unsigned)h / (unsigned)args.kv_group; }
 
 // ---- the problem one block works on -------------------------------------------------------
-// One (sequence, query head) pair, blockIdx.y = b * heads + h. Padded batches: sequence b is rows
+// The grids lay the (sequence, head) pairs along y, which holds at most 65535 blocks: a packed batch of
+// many short sequences, or a large decode batch, has more. The host folds them over z (y * z >= problems)
+// and each kernel first returns from the few spare blocks of the last z slice.
+// (unsigned: 65535 x 65535 pairs fit in 32 bits, and a 64-bit index costs registers the largest kernels lack)
+__device__ __forceinline__ unsigned grid_problem() { return blockIdx.z * gridDim.y + blockIdx.y; }
+
+// First thing in each kernel: a spare block of the fold ends at once. An `exit` instruction rather than a
+// `return`: with a second way out of the kernel in the compiler's control flow, ptxas spilled in several
+// of the largest kernels.
+__device__ __forceinline__ void exit_if_spare(const AttentionArgs& args) {
+  if (grid_problem() >= args.problems) asm volatile("exit;");
+}
+
+// One (sequence, query head) pair, grid_problem() = b * heads + h. Padded batches: sequence b is rows
 // [0, seq_q) of batch entry b. Packed batches: every sequence lives in batch entry 0, sequence b at
 // rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]).
 // Those offsets arrive in device memory unchecked (reading them back would synchronise), so they are
@@ -174,12 +192,22 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
 // A patch is rows {i, i + 8} x columns {j0, j0 + 1, j0 + 8, j0 + 9} (i & 8 == 0, j0 & 9 == 0) of an
 // aligned 16 x 16 square; its call's word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds the row's pair of
 // columns j0 + (j & 8), 16 bits each (column j in half j & 1). fagen/reference.py: dropout_bits.
-__device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long long bh, int row, int col) {
+// The Philox key: the seed argument, or the seed in device memory where the caller gave one there (read at
+// each use, an L1 hit, rather than held in registers through the loops: the backward has none to spare).
+__device__ __forceinline__ uint2 dropout_key(const AttentionArgs& args) {
+  const unsigned long long seed = args.seed_pointer != nullptr ? __ldg(args.seed_pointer) : args.seed;
+  return make_uint2((unsigned)seed, (unsigned)(seed >> 32));
+}
+
+__device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, const uint2 key, long long bh, int row, int col) {
   const unsigned row_patch = ((unsigned)row >> 4) * 8 + ((unsigned)row & 7);
   const unsigned col_patch = ((unsigned)col >> 4) * 4 + (((unsigned)col >> 1) & 3);
   const uint4 counter = make_uint4(col_patch, row_patch, (unsigned)bh, (unsigned)args.offset);
-  const uint2 key = make_uint2((unsigned)args.seed, (unsigned)(args.seed >> 32));
   return philox4x32_10(counter, key);
+}
+
+__device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long long bh, int row, int col) {
+  return dropout_draws(args, dropout_key(args), bh, row, col);
 }
 
 // Word `word` of a patch's draws (a compile-time index in the unrolled loops, so the choice folds away).
@@ -226,10 +254,11 @@ __device__ __forceinline__ unsigned long long dropout_transposed_mask(const Atte
                                                                       int key0, int group, int quad, unsigned threshold) {
   static_assert(4 * R_TILES <= 64, "one bit per element");
   unsigned long long kept = 0;
+  const uint2 key = dropout_key(args);
 #pragma unroll 1
   for (int pair = 0; pair < R_TILES; ++pair) {   // n-tiles 2c, 2c + 1, queries 2 quad + col
     const int c = pair / 2, col = pair % 2;
-    const uint4 draws = dropout_draws(args, bh, row0 + c * 16 + quad * 2 + col, key0 + group);
+    const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + quad * 2 + col, key0 + group);
     unsigned bits = 0;   // word w is n-tile 2c + w / 2, element 2 (w % 2) + col: bit 8c + col + 2w
 #pragma unroll
     for (int word = 0; word < 4; ++word)

@@ -295,16 +295,21 @@ def test_output_layout_scale_and_non_causal_modules(calls):
 
 
 def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generator(calls):
+    """Each call's seed is a one-element int64 tensor drawn on the query's device (read by the kernels
+    when they run, so that CUDA graphs replay new draws); torch.manual_seed reproduces the draws."""
     q, k, v = qkv()
     torch.manual_seed(7)
     for _ in range(3):
         fagen_hf.attention_forward(Module(), q, k, v, None, dropout=0.125)
     torch.manual_seed(7)
     fagen_hf.attention_forward(Module(), q, k, v, None, dropout=0.125)
-    seeds = [call["seed"] for call in calls]
     assert all(spec["dropout"] == 0.125 for spec in calls.specs)
+    for call in calls:
+        assert isinstance(call["seed"], torch.Tensor) and call["seed"].dtype == torch.int64
+        assert call["seed"].shape == (1,) and call["seed"].device == q.device
+    seeds = [int(call["seed"]) for call in calls]
     assert len(set(seeds[:3])) == 3 and seeds[3] == seeds[0]
-    assert all(0 <= seed < 2**62 for seed in seeds)
+    assert all(0 <= seed < 2**63 for seed in seeds)
 
 
 @pytest.mark.parametrize("case, reason", [

@@ -279,8 +279,10 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
     assert "seq_k = min(k_end - k_begin, (int)args.max_seq_k);" in code
     for family in FAMILIES:
         if "forward" in family.passes or "backward" in family.passes:
-            assert "const Problem<PACKED> problem(args, blockIdx.y);" in _with_includes(family.template, templates), \
-                family.template
+            # after the fold's spare blocks left (grid_problem() >= args.problems: the Problem of a pair past
+            # the last sequence would read cu_seqlens beyond its end)
+            text = _with_includes(family.template, templates)
+            assert "exit_if_spare(args);\n  const Problem<PACKED> problem(args, grid_problem());" in text, family.template
 
 
 def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():

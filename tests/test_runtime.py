@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fagen.runtime import decode_splits
+from fagen.runtime import GRID_YZ_LIMIT, ArgumentError, decode_splits, problem_grid
 
 
 @pytest.mark.parametrize("base", [1, 8, 32, 64, 256, 1024])
@@ -68,3 +68,21 @@ def test_launch_args_pack_scalars_as_doubles():
     start = 8 * _SLOT["mod_scalar"][0]
     assert struct.unpack_from("<4d", raw, start) == (30.0, -0.5, 1e-3, 2.0)
     assert struct.unpack_from("<q", raw, 8 * _SLOT["mod_stride"][0])[0] == -3
+
+
+@pytest.mark.parametrize("problems", [1, 7, 65535, 65536, 70001, 131070, 131071, 10**6, 65535 ** 2])
+def test_problem_grid_folds_the_pairs_over_z_within_the_limits(problems):
+    """(sequence, head) pairs past what grid.y holds fold over z; the kernels skip the spare blocks of
+    the last z slice (templates/attention_common.cuh exit_if_spare), so y * z covers every pair with
+    fewer than one slice to spare, and args["problems"] tells the kernels where the pairs end."""
+    args = {}
+    x, y, z = problem_grid(5, problems, args)
+    assert x == 5 and args["problems"] == problems
+    assert 1 <= y <= GRID_YZ_LIMIT and 1 <= z <= GRID_YZ_LIMIT
+    assert problems <= y * z < problems + z
+    assert z == 1 if problems <= GRID_YZ_LIMIT else z == math.ceil(problems / GRID_YZ_LIMIT)
+
+
+def test_problem_grid_beyond_what_y_and_z_hold_is_a_clear_error():
+    with pytest.raises(ArgumentError, match="pairs in one call"):
+        problem_grid(1, GRID_YZ_LIMIT ** 2 + 1, {})

@@ -58,7 +58,7 @@ GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
 def warm_cache():
     from fagen.runtime import precompile
 
-    precompile(SPECS + GRAD_SPECS)
+    precompile(SPECS + GRAD_SPECS + [spec for spec, *_ in MANY_PAIRS])
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.canonical_name)
@@ -118,6 +118,32 @@ def test_forward_backward_at_32k_tokens_without_quadratic_memory():
     got = o[:, head:head + 1, rows].double().cpu().numpy()
     assert np.linalg.norm(got - ref_o) / np.linalg.norm(ref_o) < 1e-2
     assert np.allclose(lse[:, head:head + 1, rows].double().cpu().numpy(), ref_lse, rtol=1e-4)
+
+
+# More (sequence, head) pairs than a grid's y dimension holds (65535): the runtime folds them over z.
+# One spec per kind of main kernel: wgmma forward + backward with dropout, mma.sync padded d, the CUDA-core
+# templates, a packed batch of 33k one- and two-row sequences (two heads), and the split-KV decode.
+MANY_PAIRS = [(Spec(head_dim=64, dtype="bf16", mask="causal", dropout=0.1), 1100, 64, None),
+              (Spec(head_dim=40, dtype="fp16", mask="sliding_window", window=2), 70001, 1, None),
+              (Spec(head_dim=59, dtype="fp32", mask="none"), 35000, 2, None),
+              (Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 33000, 2, "packed"),
+              (Spec(head_dim=128, dtype="fp16", mask="none", passes=["forward", "decode"]), 70000, 1, "decode")]
+
+
+@pytest.mark.parametrize("spec, batch, heads, kind", MANY_PAIRS, ids=lambda x: getattr(x, "canonical_name", str(x)))
+def test_more_sequence_head_pairs_than_a_grid_dimension_holds(spec, batch, heads, kind):
+    """batch x heads > 65535 used to be refused by the driver at launch; every pair, the last ones
+    included, must match the float64 reference (forward and, where the spec has it, backward)."""
+    from fagen.testing import Case, assert_matches_reference
+
+    assert batch * heads > 65535
+    if kind == "packed":   # lengths 1, 2, 1, 2, ...: sequence b's rows start at 1.5 b
+        lengths = tuple(1 + b % 2 for b in range(batch))
+        case = Case(batch, heads, sum(lengths), sum(lengths), "bhnd", 11, 5, 3, q_lengths=lengths, k_lengths=lengths)
+    else:
+        seq_q = 1 if kind == "decode" else 3
+        case = Case(batch, heads, seq_q, 5, "bhnd", 11, 2**40 + 5, 3)
+    assert_matches_reference(spec, case, backward="backward" in spec.passes)
 
 
 AUTOGRAD_SPECS = [Spec(head_dim=64, dtype="fp16", dropout=p, **mask) for mask in MASKS for p in (0.0, 0.2)]

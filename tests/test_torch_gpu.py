@@ -330,6 +330,89 @@ def test_repeated_backward_with_dropout_follows_the_seed():
     assert not torch.equal(first[0], other[0]) and not torch.equal(first[3], other[3]), "a new seed, a new mask"
 
 
+# wgmma (d 64 / 128), mma.sync (d 96 on sm_90, d 64 sm_80 plans), CUDA cores (d 40 fp32, FA1 loop), decode
+SEED_TENSOR_SPECS = [dict(head_dim=64, dtype="bf16", mask="causal", dropout=0.2),
+                     dict(head_dim=96, dtype="fp16", mask="none", dropout=0.3),
+                     dict(head_dim=64, dtype="bf16", mask="sliding_window", window=40, dropout=0.1, arch="sm_80"),
+                     dict(head_dim=40, dtype="fp32", mask="causal", dropout=0.2),
+                     dict(head_dim=64, dtype="fp16", mask="none", dropout=0.2, loop_order="fa1"),
+                     dict(head_dim=128, dtype="bf16", mask="causal", dropout=0.1, passes=["forward", "decode"])]
+
+
+@pytest.mark.parametrize("fields", SEED_TENSOR_SPECS, ids=lambda f: "-".join(str(v) for v in f.values()))
+def test_a_seed_tensor_gives_the_bits_of_its_value(fields):
+    """seed= a CUDA int64 tensor: the kernels read it when they run and draw exactly the mask of the int
+    seed it holds (forward and backward, full path then fast path), and a new value a new mask."""
+    import fagen
+
+    torch = _torch()
+    spec = fagen.Spec(**fields)
+    kernel = fagen.compile(spec)
+    decode = "decode" in spec.passes
+    q = torch.randn(2, 4, 1 if decode else 150, spec.head_dim, device="cuda", dtype=getattr(torch, {
+        "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[spec.dtype]))
+    k, v = (torch.randn(2, 4, 333, spec.head_dim, device="cuda", dtype=q.dtype) for _ in range(2))
+    do = torch.randn_like(q)
+    value = 2**62 + 12345   # high bits set: the kernels read all 64
+    seed = torch.tensor([value], dtype=torch.int64, device="cuda")
+
+    def run(s):
+        o, lse = kernel.forward(q, k, v, seed=s, offset=7)
+        grads = kernel.backward(q, k, v, o, lse, do, seed=s, offset=7) if "backward" in spec.passes else ()
+        return (o, *grads)
+
+    expected = run(value)
+    for call in range(2):   # the second call with these shapes takes the fast path
+        got = run(seed)
+        for name, a, b in zip(("o", "dq", "dk", "dv"), got, expected):
+            if name == "dq":   # summed with atomics: equal up to the order of the additions
+                assert rel(a, b.double()) < 1e-2, f"call {call}: {name}"
+            else:
+                assert torch.equal(a, b), f"call {call}: {name} differs from the int seed's"
+    seed.fill_(value + 1)
+    assert not torch.equal(run(seed)[0], expected[0]), "a new value in the tensor, a new mask"
+
+
+def test_cuda_graph_replays_draw_new_dropout_masks():
+    """A graph that captured fagen.torch.dropout_seed() and a dropout forward + backward: each replay
+    draws a new seed on the GPU, so a new mask, and each replay's outputs are those of the seed it drew."""
+    import fagen
+    import fagen.torch as fagen_torch
+
+    torch = _torch()
+    spec = fagen.Spec(head_dim=64, dtype="bf16", mask="causal", dropout=0.2)
+    q, k, v = (t.requires_grad_() for t in _inputs(n=200))
+    grad_out = torch.randn_like(q)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):   # warm up (compile, allocator) outside the capture
+        for _ in range(2):
+            fagen.attention(q, k, v, spec, seed=fagen_torch.dropout_seed()).backward(grad_out)
+    torch.cuda.current_stream().wait_stream(side)
+    for t in (q, k, v):
+        t.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        seed = fagen_torch.dropout_seed()
+        out = fagen.attention(q, k, v, spec, seed=seed)
+        out.backward(grad_out)
+    seeds, outputs = [], []
+    kernel = fagen.compile(spec)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        value = int(seed.item())
+        seeds.append(value)
+        outputs.append(out.detach().clone())
+        o, lse = kernel.forward(q.detach(), k.detach(), v.detach(), seed=value)
+        dq, dk, dv = kernel.backward(q.detach(), k.detach(), v.detach(), o, lse, grad_out, seed=value)
+        assert torch.equal(out, o), "the replay's output is the forward of the seed it drew"
+        assert torch.equal(k.grad, dk) and torch.equal(v.grad, dv)
+        assert rel(q.grad, dq.double()) < 1e-2
+    assert len(set(seeds)) == 3, f"each replay draws a new seed: {seeds}"
+    assert not torch.equal(outputs[0], outputs[1]) and not torch.equal(outputs[1], outputs[2])
+
+
 @pytest.mark.parametrize("head_dim, kv_heads", [(128, 2), (64, 1), (96, 4), (192, 2)])
 def test_grouped_kv_heads_without_copies(head_dim, kv_heads):
     """GQA / MQA: k, v with fewer heads go to the kernels as they are (no repeat in memory); the

@@ -29,8 +29,13 @@ def _mod_inputs(parsed, slots) -> dict:
     return inputs
 
 
-def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, cu_seqlens_q=None,
-                       cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
+#: (pass, seed, seed_tensor) of each call of the CPU ops below
+SEEDS_SEEN = []
+
+
+def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
+                       cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
+    SEEDS_SEEN.append(("forward", seed, seed_tensor))
     parsed = spec_from_dict(json.loads(spec))
     if parsed.modifiers.active:   # fagen/reference.py evaluates the expressions (numpy, float64)
         from fagen import reference
@@ -46,7 +51,9 @@ def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, 
 
 
 def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
+                        seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1,
+                        *mod_slots):
+    SEEDS_SEEN.append(("backward", seed, seed_tensor))
     parsed = spec_from_dict(json.loads(spec))
     if parsed.modifiers.active:
         from fagen import reference
@@ -161,6 +168,33 @@ def test_cpu_tensors_and_bad_seeds_are_rejected_before_any_launch():
         fagen.attention(q, k, v, SPEC)
     with pytest.raises(ArgumentError, match="seed"):
         fagen.attention(q, k, v, SPEC, seed=2**63)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
+def test_a_seed_tensor_reaches_the_forward_and_the_backward(compiled, monkeypatch):
+    """seed= a one-element int64 tensor (fagen.torch.dropout_seed): the ops take it as seed_tensor, under
+    autograd and torch.compile(fullgraph), and the backward gets the forward's tensor."""
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    spec = fagen.Spec(head_dim=32, dtype="fp32", mask="causal", dropout=0.1)
+    torch.manual_seed(3)
+    seed = fagen_torch.dropout_seed("cpu")
+    torch.manual_seed(3)
+    assert torch.equal(fagen_torch.dropout_seed("cpu"), seed) and seed.dtype == torch.int64 and seed.shape == (1,)
+
+    def fn(q, k, v, seed):
+        return fagen.attention(q, k, v, spec, seed=seed)
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    SEEDS_SEEN.clear()
+    o = fn(q, k, v, seed)
+    torch.autograd.grad(o, (q, k, v), torch.randn_like(o))
+    # (the CPU backward above recomputes the forward through _reference_forward: a third entry, no seed)
+    assert [entry[0] for entry in SEEDS_SEEN[:2]] == ["forward", "backward"]
+    for _, int_seed, seed_tensor in SEEDS_SEEN[:2]:
+        assert int_seed == 0 and seed_tensor is not None and torch.equal(seed_tensor, seed)
 
 
 MOD_SPEC = fagen.Spec(head_dim=32, dtype="fp32", mask="causal", score_mod="cap * tanh(score / cap) - slope[h] * (i - j)",

@@ -17,7 +17,7 @@ from fagen.runtime import precompile
 specs = [c.spec for c in CORNERS]
 if os.environ['TEST_SPECS']:
     import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
-    specs += t.SPECS + t.GRAD_SPECS + v.SPECS + m.SPECS + s.SPECS
+    specs += t.SPECS + t.GRAD_SPECS + [p[0] for p in t.MANY_PAIRS] + v.SPECS + m.SPECS + s.SPECS
 precompile(specs, jobs=16)" 2>&1 | grep -iv warn | tail -3
 for step in "$@"; do
   if [ "$step" = tests ]; then

@@ -46,7 +46,6 @@ HEAD_DIMS = frozenset(range(1, 257))   # the spec's head_dim: any from 1 to 256
 NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values", "position_embeddings",
                             "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
                             "layer_idx", "max_length_q", "max_length_k"})
-SEED_HIGH = 2**62   # dropout seeds are drawn in [0, SEED_HIGH): well inside fagen.attention's int64 range
 _NOT_GIVEN = object()
 #: Calls with (query heads / KV heads) x Nq up to this many rows run the decode kernel (its plan's Br).
 DECODE_ROWS = 16
@@ -108,9 +107,11 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     seed = 0
     if dropout:
         extra += f', "dropout": {float(dropout)!r}'
-        # From torch's CPU generator: torch.manual_seed reproduces a run, and activation checkpointing,
-        # which restores that generator before recomputing, regenerates the same dropout mask.
-        seed = int(torch.randint(SEED_HIGH, (1,)))
+        # Drawn on the GPU by torch's CUDA generator and read by the kernels when they run: a CUDA graph
+        # (torch.compile "reduce-overhead") replays a new draw each step, and no host read-back breaks a
+        # torch.compile graph. torch.manual_seed reproduces a run, and activation checkpointing, which
+        # restores the CUDA generator before recomputing, regenerates the same mask.
+        seed = fagen_torch.dropout_seed(query.device)
     inputs = None
     if cap is not None:   # soft-capping: a score_mod with the cap written in (one spec per model)
         extra += f', "score_mod": "{cap!r} * tanh(score / {cap!r})"'
