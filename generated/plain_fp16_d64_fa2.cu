@@ -75,6 +75,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d64_fp16_none_fa2
   exit_if_spare(args);
   const Problem<PACKED> problem(args, grid_problem());
   const long long bh = problem.bh;
+  // dropout's Philox key, once per block: the seed argument, or read from memory where it lives there
+  const uint2 philox_key = HAS_DROPOUT ? dropout_key(args) : make_uint2(0u, 0u);
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end)
   const int row_block = MASK == MASK_CAUSAL ? gridDim.x - 1 - blockIdx.x : blockIdx.x;
@@ -189,7 +191,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d64_fp16_none_fa2
     if (HAS_DROPOUT) {
 #pragma unroll
       for (int c = 0; c < S_TILES / 2; ++c) {
-        const uint4 draws = dropout_draws(args, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
+        const uint4 draws = dropout_draws(args, philox_key, bh, warp_row0 + group, col0 + c * 16 + quad * 2);
         dropout_accumulator_pair(s_acc[2 * c], s_acc[2 * c + 1], draws, DROPOUT_THRESHOLD, KEEP_SCALE);
       }
     }
