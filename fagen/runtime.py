@@ -59,7 +59,8 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("dv_sum_stride", "q", 3), ("cu_seqlens_q", "Q", 1), ("cu_seqlens_k", "Q", 1),
               ("max_seq_q", "q", 1), ("max_seq_k", "q", 1),
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
-              ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1)])
+              ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1),
+              ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -1012,14 +1013,19 @@ class Kernel:
 
     # ---- forward ----
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0, offset: int = 0,
-                out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
+                out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
+                block_table=None):
         """(o, lse): o like q; lse float32 (batch, heads, seq_q), natural log, -inf for rows that see no key.
 
         `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
         `stream` overrides the stream the call runs on (default: see the module docstring).
 
         Specs with layout packed take q (total_q, heads, d), k and v (total_k, kv_heads, d) and
-        cu_seqlens_q / cu_seqlens_k (see `_sequences`); o is (total_q, heads, d) and lse (heads, total_q)."""
+        cu_seqlens_q / cu_seqlens_k (see `_sequences`); o is (total_q, heads, d) and lse (heads, total_q).
+
+        `block_table`: k and v are a paged K/V cache (see `_forward_paged`)."""
+        if block_table is not None:
+            return self._forward_paged(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             signature = None
             if out is None and stream is None and self.spec.loop_order != "fa1":
@@ -1062,15 +1068,64 @@ class Kernel:
                 return o, lse
         return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
+    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream):
+        """Decoding from a paged K/V cache, the layout of vLLM and FlashAttention's kvcache call: k_cache and
+        v_cache (pages, page_size, kv_heads, d), block_table (batch, pages per sequence) int32 on the GPU,
+        sequence b's key j in page block_table[b, j // page_size], row j % page_size. The keys are
+        max pages x page_size long; mask padding with kv_lengths gives each sequence its own length.
+        Only the decode pass reads pages (the spec's passes must include it, and a call must fit its
+        rows); a page must hold whole tiles of the decode plan's keys."""
+        decode = self.plans.get("decode")
+        if decode is None:
+            raise ArgumentError(f"{self.spec.variant_name}: paged K/V caches are read by the decode pass; build the spec "
+                                f"with passes including \"decode\" (passes: {list(self.spec.passes)})")
+        if self.spec.layout == "packed":
+            raise ArgumentError("block_table: a paged K/V cache takes layout padded q (batch, heads, Nq, d)")
+        pages = {name: as_device_tensor(name, value) for name, value in (("k", k_cache), ("v", v_cache))}
+        for t in pages.values():
+            if len(t.shape) != 4:
+                raise ArgumentError(f"{t.name}: a paged cache has 4 dimensions (pages, page_size, kv_heads, head_dim), "
+                                    f"got shape {t.shape}")
+        if pages["k"].shape != pages["v"].shape:
+            raise ArgumentError(f"k and v must have the same shape, got {pages['k'].shape} and {pages['v'].shape}")
+        page_count, page_size, kv_heads, head_dim = pages["k"].shape
+        table = as_device_tensor("block_table", block_table)
+        batch = as_device_tensor("q", q).shape[0]
+        if len(table.shape) != 2 or table.dtype != "int32" or table.strides[1] != 1 or table.shape[0] != batch:
+            raise ArgumentError(f"block_table: expected int32 of shape (batch = {batch}, pages per sequence), last dim "
+                                f"contiguous; got {table.dtype} of shape {table.shape}, strides {table.strides}")
+        if min(table.shape[1], page_count, page_size) < 1:
+            raise ArgumentError(f"block_table and the cache need at least one page of one row; got block_table "
+                                f"{table.shape}, cache {pages['k'].shape}")
+        if page_size % decode.block_c:
+            raise ArgumentError(f"page_size {page_size}: the decode kernel reads keys in tiles of {decode.block_c}, and a "
+                                f"page must hold whole tiles (page_size a multiple of {decode.block_c})")
+        owners = [t.owner for t in (*pages.values(), table) if t.is_torch]
+        q_owner = getattr(q, "device", None)
+        if q_owner is not None and any(o.device != q_owner for o in owners):
+            raise ArgumentError(f"q, the cache and block_table must be on one device, got "
+                                f"{sorted({str(q_owner), *(str(o.device) for o in owners)})}")
+        # the cache as the (batch, kv_heads, keys, d) tensor the kernels address: strides (page, head, row), the
+        # page stride used only through the block table
+        views = {name: DeviceTensor(name, t.pointer, (batch, kv_heads, table.shape[1] * page_size, head_dim),
+                                    (t.strides[0], t.strides[2], t.strides[1], t.strides[3]), t.dtype, t.owner, False,
+                                    t.stream) for name, t in pages.items()}
+        paged = {"block_table": table.pointer, "block_table_stride": table.strides[0], "page_size": page_size,
+                 "page_count": page_count}
+        return self._forward(q, views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset, out, stream, None,
+                             None, (paged, table.owner))
+
     def _forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
-                 sequences: Optional["Sequences"]):
+                 sequences: Optional["Sequences"], paged: Optional[tuple] = None):
         """The full forward path (everything the fast path skips); `sequences` for packed batches,
-        whose q, k, v arrive here as (1, heads, total, d) views."""
+        whose q, k, v arrive here as (1, heads, total, d) views; `paged`: (the block-table fields of the
+        argument struct, the table) for a paged cache, whose k, v arrive as views (_forward_paged)."""
         plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
-                return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, None, signature, sequences)
+                return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, None, signature, sequences,
+                                     paged)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -1097,6 +1152,14 @@ class Kernel:
                                   stream)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
+        if paged is not None:
+            if group * seq_q > decode.block_r:
+                raise ArgumentError(f"a paged K/V cache is read by the decode kernel, which holds at most {decode.block_r} "
+                                    f"query rows per K/V head (query heads per K/V head x Nq); got {group} x {seq_q}")
+            fields, table = paged
+            for name, value in fields.items():
+                args[name] = value
+            keep.append(table)
         if decode is not None and group * seq_q <= decode.block_r:
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
                                 kv_lengths, block_mask, inputs)

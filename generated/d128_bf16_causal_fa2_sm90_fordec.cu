@@ -320,6 +320,25 @@ __device__ __forceinline__ int2 split_keys(int key_count, int tile) {
   return make_int2(first, min(key_count, first + share));
 }
 
+// The rows of K or V (`base`, `stride`) that a tile from key col0 of sequence b, K/V head h_kv reads,
+// and in `row0` the index of key col0 among them: the tensor's own rows of (b, h_kv), or in a paged
+// cache the page holding key col0. A tile never straddles two pages (the host checks that a page holds
+// whole tiles); page numbers arrive in device memory unchecked and are clamped into [0, page_count).
+template <typename T>
+__device__ __forceinline__ const T* kv_tile_rows(const fagen::AttentionArgs& args, const void* base,
+                                                 const long long (&stride)[3], long long b, long long h_kv, int col0,
+                                                 int& row0) {
+  if (args.block_table == nullptr) {
+    row0 = col0;
+    return static_cast<const T*>(base) + b * stride[0] + h_kv * stride[1];
+  }
+  const int page_size = (int)args.page_size;
+  const long long page = min(max((long long)args.block_table[b * args.block_table_stride + col0 / page_size], 0LL),
+                             args.page_count - 1);
+  row0 = col0 % page_size;
+  return static_cast<const T*>(base) + page * stride[0] + h_kv * stride[1];
+}
+
 // The warps' (m_w, l_w, O_w) in `merged` (slot per warp and row, m in log2 units) merge into this
 // split's normalised O and natural-log LSE: M = max m_w, L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L.
 template <int WARPS_, int MAX_ROWS_, int THREADS_>
@@ -390,8 +409,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   exit_if_spare(args);
   const long long b = grid_problem() / kv_heads, h_kv = grid_problem() % kv_heads;
   const int rows = group * seq_q;                                  // <= 16 (the host's choice)
-  const elem_t* k = static_cast<const elem_t*>(args.k) + b * args.k_stride[0] + h_kv * args.k_stride[1];
-  const elem_t* v = static_cast<const elem_t*>(args.v) + b * args.v_stride[0] + h_kv * args.v_stride[1];
   const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, h_kv * group, seq_q, (int)args.seq_k);
   const int2 keys = split_keys(visibility.key_count, BLOCK_C);
   const int key0 = keys.x, key_end = keys.y;
@@ -412,8 +429,11 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   };
   auto load_kv = [&](int col0, int stage) {
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, key_end - col0, DATA_DIM);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, key_end - col0, DATA_DIM);
+    int row0;   // the same for K and V: their pages share the block table
+    const elem_t* k = kv_tile_rows<elem_t>(args, args.k, args.k_stride, b, h_kv, col0, row0);
+    const elem_t* v = kv_tile_rows<elem_t>(args, args.v, args.v_stride, b, h_kv, col0, row0);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], row0, key_end - col0, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], row0, key_end - col0, DATA_DIM);
     tc::cp_async_commit();
   };
 

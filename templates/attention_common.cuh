@@ -69,6 +69,11 @@ struct AttentionArgs {
   // Dropout's seed in device memory, or nullptr for `seed` above: a seed drawn on the GPU each step (by
   // torch's CUDA generator), which a CUDA graph then replays as a new draw instead of a captured value.
   const unsigned long long* seed_pointer;
+  // A paged K/V cache (the decode pass): k and v hold page_count pages of page_size rows each (strides:
+  // page, head, row), and sequence b's key j lives in page block_table[b * block_table_stride +
+  // j / page_size], row j % page_size. nullptr: k and v are (batch, head, row) tensors as above.
+  const int* block_table;
+  long long block_table_stride, page_size, page_count;
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide

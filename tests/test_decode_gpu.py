@@ -25,7 +25,7 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", passes=["forward", "dec
 def warm_cache():
     from fagen.runtime import precompile
 
-    precompile(SPECS)
+    precompile(SPECS + PAGED_SPECS)
 
 
 @st.composite
@@ -90,3 +90,77 @@ def test_long_cache_splits_and_fast_path_follow_new_data():
     call = next(iter(kernel._fast_forward.values())) if before == 0 else None
     if call is not None:
         assert call.launches[0][1][0] > 1, "a batch of one is split over several blocks"
+
+
+# Paged K/V caches (Kernel.forward(..., block_table=)): the tensor-core decode (bf16 / fp16, with dropout)
+# and the CUDA-core one (fp32); pages of one and of two of the plan's key tiles.
+PAGED_SPECS = [Spec(head_dim=128, dtype="bf16", mask="padding", passes=["forward", "decode"]),
+               Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.2, passes=["forward", "decode"]),
+               Spec(head_dim=64, dtype="fp32", mask="padding", passes=["forward", "decode"])]
+
+
+@pytest.mark.parametrize("spec", PAGED_SPECS, ids=lambda s: s.canonical_name)
+@pytest.mark.parametrize("tiles_per_page", [1, 2])
+def test_paged_cache_matches_the_reference_on_the_gathered_keys(spec, tiles_per_page):
+    """k_cache, v_cache (pages, page_size, kv_heads, d) shuffled over the pool by a block table, lengths
+    from 0 to every page full: each sequence must get what the float64 reference gives on its keys
+    gathered into a contiguous tensor, and the pages no table names must not matter."""
+    import numpy as np
+    import torch
+
+    from fagen import reference, runtime
+    from fagen.testing import TOLERANCES, _lse_error, relative_error
+
+    kernel = runtime.compile(spec)
+    page_size = tiles_per_page * kernel.plans["decode"].block_c
+    batch, heads, kv_heads, pages_per_sequence, seq_q = 4, 8, 2, 5, 2 if spec.dtype == "fp32" else 1
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.dtype]
+    generator = torch.Generator(device="cuda").manual_seed(tiles_per_page)
+    pool = batch * pages_per_sequence + 3   # 3 pages belong to no sequence
+    k_cache, v_cache = (torch.randn(pool, page_size, kv_heads, spec.head_dim, device="cuda", dtype=dtype,
+                                    generator=generator) for _ in range(2))
+    order = torch.randperm(pool, device="cuda", generator=generator)
+    table = order[:batch * pages_per_sequence].reshape(batch, pages_per_sequence).to(torch.int32)
+    q = torch.randn(batch, heads, seq_q, spec.head_dim, device="cuda", dtype=dtype, generator=generator)
+    keys = pages_per_sequence * page_size
+    lengths = [0, 1, keys // 2 + 3, keys] if spec.mask == "padding" else None
+    o, lse = kernel.forward(q, k_cache, v_cache, block_table=table, kv_lengths=lengths, seed=11, offset=2)
+    torch.cuda.synchronize()
+    # the same keys, gathered: (batch, kv_heads, keys, d)
+    gathered = [cache[table.long()].reshape(batch, keys, kv_heads, spec.head_dim).transpose(1, 2)
+                for cache in (k_cache, v_cache)]
+    as64 = lambda t: t.double().cpu().numpy()  # noqa: E731
+    ref_o, ref_lse = reference.attention_forward(as64(q), *(as64(t) for t in gathered), spec,
+                                                 kv_lengths=lengths, seed=11, offset=2)
+    assert relative_error(as64(o), ref_o) <= TOLERANCES[spec.dtype]
+    assert _lse_error(as64(lse), ref_lse) <= TOLERANCES[spec.dtype]
+    # the pages no sequence uses: poisoning them changes nothing
+    unused = order[batch * pages_per_sequence:]
+    k_cache[unused] = float("nan")
+    v_cache[unused] = float("nan")
+    again, _ = kernel.forward(q, k_cache, v_cache, block_table=table, kv_lengths=lengths, seed=11, offset=2)
+    assert torch.equal(again, o)
+    assert np.isfinite(as64(o)).all()
+
+
+def test_paged_cache_arguments_get_clear_errors():
+    import torch
+
+    from fagen import runtime
+    from fagen.runtime import ArgumentError
+
+    kernel = runtime.compile(PAGED_SPECS[0])
+    tile = kernel.plans["decode"].block_c
+    q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
+    cache = torch.randn(6, tile, 2, 128, device="cuda", dtype=torch.bfloat16)
+    table = torch.zeros(2, 3, dtype=torch.int32, device="cuda")
+    with pytest.raises(ArgumentError, match="multiple of"):
+        kernel.forward(q, cache[:, :tile // 2], cache[:, :tile // 2], block_table=table, kv_lengths=[1, 2])
+    with pytest.raises(ArgumentError, match="block_table: expected int32"):
+        kernel.forward(q, cache, cache, block_table=table.long(), kv_lengths=[1, 2])
+    with pytest.raises(ArgumentError, match="query rows per K/V head"):
+        kernel.forward(torch.randn(2, 8, 9, 128, device="cuda", dtype=torch.bfloat16), cache, cache,
+                       block_table=table, kv_lengths=[1, 2])
+    with pytest.raises(ArgumentError, match="decode pass"):
+        runtime.compile(Spec(head_dim=128, dtype="bf16", mask="padding")).forward(q, cache, cache, block_table=table,
+                                                                                 kv_lengths=[1, 2])
