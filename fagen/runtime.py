@@ -1025,7 +1025,15 @@ class Kernel:
 
         `block_table`: k and v are a paged K/V cache (see `_forward_paged`)."""
         if block_table is not None:
-            return self._forward_paged(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream)
+            signature = None
+            if out is None and stream is None and "decode" in self.plans:
+                signature = self._paged_signature(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset)
+                call = self._fast_forward.get(signature) if signature is not None else None
+                if call is not None:   # decode's split workspaces, then the table, as _decode remembered them
+                    return self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset,
+                                                   (block_table.data_ptr(),))
+            return self._forward_paged(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                                       signature)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             signature = None
             if out is None and stream is None and self.spec.loop_order != "fa1":
@@ -1052,23 +1060,41 @@ class Kernel:
             signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
-                import torch
-
-                device = q.get_device()
-                o = torch.empty_like(q)
-                lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until
-                # the launches are queued
-                workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
-                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-                call.launch(device, _TORCH["stream"](device),
-                            (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                             *[w.data_ptr() for w in workspaces], *extra, *_seed_values(seed, offset)))
-                self._finish(call.main)
-                return o, lse
+                return self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset)
         return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
-    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream):
+    def _fast_forward_call(self, call: FastCall, q, k, v, kv_lengths, block_mask, inputs, seed, offset, paged=()):
+        """A remembered forward: outputs and workspaces allocated, the pointers written in, launched."""
+        import torch
+
+        device = q.get_device()
+        o = torch.empty_like(q)
+        lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
+        # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until the
+        # launches are queued
+        workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
+        _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
+        call.launch(device, _TORCH["stream"](device),
+                    (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                     *[w.data_ptr() for w in workspaces], *paged, *extra, *_seed_values(seed, offset)))
+        self._finish(call.main)
+        return o, lse
+
+    def _paged_signature(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset):
+        """The fast path's key of a paged call: the padded one's over q and the page pools, and the table's
+        shape and row stride (its entries are data, read on the GPU)."""
+        torch_types = _torch_types()
+        if (type(block_table) is not torch_types["Tensor"] or block_table.dtype is not torch_types["int32"]
+                or block_table.dim() != 2 or block_table.stride(1) != 1):
+            return None
+        key = self._signature("forward", (q, k_cache, v_cache), (q, k_cache, v_cache), kv_lengths, block_mask, inputs,
+                              seed, offset)
+        if key is None or block_table.get_device() != q.get_device():
+            return None
+        return ("paged", key, tuple(block_table.shape), block_table.stride(0))
+
+    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                       signature=None):
         """Decoding from a paged K/V cache, the layout of vLLM and FlashAttention's kvcache call: k_cache and
         v_cache (pages, page_size, kv_heads, d), block_table (batch, pages per sequence) int32 on the GPU,
         sequence b's key j in page block_table[b, j // page_size], row j % page_size. The keys are
@@ -1112,8 +1138,8 @@ class Kernel:
                                     t.stream) for name, t in pages.items()}
         paged = {"block_table": table.pointer, "block_table_stride": table.strides[0], "page_size": page_size,
                  "page_count": page_count}
-        return self._forward(q, views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset, out, stream, None,
-                             None, (paged, table.owner))
+        return self._forward(q, views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                             signature, None, (paged, table.owner))
 
     def _forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
                  sequences: Optional["Sequences"], paged: Optional[tuple] = None):
@@ -1162,7 +1188,7 @@ class Kernel:
             keep.append(table)
         if decode is not None and group * seq_q <= decode.block_r:
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
-                                kv_lengths, block_mask, inputs)
+                                kv_lengths, block_mask, inputs, paged is not None)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(problems[2] / plan.block_r)
         if sequences is not None and not sequences.has_work:   # every sequence empty of queries or keys
@@ -1202,7 +1228,7 @@ class Kernel:
         return o, lse
 
     def _decode(self, plan: LaunchPlan, args: LaunchArgs, tensors: dict, shape: tuple, group: int, o, lse, keep: list,
-                device: int, stream: int, signature, kv_lengths, block_mask, inputs):
+                device: int, stream: int, signature, kv_lengths, block_mask, inputs, paged: bool = False):
         """The split-KV forward for few query rows (templates/decode_splitkv.cu.j2): one block per
         (split of the keys, batch, K/V head) holds every query row of the head's group, then
         _combine merges the splits by LSE into o and lse."""
@@ -1235,8 +1261,8 @@ class Kernel:
         self._finish(main)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
-            self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max") + names,
-                           launches, device, workspaces)
+            self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max")
+                           + (("block_table",) if paged else ()) + names, launches, device, workspaces)
         del keep
         return o, lse
 

@@ -104,7 +104,8 @@ PAGED_SPECS = [Spec(head_dim=128, dtype="bf16", mask="padding", passes=["forward
 def test_paged_cache_matches_the_reference_on_the_gathered_keys(spec, tiles_per_page):
     """k_cache, v_cache (pages, page_size, kv_heads, d) shuffled over the pool by a block table, lengths
     from 0 to every page full: each sequence must get what the float64 reference gives on its keys
-    gathered into a contiguous tensor, and the pages no table names must not matter."""
+    gathered into a contiguous tensor, on the full call path and then on the fast one (a new table and
+    new queries), and the pages no table names must not matter."""
     import numpy as np
     import torch
 
@@ -119,28 +120,34 @@ def test_paged_cache_matches_the_reference_on_the_gathered_keys(spec, tiles_per_
     pool = batch * pages_per_sequence + 3   # 3 pages belong to no sequence
     k_cache, v_cache = (torch.randn(pool, page_size, kv_heads, spec.head_dim, device="cuda", dtype=dtype,
                                     generator=generator) for _ in range(2))
-    order = torch.randperm(pool, device="cuda", generator=generator)
-    table = order[:batch * pages_per_sequence].reshape(batch, pages_per_sequence).to(torch.int32)
-    q = torch.randn(batch, heads, seq_q, spec.head_dim, device="cuda", dtype=dtype, generator=generator)
     keys = pages_per_sequence * page_size
-    lengths = [0, 1, keys // 2 + 3, keys] if spec.mask == "padding" else None
-    o, lse = kernel.forward(q, k_cache, v_cache, block_table=table, kv_lengths=lengths, seed=11, offset=2)
-    torch.cuda.synchronize()
-    # the same keys, gathered: (batch, kv_heads, keys, d)
-    gathered = [cache[table.long()].reshape(batch, keys, kv_heads, spec.head_dim).transpose(1, 2)
-                for cache in (k_cache, v_cache)]
+    lengths = None   # on the GPU: what the fast path takes
+    if spec.mask == "padding":
+        lengths = torch.tensor([0, 1, keys // 2 + 3, keys], dtype=torch.int32, device="cuda")
     as64 = lambda t: t.double().cpu().numpy()  # noqa: E731
-    ref_o, ref_lse = reference.attention_forward(as64(q), *(as64(t) for t in gathered), spec,
-                                                 kv_lengths=lengths, seed=11, offset=2)
-    assert relative_error(as64(o), ref_o) <= TOLERANCES[spec.dtype]
-    assert _lse_error(as64(lse), ref_lse) <= TOLERANCES[spec.dtype]
+    before = len(kernel._fast_forward)
+    for call in range(2):
+        order = torch.randperm(pool, device="cuda", generator=generator)
+        table = order[:batch * pages_per_sequence].reshape(batch, pages_per_sequence).to(torch.int32)
+        q = torch.randn(batch, heads, seq_q, spec.head_dim, device="cuda", dtype=dtype, generator=generator)
+        o, lse = kernel.forward(q, k_cache, v_cache, block_table=table, kv_lengths=lengths, seed=11, offset=2)
+        torch.cuda.synchronize()
+        # the same keys, gathered: (batch, kv_heads, keys, d)
+        gathered = [cache[table.long()].reshape(batch, keys, kv_heads, spec.head_dim).transpose(1, 2)
+                    for cache in (k_cache, v_cache)]
+        ref_o, ref_lse = reference.attention_forward(as64(q), *(as64(t) for t in gathered), spec,
+                                                     kv_lengths=None if lengths is None else lengths.tolist(),
+                                                     seed=11, offset=2)
+        assert relative_error(as64(o), ref_o) <= TOLERANCES[spec.dtype], f"call {call}: o"
+        assert _lse_error(as64(lse), ref_lse) <= TOLERANCES[spec.dtype], f"call {call}: lse"
+        assert np.isfinite(as64(o)).all()
+    assert len(kernel._fast_forward) == before + 1, "the second call took the fast path"
     # the pages no sequence uses: poisoning them changes nothing
     unused = order[batch * pages_per_sequence:]
     k_cache[unused] = float("nan")
     v_cache[unused] = float("nan")
     again, _ = kernel.forward(q, k_cache, v_cache, block_table=table, kv_lengths=lengths, seed=11, offset=2)
     assert torch.equal(again, o)
-    assert np.isfinite(as64(o)).all()
 
 
 def test_paged_cache_arguments_get_clear_errors():
