@@ -136,7 +136,7 @@ def as_device_tensor(name: str, value: Any) -> DeviceTensor:
     typestr = cai["typestr"]
     itemsize = int(typestr[2:])
     dtype = next((k for k, v in CAI_TYPESTRS.items() if typestr in v), None) or \
-        {"<i4": "int32", "<i8": "int64", "|u1": "uint8", "|b1": "bool"}.get(typestr, f"other:{typestr}")
+        {"<i4": "int32", "<i8": "int64", "<u8": "uint64", "|u1": "uint8", "|b1": "bool"}.get(typestr, f"other:{typestr}")
     shape = tuple(cai["shape"])
     if cai.get("strides") is None:
         strides, step = [], 1
@@ -675,8 +675,12 @@ class Kernel:
         generator is graph-safe) draws a new mask each replay."""
         held = as_device_tensor("seed", seed)
         size = math.prod(held.shape)
-        if held.dtype != "int64" or size != 1:
-            raise ArgumentError(f"seed: a CUDA tensor seed must hold one int64, got {size} values of {held.dtype}")
+        if held.dtype not in ("int64", "uint64") or size != 1:
+            raise ArgumentError(f"seed: a CUDA tensor seed must hold one int64 (or uint64), got {size} values of "
+                                f"{held.dtype}")
+        if held.pointer % 8:
+            raise ArgumentError(f"seed: the kernels read the seed as one 8-byte word; its address {held.pointer:#x} is "
+                                "not 8-byte aligned")
         if held.is_torch and like.is_torch and held.owner.device != like.owner.device:
             raise ArgumentError(f"seed is on {held.owner.device}, q on {like.owner.device}")
         return held
@@ -791,6 +795,8 @@ class Kernel:
     def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, inputs, seed, offset):
         """The key of a FastCall for these torch tensors, or None where the full path must run (other
         array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
+        if not type(tensors[0]).__module__.startswith("torch"):
+            return None   # (PyCUDA / __cuda_array_interface__ arrays; torch may not even be installed)
         torch_types = _torch_types()
         tensor_type = torch_types["Tensor"]
         parts = []
@@ -1025,6 +1031,9 @@ class Kernel:
 
         `block_table`: k and v are a paged K/V cache (see `_forward_paged`)."""
         if block_table is not None:
+            if self.spec.layout == "packed" or cu_seqlens_q is not None or cu_seqlens_k is not None:
+                raise ArgumentError("block_table: a paged K/V cache takes a layout padded spec and q of shape "
+                                    "(batch, heads, Nq, d), without cu_seqlens")
             signature = None
             if out is None and stream is None and "decode" in self.plans:
                 signature = self._paged_signature(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset)
@@ -1083,6 +1092,8 @@ class Kernel:
     def _paged_signature(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset):
         """The fast path's key of a paged call: the padded one's over q and the page pools, and the table's
         shape and row stride (its entries are data, read on the GPU)."""
+        if not type(q).__module__.startswith("torch"):
+            return None
         torch_types = _torch_types()
         if (type(block_table) is not torch_types["Tensor"] or block_table.dtype is not torch_types["int32"]
                 or block_table.dim() != 2 or block_table.stride(1) != 1):
@@ -1105,8 +1116,6 @@ class Kernel:
         if decode is None:
             raise ArgumentError(f"{self.spec.variant_name}: paged K/V caches are read by the decode pass; build the spec "
                                 f"with passes including \"decode\" (passes: {list(self.spec.passes)})")
-        if self.spec.layout == "packed":
-            raise ArgumentError("block_table: a paged K/V cache takes layout padded q (batch, heads, Nq, d)")
         pages = {name: as_device_tensor(name, value) for name, value in (("k", k_cache), ("v", v_cache))}
         for t in pages.values():
             if len(t.shape) != 4:

@@ -2,11 +2,12 @@
 
 Two ops are registered through `torch.library`, with fake (meta) implementations and autograd:
 
-    fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, cu_seqlens_q?,
-                             cu_seqlens_k?, max_seqlen_q, max_seqlen_k) -> (o, lse)
+    fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, seed_tensor?, cu_seqlens_q?,
+                             cu_seqlens_k?, max_seqlen_q, max_seqlen_k, mod_tensor0-3?, mod_scalar0-3) -> (o, lse)
     fagen::attention_backward(q, k, v, o, lse, grad_o, spec, (the same run-time arguments)) -> (dq, dk, dv)
 
-(cu_seqlens and max_seqlen: specs with layout packed; a max_seqlen of -1 means "not given".)
+(seed_tensor: a dropout seed on the GPU that replaces `seed`; cu_seqlens and max_seqlen: specs with
+layout packed, a max_seqlen of -1 means "not given"; mod_*: a spec's mask_mod / score_mod inputs.)
 
 `spec` is a string (JSON of spec fields) so that the ops have a schema torch.compile understands;
 a string is resolved to a compiled kernel once per process and device. So `torch.compile(model,
@@ -215,14 +216,18 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, kernel, runtime_kwargs):
         o, lse = kernel.forward(q, k, v, **runtime_kwargs)
         ctx.kernel, ctx.runtime_kwargs = kernel, runtime_kwargs
-        ctx.save_for_backward(q, k, v, o, lse)
+        # a seed tensor is saved like the inputs, so that changing it in place before the backward is
+        # torch's "modified by an inplace operation" error, not a backward with another mask
+        seed = runtime_kwargs.get("seed")
+        ctx.save_for_backward(q, k, v, o, lse, seed if isinstance(seed, torch.Tensor) else None)
         ctx.mark_non_differentiable(lse)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **ctx.runtime_kwargs)
+        q, k, v, o, lse, seed = ctx.saved_tensors
+        kwargs = ctx.runtime_kwargs if seed is None else {**ctx.runtime_kwargs, "seed": seed}
+        dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
         return dq, dk, dv, None, None
 
 

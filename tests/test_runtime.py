@@ -86,3 +86,31 @@ def test_problem_grid_folds_the_pairs_over_z_within_the_limits(problems):
 def test_problem_grid_beyond_what_y_and_z_hold_is_a_clear_error():
     with pytest.raises(ArgumentError, match="pairs in one call"):
         problem_grid(1, GRID_YZ_LIMIT ** 2 + 1, {})
+
+
+def test_fast_path_keys_return_none_for_arrays_that_are_not_torch_tensors():
+    """PyCUDA / __cuda_array_interface__ arrays take the full call path: the fast path's keys give up on
+    them before importing torch, which such a user may not have installed."""
+    from fagen.runtime import Kernel
+
+    class Array:
+        __cuda_array_interface__ = {"shape": (1, 1, 8, 64), "typestr": "<f2", "data": (256, False), "version": 3}
+
+    array = Array()
+    assert Kernel._signature(object(), "forward", (array, array, array), (), None, None, None, 0, 0) is None
+    assert Kernel._paged_signature(object(), array, array, array, array, None, None, None, 0, 0) is None
+
+
+def test_a_paged_cache_with_packed_arguments_is_refused_before_anything_runs():
+    """block_table (a paged K/V cache) takes padded q, k, v: cu_seqlens with it, or a packed spec, get a
+    clear error at once (not the packed path, not a hint about passes a packed spec cannot have)."""
+    from types import SimpleNamespace
+
+    from fagen.runtime import Kernel
+    from fagen.spec import Spec
+
+    for spec, packed in ((Spec(head_dim=64, dtype="bf16", mask="padding", passes=["forward", "decode"]), {"cu_seqlens_q": [0, 1]}),
+                         (Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"), {})):
+        kernel = SimpleNamespace(spec=spec)
+        with pytest.raises(ArgumentError, match="without cu_seqlens"):
+            Kernel.forward(kernel, None, None, None, block_table=[[0]], **packed)

@@ -253,3 +253,33 @@ def test_flex_style_callables_with_torch_functions_become_spec_text():
         [True, False, False, False], [True, False, True, False]]
     with pytest.raises(fagen.SpecError, match="torch.erf has no fagen counterpart"):
         fagen.spec.spec_from_dict({"head_dim": 64, "score_mod": lambda score: torch.erf(score)})
+
+
+def test_the_eager_path_saves_a_seed_tensor_for_the_backward():
+    """The eager autograd.Function (what CUDA calls take outside torch.compile) hands the backward the
+    forward's seed tensor, and changing that tensor in place in between is torch's in-place error, not
+    a backward that regenerates another mask. A stand-in kernel records what each pass received."""
+    seen = []
+
+    class Kernel:
+        def forward(self, q, k, v, **kwargs):
+            seen.append(("forward", kwargs["seed"]))
+            return q.clone(), q.new_zeros(q.shape[:3])
+
+        def backward(self, q, k, v, o, lse, do, **kwargs):
+            seen.append(("backward", kwargs["seed"]))
+            return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    q, k, v = _inputs()
+    seed = torch.tensor([5], dtype=torch.int64)
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), {"seed": seed, "offset": 0})
+    o.sum().backward()
+    assert [name for name, _ in seen] == ["forward", "backward"] and seen[1][1] is not None
+    assert torch.equal(seen[1][1], seed)
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), {"seed": seed, "offset": 0})
+    seed.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), {"seed": 3, "offset": 0})   # an int seed: as it was
+    o.sum().backward()
+    assert seen[-1] == ("backward", 3)
