@@ -104,16 +104,20 @@ FAMILIES: tuple[Family, ...] = (
     # the tensor cores through descriptors; S/P and O in registers.
     Family("forward_wgmma", "forward_wgmma.cu.j2", ("forward",),
            smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024,
-           # O and S accumulators of the warp's 16 rows over 32 lanes, P~ packed in pairs, plus loop state
-           registers=Br * d / (32 * W) + 3 * Br * Bc / (64 * W) + REGISTER_OVERHEAD,
+           # O and S accumulators of the warp's 16 rows over 32 lanes, P~ packed in pairs, plus 32 of loop state
+           # (ptxas on sm_90a: 128 at d = 96, Br = 128, Bc = 64, 8 warps, no spills; with 40, the estimate of the
+           # other families, that plan lost its second resident block and ran 1.26x slower, H100)
+           registers=Br * d / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
            # the tensor cores read K_j, V_j once per warpgroup and Q_g once per K/V block
            smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
            # dropout: 8 registers (ptxas at d = 64, 128: 112-224 registers, no spills, with the 16-bit draws)
            warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
            packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
-           modifier_registers=4,  # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills
-           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64, archs=("sm_90",),
+           # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills with 4; a bias table with dropout at d = 64,
+           # Br = 128, Bc = 64 spills 4 B at two resident blocks (128 registers), which 12 rules out
+           modifier_registers=12,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
            preference=0, occupancy_first=True),
@@ -152,7 +156,7 @@ FAMILIES: tuple[Family, ...] = (
            # mask_mod / score_mod: 4 (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled
            # 72 B with a bias table); at d = 128 the template's one plan stays (soft-capping spills 32 B there)
            modifier_registers=4,
-           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, keys_per_warp=16, deterministic=False,
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",
                    lambda r, c, hd, w: r == 16 * w or (r == 64 and hd == 16 * w)),)),

@@ -162,7 +162,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
 //   S^T = K_g Q_i^T,  P^T = exp(tau S^T - LSE_i),  dP^T = V_g dO_i^T,  dS^T = P^T o (dP^T o Z - D_i),
 //   dV_g += P_drop^T dO_i,  dK_g += tau dS^T Q_i     (P^T, dS^T go from accumulators to A registers)
 //   dQ_i += tau dS K_j                               (dS^T through shared memory, fp32 atomics)
-// Every tile the tensor cores read sits in 128-byte-swizzled shared memory (templates/warpgroup_mma.cuh);
+// Every tile the tensor cores read sits in swizzled shared memory (templates/warpgroup_mma.cuh);
 // Q_i, dO_i, LSE_i and D_i arrive by cp.async into two stages, so block i+1 loads while i computes.
 // Per warp, the accumulator layout is the one of templates/backward_fa2_mma.cu.j2 (16 keys per warp).
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
@@ -202,7 +202,9 @@ constexpr unsigned DROPOUT_THRESHOLD = 6553u;
 constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ splits over warpgroups by rows or by dims");
-static_assert(BLOCK_R % 64 == 0 && HEAD_DIM % fagen::wg::PANEL_COLUMNS == 0, "whole swizzle panels");
+static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
+using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
+using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
@@ -241,7 +243,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   // all swizzled and 1024-byte aligned (1 KB of slack), then 2 stages of LSE_i and of D_i.
   extern __shared__ float4 shared_raw[];
   const unsigned raw = tc::shared_address(shared_raw);
-  const unsigned k_tile = (raw + wg::ATOM_BYTES - 1) & ~unsigned(wg::ATOM_BYTES - 1);
+  const unsigned k_tile = (raw + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned v_tile = k_tile + KV_BYTES;
   auto q_tile = [&](int stage) { return k_tile + 2 * KV_BYTES + stage * 2 * QB_BYTES; };
   auto do_tile = [&](int stage) { return q_tile(stage) + QB_BYTES; };
@@ -313,19 +315,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   // Descriptors, built once; a k-step adds a compile-time offset (>> 4) to the start address field.
   //   K-major (d contiguous): K_g, V_g as A and Q_i, dO_i as B of the score products.
   //   MN-major (read transposed): dO_i, Q_i as B of dV, dK (k = queries); dS^T as A and K_j as B of dQ.
-  constexpr auto k_major_step = [](int rows, int kk) { return ((kk / 4) * rows * wg::ROW_BYTES + (kk % 4) * 32) >> 4; };
-  constexpr auto mn_major_step = [](int kk) { return (kk * 2 * wg::ATOM_BYTES) >> 4; };  // 16 rows = two 8-row atoms
-  const unsigned long long k_rows = wg::descriptor(k_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
-  const unsigned long long v_rows = wg::descriptor(v_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
+  const unsigned long long k_rows = Layout::k_major(k_tile + warpgroup * 64 * Layout::ROW_BYTES);
+  const unsigned long long v_rows = Layout::k_major(v_tile + warpgroup * 64 * Layout::ROW_BYTES);
   const unsigned long long stage_step = (2 * QB_BYTES) >> 4;
-  const unsigned long long q_rows0 = wg::descriptor(q_tile(0), 16, wg::ATOM_BYTES);
-  const unsigned long long do_rows0 = wg::descriptor(do_tile(0), 16, wg::ATOM_BYTES);
-  const unsigned long long q_cols0 = wg::descriptor(q_tile(0), BLOCK_R * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long do_cols0 = wg::descriptor(do_tile(0), BLOCK_R * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long ds_cols = wg::descriptor(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * wg::ROW_BYTES : 0),
-                                                    BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long k_cols = wg::descriptor(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * wg::ROW_BYTES),
-                                                   BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES);
+  const unsigned long long q_rows0 = Layout::k_major(q_tile(0));
+  const unsigned long long do_rows0 = Layout::k_major(do_tile(0));
+  const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
+  const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
+  // dQ by dims (d = 64 per warpgroup) takes warpgroup g's 64-column panel of K_j
+  const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
+  const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
     const int i_next = next_visible(i + 1);
@@ -350,9 +349,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     wg::fence_registers(dp_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + k_major_step(BLOCK_C, kk), q_rows + k_major_step(BLOCK_R, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + k_major_step(BLOCK_C, kk), do_rows + k_major_step(BLOCK_R, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(s_acc);
@@ -421,9 +420,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     wg::fence_registers(ds_frag);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + mn_major_step(kk), 1);
+    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
 #pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + mn_major_step(kk), 1);
+    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
     wg::commit();
     const int key_row = warp * 16 + group;  // within K_j
 #pragma unroll
@@ -431,8 +430,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
         const int chunk = 2 * kk + half;
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + wg::swizzled_offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + wg::swizzled_offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
       }
     wg::fence_async_proxy();
     __syncthreads();  // dS^T complete
@@ -441,7 +440,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     wg::fence_registers(dq_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + mn_major_step(kk), k_cols + mn_major_step(kk), kk > 0);
+    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(dq_acc);

@@ -9,7 +9,8 @@
 // blocks inner. Each warpgroup (4 warps) owns 64 query rows: S = Q_g K_j^T reads Q_g and K_j straight
 // from shared memory, P~ goes from the S accumulators into registers as the A operand of O_g += P~ V_j,
 // and O_g accumulates un-normalised in registers, divided by l once at the end. K_j and V_j arrive by
-// cp.async into two 128-byte-swizzled shared-memory stages, so block j+1 loads while block j computes.
+// cp.async into two swizzled shared-memory stages (128-byte panels, or 64-byte ones where d is an odd
+// number of 32-column halves), so block j+1 loads while block j computes.
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8_config {
@@ -37,7 +38,8 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
-static_assert(BLOCK_C % 16 == 0 && HEAD_DIM % fagen::wg::PANEL_COLUMNS == 0, "whole swizzle panels");
+static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
+using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
@@ -65,8 +67,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
   using namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
-  // swizzle atoms must start on 1024-byte boundaries: the footprint carries 1 KB of slack for this
-  const unsigned q_tile = (tc::shared_address(shared_raw) + wg::ATOM_BYTES - 1) & ~unsigned(wg::ATOM_BYTES - 1);
+  // swizzle atoms must start on their own boundaries: the footprint carries 1 KB of slack for this
+  const unsigned q_tile = (tc::shared_address(shared_raw) + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned kv_tiles = q_tile + Q_BYTES;                      // 2 stages x (K, V)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -120,22 +122,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
   for (int t = 0; t < S_TILES; ++t) s_acc[t][0] = s_acc[t][1] = s_acc[t][2] = s_acc[t][3] = 0.f;
 
   const int warp_row0 = row0 + warp * 16;
-  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). A k-step of
-  // 16 elements moves 32 bytes along a swizzled row; past a 64-column panel it moves to the next panel.
-  // Each descriptor is built once; a k-step adds a compile-time offset (>> 4) to its start address field,
-  // which never carries out of its 14 bits (shared addresses stay below 256 KB).
-  const unsigned long long q_desc = wg::descriptor(q_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
-  auto k_desc = [&](int i) { return wg::descriptor(k_stage(0), 16, wg::ATOM_BYTES) + (i % 2) * ((2 * KV_BYTES) >> 4); };
-  auto v_desc = [&](int i) {
-    return wg::descriptor(v_stage(0), BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES) + (i % 2) * ((2 * KV_BYTES) >> 4);
-  };
-  constexpr auto k_major_step = [](int rows, int kk) { return ((kk / 4) * rows * wg::ROW_BYTES + (kk % 4) * 32) >> 4; };
+  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). Each is built
+  // once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
+  const unsigned long long q_desc = Layout::k_major(q_tile + warpgroup * 64 * Layout::ROW_BYTES);
+  auto k_desc = [&](int i) { return Layout::k_major(k_stage(0)) + (i % 2) * ((2 * KV_BYTES) >> 4); };
+  auto v_desc = [&](int i) { return Layout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * ((2 * KV_BYTES) >> 4); };
   auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
     const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) s_product(s_acc, q_desc + k_major_step(BLOCK_R, kk), k_tile + k_major_step(BLOCK_C, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk)
+      s_product(s_acc, q_desc + Layout::k_major_step(BLOCK_R, kk), k_tile + Layout::k_major_step(BLOCK_C, kk), kk > 0);
     wg::commit();
   };
   auto issue_output = [&](int i) {  // O_g += dropout(P~) V_j, P~ from registers
@@ -143,9 +141,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
     wg::fence_registers(o_acc);
     wg::fence_registers(p_frag);
     wg::fence();
-    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every 64-column panel
+    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ((kk * 2 * wg::ATOM_BYTES) >> 4), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
     wg::commit();
   };
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in

@@ -95,7 +95,8 @@ struct SpecMods {
 // blocks inner. Each warpgroup (4 warps) owns 64 query rows: S = Q_g K_j^T reads Q_g and K_j straight
 // from shared memory, P~ goes from the S accumulators into registers as the A operand of O_g += P~ V_j,
 // and O_g accumulates un-normalised in registers, divided by l once at the end. K_j and V_j arrive by
-// cp.async into two 128-byte-swizzled shared-memory stages, so block j+1 loads while block j computes.
+// cp.async into two swizzled shared-memory stages (128-byte panels, or 64-byte ones where d is an odd
+// number of 32-column halves), so block j+1 loads while block j computes.
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d64_bf16_none_fa2_sm90_mod0c03c276_br128_bc64_w8_config {
@@ -123,7 +124,8 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
-static_assert(BLOCK_C % 16 == 0 && HEAD_DIM % fagen::wg::PANEL_COLUMNS == 0, "whole swizzle panels");
+static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
+using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
@@ -151,8 +153,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_bf16_none_fa2
   using namespace fagen_fwd_d64_bf16_none_fa2_sm90_mod0c03c276_br128_bc64_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
-  // swizzle atoms must start on 1024-byte boundaries: the footprint carries 1 KB of slack for this
-  const unsigned q_tile = (tc::shared_address(shared_raw) + wg::ATOM_BYTES - 1) & ~unsigned(wg::ATOM_BYTES - 1);
+  // swizzle atoms must start on their own boundaries: the footprint carries 1 KB of slack for this
+  const unsigned q_tile = (tc::shared_address(shared_raw) + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned kv_tiles = q_tile + Q_BYTES;                      // 2 stages x (K, V)
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -206,22 +208,18 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_bf16_none_fa2
   for (int t = 0; t < S_TILES; ++t) s_acc[t][0] = s_acc[t][1] = s_acc[t][2] = s_acc[t][3] = 0.f;
 
   const int warp_row0 = row0 + warp * 16;
-  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). A k-step of
-  // 16 elements moves 32 bytes along a swizzled row; past a 64-column panel it moves to the next panel.
-  // Each descriptor is built once; a k-step adds a compile-time offset (>> 4) to its start address field,
-  // which never carries out of its 14 bits (shared addresses stay below 256 KB).
-  const unsigned long long q_desc = wg::descriptor(q_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
-  auto k_desc = [&](int i) { return wg::descriptor(k_stage(0), 16, wg::ATOM_BYTES) + (i % 2) * ((2 * KV_BYTES) >> 4); };
-  auto v_desc = [&](int i) {
-    return wg::descriptor(v_stage(0), BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES) + (i % 2) * ((2 * KV_BYTES) >> 4);
-  };
-  constexpr auto k_major_step = [](int rows, int kk) { return ((kk / 4) * rows * wg::ROW_BYTES + (kk % 4) * 32) >> 4; };
+  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). Each is built
+  // once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
+  const unsigned long long q_desc = Layout::k_major(q_tile + warpgroup * 64 * Layout::ROW_BYTES);
+  auto k_desc = [&](int i) { return Layout::k_major(k_stage(0)) + (i % 2) * ((2 * KV_BYTES) >> 4); };
+  auto v_desc = [&](int i) { return Layout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * ((2 * KV_BYTES) >> 4); };
   auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
     const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) s_product(s_acc, q_desc + k_major_step(BLOCK_R, kk), k_tile + k_major_step(BLOCK_C, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk)
+      s_product(s_acc, q_desc + Layout::k_major_step(BLOCK_R, kk), k_tile + Layout::k_major_step(BLOCK_C, kk), kk > 0);
     wg::commit();
   };
   auto issue_output = [&](int i) {  // O_g += dropout(P~) V_j, P~ from registers
@@ -229,9 +227,9 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_bf16_none_fa2
     wg::fence_registers(o_acc);
     wg::fence_registers(p_frag);
     wg::fence();
-    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every 64-column panel
+    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ((kk * 2 * wg::ATOM_BYTES) >> 4), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
     wg::commit();
   };
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
@@ -357,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_bf16_none_fa2
 //   S^T = K_g Q_i^T,  P^T = exp(tau S^T - LSE_i),  dP^T = V_g dO_i^T,  dS^T = P^T o (dP^T o Z - D_i),
 //   dV_g += P_drop^T dO_i,  dK_g += tau dS^T Q_i     (P^T, dS^T go from accumulators to A registers)
 //   dQ_i += tau dS K_j                               (dS^T through shared memory, fp32 atomics)
-// Every tile the tensor cores read sits in 128-byte-swizzled shared memory (templates/warpgroup_mma.cuh);
+// Every tile the tensor cores read sits in swizzled shared memory (templates/warpgroup_mma.cuh);
 // Q_i, dO_i, LSE_i and D_i arrive by cp.async into two stages, so block i+1 loads while i computes.
 // Per warp, the accumulator layout is the one of templates/backward_fa2_mma.cu.j2 (16 keys per warp).
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
@@ -397,7 +395,9 @@ constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ splits over warpgroups by rows or by dims");
-static_assert(BLOCK_R % 64 == 0 && HEAD_DIM % fagen::wg::PANEL_COLUMNS == 0, "whole swizzle panels");
+static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
+using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
+using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
@@ -436,7 +436,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
   // all swizzled and 1024-byte aligned (1 KB of slack), then 2 stages of LSE_i and of D_i.
   extern __shared__ float4 shared_raw[];
   const unsigned raw = tc::shared_address(shared_raw);
-  const unsigned k_tile = (raw + wg::ATOM_BYTES - 1) & ~unsigned(wg::ATOM_BYTES - 1);
+  const unsigned k_tile = (raw + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned v_tile = k_tile + KV_BYTES;
   auto q_tile = [&](int stage) { return k_tile + 2 * KV_BYTES + stage * 2 * QB_BYTES; };
   auto do_tile = [&](int stage) { return q_tile(stage) + QB_BYTES; };
@@ -508,19 +508,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
   // Descriptors, built once; a k-step adds a compile-time offset (>> 4) to the start address field.
   //   K-major (d contiguous): K_g, V_g as A and Q_i, dO_i as B of the score products.
   //   MN-major (read transposed): dO_i, Q_i as B of dV, dK (k = queries); dS^T as A and K_j as B of dQ.
-  constexpr auto k_major_step = [](int rows, int kk) { return ((kk / 4) * rows * wg::ROW_BYTES + (kk % 4) * 32) >> 4; };
-  constexpr auto mn_major_step = [](int kk) { return (kk * 2 * wg::ATOM_BYTES) >> 4; };  // 16 rows = two 8-row atoms
-  const unsigned long long k_rows = wg::descriptor(k_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
-  const unsigned long long v_rows = wg::descriptor(v_tile + warpgroup * 64 * wg::ROW_BYTES, 16, wg::ATOM_BYTES);
+  const unsigned long long k_rows = Layout::k_major(k_tile + warpgroup * 64 * Layout::ROW_BYTES);
+  const unsigned long long v_rows = Layout::k_major(v_tile + warpgroup * 64 * Layout::ROW_BYTES);
   const unsigned long long stage_step = (2 * QB_BYTES) >> 4;
-  const unsigned long long q_rows0 = wg::descriptor(q_tile(0), 16, wg::ATOM_BYTES);
-  const unsigned long long do_rows0 = wg::descriptor(do_tile(0), 16, wg::ATOM_BYTES);
-  const unsigned long long q_cols0 = wg::descriptor(q_tile(0), BLOCK_R * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long do_cols0 = wg::descriptor(do_tile(0), BLOCK_R * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long ds_cols = wg::descriptor(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * wg::ROW_BYTES : 0),
-                                                    BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES);
-  const unsigned long long k_cols = wg::descriptor(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * wg::ROW_BYTES),
-                                                   BLOCK_C * wg::ROW_BYTES, wg::ATOM_BYTES);
+  const unsigned long long q_rows0 = Layout::k_major(q_tile(0));
+  const unsigned long long do_rows0 = Layout::k_major(do_tile(0));
+  const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
+  const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
+  // dQ by dims (d = 64 per warpgroup) takes warpgroup g's 64-column panel of K_j
+  const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
+  const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
     const int i_next = next_visible(i + 1);
@@ -545,9 +542,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     wg::fence_registers(dp_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + k_major_step(BLOCK_C, kk), q_rows + k_major_step(BLOCK_R, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + k_major_step(BLOCK_C, kk), do_rows + k_major_step(BLOCK_R, kk), kk > 0);
+    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(s_acc);
@@ -616,9 +613,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     wg::fence_registers(ds_frag);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + mn_major_step(kk), 1);
+    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
 #pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + mn_major_step(kk), 1);
+    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
     wg::commit();
     const int key_row = warp * 16 + group;  // within K_j
 #pragma unroll
@@ -626,8 +623,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
         const int chunk = 2 * kk + half;
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + wg::swizzled_offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + wg::swizzled_offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
       }
     wg::fence_async_proxy();
     __syncthreads();  // dS^T complete
@@ -636,7 +633,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     wg::fence_registers(dq_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + mn_major_step(kk), k_cols + mn_major_step(kk), kk > 0);
+    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(dq_acc);

@@ -1,10 +1,10 @@
 // fagen: Hopper warpgroup-MMA primitives (templates/warpgroup_mma.cuh), for sm_90a.
 // wgmma.mma_async is issued by a warpgroup (4 consecutive warps) and reads its B operand (and A,
 // unless A comes from registers) straight from shared memory through a 64-bit matrix descriptor.
-// fagen keeps every wgmma operand tile in the 128-byte-swizzle layout: the tile is cut into panels
-// of 64 columns (128 bytes of fp16/bf16), each panel stores its rows at 128-byte pitch, and the
-// 16-byte chunk c of row r sits at chunk position c ^ (r % 8). That spreads any 8 rows of one chunk
-// column over all 32 banks, which is both what the tensor cores expect and conflict-free for cp.async.
+// fagen keeps every wgmma operand tile in a swizzled layout (Swizzle below): the tile is cut into panels
+// of whole swizzle rows, each panel stores its rows at that pitch, and the 16-byte chunks of a row are
+// permuted by the row's phase. That spreads any 8 rows of one chunk column over all 32 banks, which is
+// both what the tensor cores expect and conflict-free for cp.async.
 // The accumulator layout of m64nNk16 per warp equals mma.sync's m16n8 tiles side by side: warp w of
 // the group holds rows 16w .. 16w + 15, and `fagen::tc` fragment code applies unchanged.
 #pragma once
@@ -13,15 +13,59 @@
 namespace fagen {
 namespace wg {
 
-constexpr int PANEL_COLUMNS = 64;    // fp16/bf16 columns per 128-byte swizzle panel
-constexpr int ROW_BYTES = 128;       // bytes per row within a panel
-constexpr int ATOM_BYTES = 8 * 128;  // the swizzle repeats every 8 rows: atoms must be 1024-byte aligned
+constexpr int TILE_ALIGN = 1024;  // the largest swizzle atom (8 rows x 128 B): every tile starts on such a boundary
 
-// Byte offset of the 16-byte chunk `chunk` (counted across panels) of row `row` in a swizzled tile of `rows` rows.
-__device__ __forceinline__ unsigned swizzled_offset(int rows, int row, int chunk) {
-  const int panel = chunk / 8, within = chunk % 8;
-  return panel * rows * ROW_BYTES + row * ROW_BYTES + ((within ^ (row % 8)) << 4);
+// Descriptor bits (PTX ISA, "Matrix Descriptor Format"): start address, leading and stride byte offsets
+// (all >> 4), the swizzle mode in bits 62-63 (1 = 128-byte, 2 = 64-byte).
+__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading_bytes, unsigned stride_bytes,
+                                                         unsigned long long mode) {
+  return (unsigned long long)((address & 0x3FFFF) >> 4)
+       | (unsigned long long)((leading_bytes >> 4) & 0x3FFF) << 16
+       | (unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32
+       | mode << 62;
 }
+
+// The layout of a tile whose rows hold COLUMNS fp16/bf16 elements.
+//   COLUMNS a multiple of 64: 128-byte swizzle. Panels of 64 columns, 8-row atoms of 1 KB; the 16-byte
+//     chunk c of row r sits at chunk position c ^ (r % 8).
+//   Otherwise (d = 32, 96, 160, 224): 64-byte swizzle. Panels of 32 columns, 8-row atoms of 512 B; chunk c
+//     of row r sits at c ^ ((r / 2) % 4).
+// Both are the hardware's rule (address bits 7.. XOR-ed into bits 4..) written per row; 64-byte panels let
+// a head dim that is an odd number of 32-column halves run on wgmma without padding it to 64.
+template <int COLUMNS>
+struct Swizzle {
+  static_assert(COLUMNS % 32 == 0, "whole 64-byte swizzle panels");
+  static constexpr int ROW_BYTES = COLUMNS % 64 == 0 ? 128 : 64;   // bytes per row within a panel
+  static constexpr int PANEL_COLUMNS = ROW_BYTES / 2;
+  static constexpr int CHUNKS = ROW_BYTES / 16;                    // 16-byte chunks per panel row
+  static constexpr int ATOM_BYTES = 8 * ROW_BYTES;                 // the pattern repeats every 8 rows
+  static constexpr unsigned long long MODE = ROW_BYTES == 128 ? 1 : 2;
+  static_assert(TILE_ALIGN % ATOM_BYTES == 0, "atoms stay aligned");
+
+  // Byte offset of the 16-byte chunk `chunk` (counted across panels) of row `row` in a tile of `rows` rows.
+  static __device__ __forceinline__ unsigned offset(int rows, int row, int chunk) {
+    const int panel = chunk / CHUNKS, within = chunk % CHUNKS;
+    const int phase = ROW_BYTES == 128 ? row % 8 : (row / 2) % 4;
+    return panel * rows * ROW_BYTES + row * ROW_BYTES + ((within ^ phase) << 4);
+  }
+  // K-major operand (the reduction dimension contiguous, e.g. Q or K for S = Q K^T): the stride offset steps
+  // from one 8-row atom to the next; the leading offset is unused (1).
+  static __device__ __forceinline__ unsigned long long k_major(unsigned address) {
+    return descriptor(address, 16, ATOM_BYTES, MODE);
+  }
+  // MN-major operand (e.g. V for O = P V, read transposed): the leading offset steps from one panel to the
+  // next (`rows` rows each), the stride offset from one 8-row atom to the next.
+  static __device__ __forceinline__ unsigned long long mn_major(unsigned address, int rows) {
+    return descriptor(address, rows * ROW_BYTES, ATOM_BYTES, MODE);
+  }
+  // What a k-step of 16 elements adds to a descriptor (>> 4, never carrying out of the 14-bit address field:
+  // shared addresses stay below 256 KB). K-major: 32 bytes along a swizzled row, past a panel's end the next
+  // panel. MN-major: 16 rows, two 8-row atoms.
+  __host__ __device__ static constexpr unsigned long long k_major_step(int rows, int kk) {
+    return ((kk / (PANEL_COLUMNS / 16)) * rows * ROW_BYTES + (kk % (PANEL_COLUMNS / 16)) * 32) >> 4;
+  }
+  __host__ __device__ static constexpr unsigned long long mn_major_step(int kk) { return (kk * 2 * ATOM_BYTES) >> 4; }
+};
 
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a swizzled shared tile; rows at or past
 // valid_rows are zero-filled so that they add nothing to any product. Each thread copies one fixed
@@ -33,46 +77,34 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
+  using Layout = Swizzle<HEAD_DIM>;
   if (valid_cols % PER_CHUNK != 0) {   // an odd head dim: element loads into the same swizzled places
     for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
       const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
       const T value = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
       const unsigned short bits = *reinterpret_cast<const unsigned short*>(&value);
-      asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(tile + swizzled_offset(ROWS, r, c / PER_CHUNK) + (c % PER_CHUNK) * 2),
+      asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(tile + Layout::offset(ROWS, r, c / PER_CHUNK) + (c % PER_CHUNK) * 2),
                    "h"(bits));
     }
     return;
   }
   if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0) {
     const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
-    const unsigned dst = tile + swizzled_offset(ROWS, r0, c);
+    const unsigned dst = tile + Layout::offset(ROWS, r0, c);
     const T* src = slice + (long long)(row0 + r0) * row_stride + c * PER_CHUNK;
     const long long src_step = ROW_STEP * row_stride;
 #pragma unroll
     for (int n = 0; n < ROWS / ROW_STEP; ++n) {
       const bool valid = r0 + n * ROW_STEP < valid_rows && c * PER_CHUNK < valid_cols;
-      tc::cp_async_16(dst + n * ROW_STEP * ROW_BYTES, valid ? src + n * src_step : slice, valid);
+      tc::cp_async_16(dst + n * ROW_STEP * Layout::ROW_BYTES, valid ? src + n * src_step : slice, valid);
     }
   } else {
     for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
       const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
       const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
-      tc::cp_async_16(tile + swizzled_offset(ROWS, r, c), slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0), valid);
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0), valid);
     }
   }
-}
-
-// Shared-memory matrix descriptor (PTX ISA, "Matrix Descriptor Format"): start address, leading and
-// stride byte offsets (all >> 4), layout type 1 = 128-byte swizzle in bits 62-63.
-//   K-major operand (the reduction dimension contiguous, e.g. Q or K for S = Q K^T): the stride
-//   offset steps from one 8-row atom to the next (1024 B); the leading offset is unused (1).
-//   MN-major operand (e.g. V for O = P V, read transposed): the leading offset steps from one
-//   64-column panel to the next, the stride offset from one 8-row atom to the next.
-__device__ __forceinline__ unsigned long long descriptor(unsigned address, unsigned leading_bytes, unsigned stride_bytes) {
-  return (unsigned long long)((address & 0x3FFFF) >> 4)
-       | (unsigned long long)((leading_bytes >> 4) & 0x3FFF) << 16
-       | (unsigned long long)((stride_bytes >> 4) & 0x3FFF) << 32
-       | 1ull << 62;
 }
 
 // Ordering: wgmma.fence before the first wgmma that touches registers other instructions wrote;

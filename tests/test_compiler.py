@@ -163,7 +163,6 @@ KNOWN_SPILLS = {
     ("plain_fp16_d64_fa1", "sm_80", "forward"): "16 / 16 B",
     ("block_sparse_dropout_fp16_d128_fa1", "sm_80", "forward"): "60 / 64 B",
     # forward_fa2_mma at Br=128, Bc=64, 4 warps, d=96: the solver estimates 248 registers, ptxas needs more than 255
-    ("padding_bf16_d96_deterministic", "sm_90", "forward"): "72 / 60 B at 255 registers",
     ("padding_bf16_d96_deterministic", "sm_80", "forward"): "16 / 20 B at 255 registers",
     # backward_fa2_mma at the edge of its register model (d + Br = 192, 255 registers): a few bytes at
     # d=64 Br=128, more with the sliding-window mask at d=128 Br=64 (on sm_90 backward_wgmma, spill-free)

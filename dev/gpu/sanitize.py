@@ -20,6 +20,9 @@ SPECS = [
     Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", dropout=0.2),
     Spec(head_dim=64, dtype="fp16", mask="causal", deterministic=True),
     Spec(head_dim=128, dtype="bf16", mask="causal"),  # d=128 warpgroup-MMA forward and backward on sm_90
+    # 64-byte swizzle panels (d an odd number of 32-column halves) on warpgroup MMA, with dropout
+    Spec(head_dim=96, dtype="bf16", mask="causal", dropout=0.1),
+    Spec(head_dim=32, dtype="fp16", mask="sliding_window", window=40),
     # the wide mma.sync backward (P^T, dS^T shared between warps), with dropout, and its sm_80 plan (Br = 32)
     Spec(head_dim=256, dtype="bf16", mask="causal", dropout=0.1),
     Spec(head_dim=192, dtype="fp16", mask="none", arch="sm_80"),
