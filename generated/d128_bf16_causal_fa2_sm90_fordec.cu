@@ -91,13 +91,10 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
-  auto visible_block = [&](int j) {
-    return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
-  };
-  auto next_visible = [&](int j) {  // block-sparse / causal / mask_mod skip: never loaded
-    if (Mods::HAS_MASK) return visibility.next_visible_tile<true>(j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
-    while (j < col_blocks && !visible_block(j)) ++j;
-    return j;
+  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
+  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
+  auto next_visible = [&](int j) {  // block-sparse / causal / window / mask_mod skip: never loaded
+    return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
   auto k_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES; };
@@ -149,10 +146,11 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
-  auto softmax = [&](int col0, float (&rescale)[2]) {
-    // only tiles that cross a mask edge or the end of the keys pay for the per-element test
-    // (a score_mod visits every element: S = score_mod(S), then the mask)
-    const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
+  auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
+    // only tiles that cross a mask edge or the end of the keys pay for the per-element test (the mask
+    // kind's per warp, the mask_mod's per block: mods_full); a score_mod visits every element:
+    // S = score_mod(S), then the mask
+    const bool interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
@@ -217,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
   float rescale[2];
   int i = 0;
   for (; j < col_blocks; ++i) {
+    const bool mods_full = walk.mods_full(j);  // read before the walk moves past j
     const int j_next = next_visible(j + 1);
     publish_loads();  // K_j and V_{j-1} are in; every warpgroup is done with K_{j-1} and V_{j-2}
     if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
@@ -230,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
       wg::wait<0>();
     }
     wg::fence_registers(s_acc);
-    softmax(j * BLOCK_C, rescale);
+    softmax(j * BLOCK_C, mods_full, rescale);
     wg::wait<0>();
     wg::fence_registers(o_acc);
     rescale_output_and_pack(rescale);

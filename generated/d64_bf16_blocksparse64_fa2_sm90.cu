@@ -91,13 +91,10 @@ extern "C" __global__ void __launch_bounds__(128, 4) fagen_fwd_d64_bf16_blockspa
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
-  auto visible_block = [&](int j) {
-    return visibility.tile_has_visible(row0, rows_here, j * BLOCK_C, min(BLOCK_C, seq_k - j * BLOCK_C));
-  };
-  auto next_visible = [&](int j) {  // block-sparse / causal / mask_mod skip: never loaded
-    if (Mods::HAS_MASK) return visibility.next_visible_tile<true>(j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
-    while (j < col_blocks && !visible_block(j)) ++j;
-    return j;
+  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
+  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
+  auto next_visible = [&](int j) {  // block-sparse / causal / window / mask_mod skip: never loaded
+    return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
   auto k_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES; };
@@ -149,10 +146,11 @@ extern "C" __global__ void __launch_bounds__(128, 4) fagen_fwd_d64_bf16_blockspa
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
-  auto softmax = [&](int col0, float (&rescale)[2]) {
-    // only tiles that cross a mask edge or the end of the keys pay for the per-element test
-    // (a score_mod visits every element: S = score_mod(S), then the mask)
-    const bool interior = col0 + BLOCK_C <= seq_k && visibility.tile_all_visible(warp_row0, 16, col0, BLOCK_C);
+  auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
+    // only tiles that cross a mask edge or the end of the keys pay for the per-element test (the mask
+    // kind's per warp, the mask_mod's per block: mods_full); a score_mod visits every element:
+    // S = score_mod(S), then the mask
+    const bool interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
@@ -217,6 +215,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) fagen_fwd_d64_bf16_blockspa
   float rescale[2];
   int i = 0;
   for (; j < col_blocks; ++i) {
+    const bool mods_full = walk.mods_full(j);  // read before the walk moves past j
     const int j_next = next_visible(j + 1);
     publish_loads();  // K_j and V_{j-1} are in; every warpgroup is done with K_{j-1} and V_{j-2}
     if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
@@ -230,7 +229,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) fagen_fwd_d64_bf16_blockspa
       wg::wait<0>();
     }
     wg::fence_registers(s_acc);
-    softmax(j * BLOCK_C, rescale);
+    softmax(j * BLOCK_C, mods_full, rescale);
     wg::wait<0>();
     wg::fence_registers(o_acc);
     rescale_output_and_pack(rescale);
@@ -378,10 +377,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
+  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
+  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
   auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
-    if (Mods::HAS_MASK) return visibility.next_visible_tile<false>(i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
-    while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
-    return i;
+    return walk.next<false>(visibility, i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
@@ -434,6 +433,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
+    const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
     const int i_next = next_visible(i + 1);
     if (i_next < row_blocks) {
       load_q_block(i_next, stage ^ 1);   // prefetch the next visible row block into the other stage
@@ -468,10 +468,10 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
     // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
     // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
-    // per-element test. A score_mod visits every element: its derivative at S (the factor dS takes) is
-    // kept, then S = score_mod(S), then the mask.
-    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k &&
-                          visibility.tile_all_visible(warp_row0, WARP_ROWS, warp_col0, 16);
+    // per-element test (the mask kind's per warp, the mask_mod's per block: mods_full). A score_mod visits
+    // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
+    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
+                          visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll

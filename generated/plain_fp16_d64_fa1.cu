@@ -271,10 +271,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
+  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
+  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
   auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
-    if (Mods::HAS_MASK) return visibility.next_visible_tile<false>(i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
-    while (i < row_blocks && !visibility.tile_has_visible(i * BLOCK_R, min(BLOCK_R, seq_q - i * BLOCK_R), col0, cols_here)) ++i;
-    return i;
+    return walk.next<false>(visibility, i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
@@ -327,6 +327,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
   const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
+    const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
     const int i_next = next_visible(i + 1);
     if (i_next < row_blocks) {
       load_q_block(i_next, stage ^ 1);   // prefetch the next visible row block into the other stage
@@ -361,10 +362,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
     // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
     // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
-    // per-element test. A score_mod visits every element: its derivative at S (the factor dS takes) is
-    // kept, then S = score_mod(S), then the mask.
-    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k &&
-                          visibility.tile_all_visible(warp_row0, WARP_ROWS, warp_col0, 16);
+    // per-element test (the mask kind's per warp, the mask_mod's per block: mods_full). A score_mod visits
+    // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
+    const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
+                          visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
 #pragma unroll

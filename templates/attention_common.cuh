@@ -405,12 +405,14 @@ struct Visibility {
   }
 
   // Is every element of the tile visible? Such interior tiles skip the per-element mask test.
+  // WITH_MODS = false leaves the mask_mod out (the caller has its answer for a tile around this one: TileWalk).
+  template <bool WITH_MODS = true>
   __device__ bool tile_all_visible(int row0, int rows, int col0, int cols) const {
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
     if (last_col >= key_count) return false;
     if (MASK == MASK_CAUSAL && last_col > row0 + shift) return false;
     if (MASK == MASK_SLIDING_WINDOW && !(row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW)) return false;
-    if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) != TILE_FULL) return false;
+    if (WITH_MODS && Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) != TILE_FULL) return false;
     if (MASK == MASK_CAUSAL || MASK == MASK_SLIDING_WINDOW) return true;
     if (MASK == MASK_BLOCK_SPARSE) {
       for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
@@ -418,33 +420,6 @@ struct Visibility {
           if (layout[qb * layout_q_stride + kb * layout_k_stride] == 0) return false;
     }
     return true;
-  }
-
-  // The first tile index t in [first, tiles) whose tile of `size` positions holds a visible pair: key
-  // tiles against rows [other0, other0 + other_count) (KEYS), or query tiles against those keys, the
-  // positions ending at `extent`. For specs with a mask_mod, whose tile test may read its inputs'
-  // summaries from memory: stretches are first tested SPAN tiles at a time (bounds over a span hold for
-  // each tile in it, so an empty span is skipped by one test). The templates keep their plain tile-by-tile
-  // loop for the mask kinds alone (arithmetic tests; this one costs them registers).
-  template <bool KEYS>
-  __device__ int next_visible_tile(int first, int tiles, int size, int other0, int other_count, int extent) const {
-    constexpr int SPAN = 8;
-    auto any_visible = [&](int t0, int count) {
-      const int start = t0 * size, length = min(count * size, extent - start);
-      return KEYS ? tile_has_visible(other0, other_count, start, length)
-                  : tile_has_visible(start, length, other0, other_count);
-    };
-    int t = first;
-    while (t < tiles) {
-      const int end = min(t + SPAN, tiles);
-      if (!any_visible(t, end - t)) {
-        t = end;
-        continue;
-      }
-      for (; t < end; ++t)
-        if (any_visible(t, 1)) return t;
-    }
-    return tiles;
   }
 
   // The score_mod applied to a raw product s = q.k (what the kernels accumulate): the modified score
@@ -456,6 +431,78 @@ struct Visibility {
   // d(score_mod)/d(score) at the raw product s: the factor the backward multiplies dS by.
   __device__ __forceinline__ float score_gradient(float s, int row, int col, float scale) const {
     return Mods::SCORE_GRAD_IS_ONE ? 1.f : mods.score_grad(s * scale, row, col);
+  }
+};
+
+// A block's walk over the tiles of its loop: key tiles of a query block (KEYS, the forwards) or query tiles
+// of a key block (the backwards); tiles without a visible pair are never loaded. The mask kinds' tests are
+// arithmetic and run tile by tile. A mask_mod's test (ACTIVE) reads its inputs' run-time summaries from
+// memory: tested one after the other, those reads sat between one tile and the next, and a spec with a
+// mask_mod ran at a third of its mask kind's speed with every tile visible (H100, d = 64, N = 8192). So with
+// a mask_mod the block's threads classify THREADS tiles at once, one tile each, and keep two bits per tile
+// in shared memory (a visible pair; the mask_mod sees every pair); the loop then reads bits.
+// Block-uniform: every thread calls next() with the same arguments (a refill meets __syncthreads).
+template <int THREADS, bool ACTIVE>
+struct TileWalk {
+  static constexpr int WORDS = THREADS / 32;
+  static constexpr int SHARED_WORDS = ACTIVE ? 2 * WORDS : 1;   // for the template's __shared__ array
+  static_assert(THREADS % 32 == 0, "whole warps");
+  unsigned* bits;   // WORDS words of "holds a visible pair", then WORDS of "the mask_mod sees every pair"
+  int first;        // the tiles held: [first, first + THREADS)
+
+  __device__ explicit TileWalk(unsigned* shared_bits) : bits(shared_bits), first(-THREADS - 1) {}
+
+  // The first tile t' >= t (of `tiles`, `size` positions each, ending at `extent`) with a visible pair:
+  // key tiles against the rows [other0, other0 + other_count) (KEYS), or query tiles against those keys.
+  template <bool KEYS, typename V>
+  __device__ __forceinline__ int next(const V& visibility, int t, int tiles, int size, int other0, int other_count, int extent) {
+    if (!ACTIVE) {
+      auto visible = [&](int tile) {
+        const int start = tile * size, length = min(size, extent - start);
+        return KEYS ? visibility.tile_has_visible(other0, other_count, start, length)
+                    : visibility.tile_has_visible(start, length, other0, other_count);
+      };
+      while (t < tiles && !visible(t)) ++t;
+      return t;
+    }
+    while (t < tiles) {
+      if (t < first || t >= first + THREADS) fill<KEYS>(visibility, t, tiles, size, other0, other_count, extent);
+      int word = (t - first) / 32;
+      unsigned held = bits[word] & (~0u << ((t - first) % 32));
+      while (true) {
+        if (held != 0u) return min(first + 32 * word + __ffs(held) - 1, tiles);
+        if (++word == WORDS) break;
+        held = bits[word];
+      }
+      t = first + THREADS;
+    }
+    return tiles;
+  }
+  // Does the mask_mod see every pair of tile t (the tile next() returned last, or one held with it)?
+  __device__ __forceinline__ bool mods_full(int t) const {
+    return !ACTIVE || t >= first && t < first + THREADS && ((bits[WORDS + (t - first) / 32] >> ((t - first) % 32)) & 1u);
+  }
+
+ private:
+  template <bool KEYS, typename V>
+  __device__ __forceinline__ void fill(const V& visibility, int t, int tiles, int size, int other0, int other_count, int extent) {
+    if (!ACTIVE) return;
+    __syncthreads();   // every thread is done reading the tiles held so far
+    const int tile = t + threadIdx.x, start = tile * size, length = min(size, extent - start);
+    bool visible = false, full = false;
+    if (tile < tiles) {
+      const int row0 = KEYS ? other0 : start, rows = KEYS ? other_count : length;
+      const int col0 = KEYS ? start : other0, cols = KEYS ? length : other_count;
+      visible = visibility.tile_has_visible(row0, rows, col0, cols);
+      full = visible && visibility.mods.tile_class(row0, row0 + rows - 1, col0, col0 + cols - 1) == TILE_FULL;
+    }
+    const unsigned visible_bits = __ballot_sync(0xffffffffu, visible), full_bits = __ballot_sync(0xffffffffu, full);
+    if (threadIdx.x % 32 == 0) {
+      bits[threadIdx.x / 32] = visible_bits;
+      bits[WORDS + threadIdx.x / 32] = full_bits;
+    }
+    first = t;
+    __syncthreads();
   }
 };
 
