@@ -80,6 +80,7 @@ class Family:
     archs: tuple[str, ...] = ()      # the targets the template runs on; (): every one
     preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
+    tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -112,7 +113,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
            # dropout: 8 registers (ptxas at d = 64, 128: 112-224 registers, no spills, with the 16-bit draws)
-           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
            packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
            # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills with 4; a bias table with dropout at d = 64,
            # Br = 128, Bc = 64 spills 4 B at two resident blocks (128 registers), which 12 rules out
@@ -129,7 +130,7 @@ FAMILIES: tuple[Family, ...] = (
            registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
            # every warp reads all of K_j and V_j from shared memory: bytes per (query row, key) pair
            smem_reads=2 * 2 * d * W / Br,
-           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
            options=(("q_in_registers", "true"),)),
     # The same template with Q_w re-read from shared memory at every k-step: frees the Q registers so
@@ -138,7 +139,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
            registers=Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
            smem_reads=2 * 2 * d * W / Br + 2 * d / Bc,
-           warps=(4, 8), stages=2, tensor_cores=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
            options=(("q_in_registers", "false"),), tag="_qs"),
     # Hopper warpgroup MMA, K_j/V_j outer: 64 keys per warpgroup (16 per warp, the layout of
@@ -151,7 +152,7 @@ FAMILIES: tuple[Family, ...] = (
            registers=d + Br + Br * d / (32 * W) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
-           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=4,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
            packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
            # mask_mod / score_mod: 4 (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled
            # 72 B with a bias table); at d = 128 the template's one plan stays (soft-capping spills 32 B there)
@@ -174,7 +175,7 @@ FAMILIES: tuple[Family, ...] = (
            # per step: every warp reads K_w, V_w once and Q_i, dO_i twice; the dQ product reads dS and K_j
            smem_reads=E * (W * (32 * d + 4 * Br * d) + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16))
            / (Br * Bc),
-           warps=(4, 8), stages=2, tensor_cores=True, dropout_registers=Br / 2,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=Br / 2,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16, keys_per_warp=16, deterministic=False,
            rules=(_DQ_TILES_OVER_WARPS,)),
     # The same loop order for head dims whose dK, dV do not fit one warp's registers (d >= 160): the W / (Bc/16)
@@ -191,7 +192,7 @@ FAMILIES: tuple[Family, ...] = (
                            + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16)) / (Br * Bc),
            # The template takes other Bc and W (its static_asserts check the layouts); the solver offers the
            # shape the GPU tests have run: 8 warps over 64 keys (two warps per 16-key slab), d > 128
-           warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True,
+           warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True, tile_walk=True,
            dropout_registers=Br * Bc / (32 * W),
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False, preference=2,
            rules=(("head dims above 128 (at 128 and below the families above hold dK, dV in one warp)",
@@ -425,6 +426,14 @@ def padded_head_dims(family: Family, head_dim: int) -> list[int]:
     return list(range(first, 257, family.head_dim_multiple))
 
 
+def walk_bytes(family: Family, spec: Spec, warps: int) -> int:
+    """Static shared memory of the template's TileWalk (templates/attention_common.cuh), on top of the
+    dynamic footprint: two words per warp with a mask_mod (a tile's bits), else its one placeholder word."""
+    if not family.tile_walk:
+        return 0
+    return 2 * 4 * warps if spec.mask_mod else 4
+
+
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
     """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
     integers, so that policy needs a family that takes any tile."""
@@ -465,7 +474,10 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
         broken.append("Br, Bc multiples of 16 (tensor-core tiles)")
     if spec.mask == "block_sparse" and (spec.block_size % block_r or spec.block_size % block_c):
         broken.append(f"Br and Bc divide block_size {spec.block_size}")
-    blocks_by_smem = target.smem_per_sm // max(smem, 1)
+    static_smem = walk_bytes(family, spec, warps)
+    if smem + static_smem > target.smem_per_block:
+        broken.append(f"shared memory {smem} + {static_smem} static <= {target.smem_per_block}")
+    blocks_by_smem = target.smem_per_sm // max(smem + static_smem, 1)
     blocks_by_regs = target.registers_per_sm // max(regs * threads, 1)
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
