@@ -140,10 +140,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "block_c": plan.block_c,
         "threads": threads,
         # the blocks per multiprocessor the solver ranked this plan by (its register estimate), for
-        # templates that hold ptxas to it with __launch_bounds__. Not with a mask_mod: the estimate leaves
-        # out its tile classification (forward_wgmma, d = 64, document ids: 157 registers where it
-        # expects 124), and held to 2 blocks ptxas spilled 92 B
-        "resident_blocks": 1 if spec.mask_mod else max(1, plan.resident_warps // plan.warps),
+        # templates that hold ptxas to it with __launch_bounds__
+        "resident_blocks": max(1, plan.resident_warps // plan.warps),
         "k_pitch": spec.head_dim + pad_elements,
         "o_per_thread": math.ceil(plan.block_r * spec.head_dim / threads),
         "kv_per_thread": math.ceil(plan.block_c * spec.head_dim / threads),

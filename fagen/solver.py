@@ -101,7 +101,7 @@ _DQ_TILES_OVER_WARPS = ("the dQ tiles (Br/16 x d/8) split over W warps in pairs 
 
 FAMILIES: tuple[Family, ...] = (
     # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
-    # stages of K_j, V_j in 128-byte-swizzled shared memory (+1 KB to align the swizzle atoms), read by
+    # stages of K_j, V_j in swizzled shared memory (+1 KB to align the swizzle atoms), read by
     # the tensor cores through descriptors; S/P and O in registers.
     Family("forward_wgmma", "forward_wgmma.cu.j2", ("forward",),
            smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024,
@@ -143,7 +143,7 @@ FAMILIES: tuple[Family, ...] = (
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=16,
            options=(("q_in_registers", "false"),), tag="_qs"),
     # Hopper warpgroup MMA, K_j/V_j outer: 64 keys per warpgroup (16 per warp, the layout of
-    # backward_fa2_mma); K_j, V_j, two cp.async stages of Q_i, dO_i and the dS^T tile in 128-byte-swizzled
+    # backward_fa2_mma); K_j, V_j, two cp.async stages of Q_i, dO_i and the dS^T tile in swizzled
     # shared memory (+1 KB to align), LSE_i and D_i in fp32; dQ through fp32 atomics.
     Family("backward_wgmma", "backward_wgmma.cu.j2", ("backward",),
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + Bc * Br) + 2 * 2 * 4 * Br + 1024,

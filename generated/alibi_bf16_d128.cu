@@ -379,6 +379,8 @@ static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ spli
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
+// dQ by dims gives warpgroup g the 64 dims from 64 g, one 128-byte panel of K_j (k_cols, dq_dim0 below)
+static_assert(DQ_BY_ROWS || Layout::PANEL_COLUMNS == 64, "dQ by dims: one 64-column panel per warpgroup");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i

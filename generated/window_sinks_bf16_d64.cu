@@ -149,7 +149,7 @@ __device__ __forceinline__ void o_product(float (&d)[8][4], const unsigned (&a)[
 
 // The solver picked this plan for the blocks it expects per multiprocessor (a second one fills the tensor
 // cores while a block runs its softmax): held to that many, ptxas keeps within their registers.
-extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc64_w8(const fagen::AttentionArgs args) {
+extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc64_w8(const fagen::AttentionArgs args) {
   using namespace fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc64_w8_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
@@ -397,6 +397,8 @@ static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ spli
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
+// dQ by dims gives warpgroup g the 64 dims from 64 g, one 128-byte panel of K_j (k_cols, dq_dim0 below)
+static_assert(DQ_BY_ROWS || Layout::PANEL_COLUMNS == 64, "dQ by dims: one 64-column panel per warpgroup");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i

@@ -34,6 +34,8 @@ FAMILIES = [
     # the wide mma.sync backward (d = 192): soft-capping's derivative and a document mask from a summary
     Spec(head_dim=192, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", score_mod="cap * tanh(score / cap)",
          inputs={"doc": "int32", "cap": "scalar"}),
+    # 64-byte swizzle panels (d = 96 on both wgmma passes) under a document mask's block-wide tile walk
+    Spec(head_dim=96, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
 ]
 SPECS = LIBRARY + FAMILIES
 
