@@ -259,6 +259,24 @@ def test_kernel_does_not_spill(compiled, variant, arch, symbol):
         f"{symbol} spills {report['spill_stores']} B / loads {report['spill_loads']} B at {report['registers']} registers"
 
 
+@needs_nvcc
+@pytest.mark.parametrize("variant, arch", [(c[0], c[1]) for c in CASES], ids=[f"{c[0]}-{c[1]}" for c in CASES])
+def test_static_shared_memory_is_what_the_solver_counts(compiled, variant, arch):
+    """The main kernels' static shared memory (TileWalk's bits: two words per warp with a mask_mod) is at
+    most the solver's walk_bytes, which it adds to the dynamic footprint against the per-block limit and
+    the blocks per multiprocessor; with a mask_mod it is exactly that."""
+    from fagen.solver import family_named, walk_bytes
+
+    prepared, result = result_for(compiled, variant, arch)
+    for pass_name, symbols in prepared.rendered.kernels.items():
+        plan = prepared.solution.plans[pass_name]
+        counted = walk_bytes(family_named(plan.family), prepared.spec, plan.warps)
+        static = result.resources[symbols[0]]["smem_bytes"]
+        assert static <= counted, f"{symbols[0]}: {static} B of static shared memory, the solver counts {counted}"
+        if prepared.spec.mask_mod and counted:
+            assert static == counted, f"{symbols[0]}: {static} B of static shared memory for the tile walk, not {counted}"
+
+
 def test_sm90_compiles_as_sm90a_and_other_archs_as_named():
     """The wgmma templates need Hopper's arch-specific profile; the cubin runs on every sm_90 part."""
     assert nvcc_arch("sm_90") == "sm_90a"
