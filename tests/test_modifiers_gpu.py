@@ -175,3 +175,35 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
         for call in table.values():
             assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 6, 2),)
             assert call.launches[0][4].endswith("_summary")
+
+
+@pytest.mark.parametrize("head_dim", [64, 96])
+def test_tile_walk_past_one_block_of_tiles(head_dim):
+    """A block classifies THREADS tiles at a time (TileWalk); a longer walk refills its bits. At N = 20000 the
+    d = 64 forward walks 313 key tiles (Bc = 64, 256 threads) and the d = 96 backward 313 query tiles (Br = 64,
+    128 threads): o, dq, dk, dv against SDPA in fp32 with the same mask as a boolean tensor (causal, within
+    documents that cross the refill boundaries)."""
+    import torch
+    import torch.nn.functional as F
+
+    from fagen.runtime import compile as compile_spec
+
+    spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    kernel = compile_spec(spec)
+    seq = 20000
+    lengths = [7000, 1, 9500, seq - 16501]   # boundaries inside the first and second chunk of tiles
+    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda", dtype=torch.int32),
+                                  torch.tensor(lengths, device="cuda"))[None]
+    q, k, v = _qkv(batch=1, heads=2, seq=seq, d=head_dim)
+    do = torch.randn_like(q)
+    o, lse = kernel.forward(q, k, v, inputs={"doc": doc})
+    dq, dk, dv = kernel.backward(q, k, v, o, lse, do, inputs={"doc": doc})
+
+    positions = torch.arange(seq, device="cuda")
+    allowed = (positions[None, :] <= positions[:, None]) & (doc[0][:, None] == doc[0][None, :])
+    q32, k32, v32 = (t.float().requires_grad_(True) for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=allowed)
+    ref.backward(do.float())
+    for name, got, want in zip(("o", "dq", "dk", "dv"), (o, dq, dk, dv), (ref, q32.grad, k32.grad, v32.grad)):
+        error = (torch.linalg.norm(got.float() - want) / torch.linalg.norm(want)).item()
+        assert error < 2e-2, (name, error)
