@@ -79,9 +79,8 @@ def main() -> None:
                 grads = kernel.backward(q, k, v, o, lse, do, **inputs.runtime_args)
                 error = max(relative_error(g, r) for g, r in zip(grads, grads_ref))
                 us = 1e3 * time_cuda(lambda: kernel.backward(q, k, v, o, lse, do, **inputs.runtime_args), 5, args.repeats)
-            resources = kernel.resources(pass_name) if hasattr(kernel, "resources") else ""
             print(f"  {pass_name} {plan.family} Br={plan.block_r} Bc={plan.block_c} w={plan.warps} resident {plan.resident_warps}: "
-                  f"{us:.0f} us, flash/fagen {flash[pass_name] / us:.2f}x, err {error:.1e} {resources}")
+                  f"{us:.0f} us, flash/fagen {flash[pass_name] / us:.2f}x, err {error:.1e}")
 
 
 if __name__ == "__main__":
