@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import math
+from fractions import Fraction
 from dataclasses import asdict, dataclass, field
 from typing import Callable, NamedTuple, Optional
 
@@ -43,6 +44,13 @@ PACKED_REGISTERS = 24
 # for that: at the plans the backward families have, it costs 4-32 B of spills (tests/test_compiler.py
 # KNOWN_SPILLS), cheaper than the smaller tiles a reservation forces.
 MODIFIER_REGISTERS = 24
+
+# Head-dim padding weighed against the family: a preference-0 family (warpgroup MMA) computing d padded to its
+# multiple of 32 ranks as if its head dim were this much smaller, so that it beats mma.sync at the next multiple
+# of 16 up to a third more columns. Timed on H100 (bf16, causal, 4 x 16 x 4096, fwd / bwd ms): wgmma at 96 0.63 /
+# 1.98 against mma.sync at 80 0.69 / 2.32 (d = 72); at 128 0.72 / 2.19 against 1.06 / 3.10 at 112 (d = 97-112);
+# at 64 0.45 / 1.27 against 0.46 / 1.50 at 48 (d = 33-48). Twice the columns (d <= 16 as 32) stays on mma.sync.
+PREFERRED_PADDING = Fraction(4, 3)
 
 
 class InfeasibleSpec(SpecError):
@@ -147,9 +155,9 @@ FAMILIES: tuple[Family, ...] = (
     # shared memory (+1 KB to align), LSE_i and D_i in fp32; dQ through fp32 atomics.
     Family("backward_wgmma", "backward_wgmma.cu.j2", ("backward",),
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + Bc * Br) + 2 * 2 * 4 * Br + 1024,
-           # dK, dV (16 x d each over 32 lanes) + S^T, dP^T (16 x Br each) + the warpgroup's dQ tile (64 x d/2 or
-           # 64 x d over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
-           registers=d + Br + Br * d / (32 * W) + 24,
+           # dK, dV (16 x d each over 32 lanes) + S^T, dP^T (16 x Br each) + the warpgroup's dQ tile (64 x d by rows,
+           # 64 x 64 by dims, over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
+           registers=d + Br + sp.Max(Br * d / (32 * W), 32) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
@@ -159,8 +167,8 @@ FAMILIES: tuple[Family, ...] = (
            modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
-           rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup",
-                   lambda r, c, hd, w: r == 16 * w or (r == 64 and hd == 16 * w)),)),
+           rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
+                   "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * w or (r == 64 and 16 * w - 32 <= hd <= 16 * w)),)),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).
@@ -255,18 +263,23 @@ class Plan:
     tensor_cores: bool = False
     head_dim: int = 0                # the d the template computes with: the spec's, padded up to the family's multiple
 
-    def rank_key(self) -> tuple:
+    def rank_key(self, data_dim: int = 0) -> tuple:
         """Lower is better: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
-        tensor-core plans the other way round: fewer barriers per key), fewer warps."""
+        tensor-core plans the other way round: fewer barriers per key), fewer warps. `data_dim`: the spec's
+        head dim (0: not known, taken as even)."""
         family = family_named(self.family)
-        # first the least head-dim padding: d = 72 computes as 80 on mma.sync, not as 128 on wgmma
+        # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
+        # Not for an odd d: its rows load element by element (not 4-byte aligned), which costs more on wgmma's
+        # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync)
+        weighed = family.preference == 0 and data_dim % 2 == 0
+        head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         if family.occupancy_first:
-            return (self.head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
+            return (head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
                     -self.block_r * self.block_c, self.warps)
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
-            return (self.head_dim, family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
+            return (head_dim, family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
                     -self.resident_warps, self.warps)
-        return (self.head_dim, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
+        return (head_dim, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
                 self.warps)
 
     def to_dict(self) -> dict:
@@ -535,7 +548,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
                 break
         if not ranked:
             raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
-        ranked.sort(key=Plan.rank_key)
+        ranked.sort(key=lambda plan: plan.rank_key(spec.head_dim))
         plans[pass_name] = ranked[0]
         candidates[pass_name] = tuple(ranked)
     paper = paper_report(spec.head_dim, m_elements, paper_r, paper_c)

@@ -2,7 +2,7 @@
 // spec causal_bf16_d96: {"arch": "sm_90", "block_size": null, "deterministic": false, "dropout": 0.0, "dtype": "bf16", "head_dim": 96, "layout": "padded", "loop_order": "fa2", "mask": "causal", "name": "causal_bf16_d96", "passes": ["forward", "backward"], "softmax_scale": null, "sram_budget": null, "tile_policy": "auto", "window": null}
 // plan (auto policy, sm_90, budget 232448 B):
 //   forward: forward_wgmma.cu.j2 Br=128 Bc=64 warps=8 smem=74752 B
-//   backward: backward_wgmma.cu.j2 Br=64 Bc=64 warps=4 smem=83968 B
+//   backward: backward_wgmma.cu.j2 Br=64 Bc=128 warps=8 smem=116736 B
 #include "attention_common.cuh"
 // ---- fagen_fwd_d96_bf16_causal_fa2_sm90_br128_bc64_w8: made by templates/forward_wgmma.cu.j2 ----
 // FlashAttention-2 forward on Hopper's warpgroup MMA (wgmma, sm_90a). Q row block outer, K/V column
@@ -261,7 +261,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
   }
 }
 
-// ---- fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4: made by templates/backward_wgmma.cu.j2 ----
+// ---- fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8: made by templates/backward_wgmma.cu.j2 ----
 // FlashAttention-2 backward on Hopper's warpgroup MMA (wgmma, sm_90a). K_j, V_j blocks OUTER (one
 // block of threads each, 64 keys per warpgroup, 16 per warp), Q row blocks inner. Each warpgroup
 // works on the transposed scores of its 64 keys, so that everything it accumulates stays in registers:
@@ -273,13 +273,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
 // Per warp, the accumulator layout is the one of templates/backward_fa2_mma.cu.j2 (16 keys per warp).
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
 #include "warpgroup_mma.cuh"
-namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config {
+namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 96;
 constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int BLOCK_R = 64;              // Br query rows per step
-constexpr int BLOCK_C = 64;              // Bc = 64 keys per warpgroup
-constexpr int THREADS = 128;
+constexpr int BLOCK_C = 128;              // Bc = 64 keys per warpgroup
+constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
 constexpr int GROUPS = WARPS / 4;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T, dP^T)
@@ -288,7 +288,11 @@ constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ
 constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S^T per warp
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
-// dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x one 64-dim panel
+// dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x 64 dims. Where d is an
+// odd number of 32-column halves (d = 96 over two warpgroups) the last warpgroup's 64 dims end at d, overlapping
+// the previous warpgroup's by 32, and it leaves the atomics of those to that one: the same instructions in every
+// warpgroup (a branch between two wgmma shapes cost ptxas 10 registers and spilled), at no cost in time since
+// the warpgroup of the first 64 dims is the longer one anyway.
 constexpr bool DQ_BY_ROWS = BLOCK_R == 64 * GROUPS;
 constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -307,12 +311,13 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
-static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ splits over warpgroups by rows or by dims");
+static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM > 64 * (GROUPS - 1) && HEAD_DIM <= 64 * GROUPS),
+              "dQ splits over warpgroups by rows or by dims (64 per warpgroup, the last one overlapping by up to 32)");
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
-// dQ by dims gives warpgroup g the 64 dims from 64 g, one 128-byte panel of K_j (k_cols, dq_dim0 below)
-static_assert(DQ_BY_ROWS || Layout::PANEL_COLUMNS == 64, "dQ by dims: one 64-column panel per warpgroup");
+// dQ by dims gives warpgroup g the 64 dims from min(64 g, d - 64): whole panels of K_j (k_cols, dq_dim0 below)
+static_assert(DQ_BY_ROWS || HEAD_DIM % Layout::PANEL_COLUMNS == 0, "dQ by dims: whole panels per warpgroup");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
@@ -333,19 +338,19 @@ __device__ __forceinline__ void key_grad_product(float (&d)[12][4], const unsign
       : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b), "r"(accumulate));
 }
-__device__ __forceinline__ void dq_product(float (&d)[12][4], unsigned long long a, unsigned long long b, int accumulate) {
+__device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %50, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n96k16.f32.bf16.bf16 "
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47}, %48, %49, p, 1, 1, 1, 1;\n}\n"
-      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3])
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, %32, %33, p, 1, 1, 1, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3])
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-}  // namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config
+}  // namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config
 
-extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config;
   using namespace fagen;
   // Shared memory (fagen/solver.py declares the same footprint): K_j, V_j, 2 stages x (Q_i, dO_i), dS^T,
   // all swizzled and 1024-byte aligned (1 KB of slack), then 2 stages of LSE_i and of D_i.
@@ -432,7 +437,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_bf16_causal_fa2_
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
   // dQ by dims (d = 64 per warpgroup) takes warpgroup g's 64-column panel of K_j
   const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
-  const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
+  const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * warpgroup, HEAD_DIM - 64);   // this warpgroup's first dQ dim
+  const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * warpgroup - dq_cols0) / 8;   // tiles the warpgroup before adds
+  const unsigned long long k_cols = Layout::mn_major(k_tile + dq_cols0 / Layout::PANEL_COLUMNS * BLOCK_C * Layout::ROW_BYTES, BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -557,7 +564,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_bf16_causal_fa2_
     wg::fence_registers(dk_acc);
     {
       const int dq_row0 = row0 + (DQ_BY_ROWS ? warpgroup * 64 : 0) + warp_in_group * 16 + group;
-      const int dq_dim0 = (DQ_BY_ROWS ? 0 : warpgroup * 64) + quad * 2;
+      const int dq_dim0 = dq_cols0 + quad * 2;
 #pragma unroll
       for (int e_half = 0; e_half < 2; ++e_half) {
         const int row = dq_row0 + e_half * 8;
@@ -565,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_bf16_causal_fa2_
         float* dq_row = dq_accum + (long long)row * HEAD_DIM + dq_dim0;
 #pragma unroll
         for (int n = 0; n < DQ_TILES; ++n)  // one vector atomic for the lane's two adjacent dims
-          atomicAdd(reinterpret_cast<float2*>(dq_row + n * 8),
+          if (n >= dq_skip_tiles) atomicAdd(reinterpret_cast<float2*>(dq_row + n * 8),
                     make_float2(dq_acc[n][2 * e_half] * SCALE, dq_acc[n][2 * e_half + 1] * SCALE));
       }
     }
@@ -595,11 +602,11 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_bf16_causal_fa2_
   }
 }
 
-// ---- fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
+// ---- fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
 // The small kernels every backward template launches around its main kernel.
 // D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_delta(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_delta(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config;
   using namespace fagen;
   const long long row = (long long)blockIdx.x * 8 + threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -614,8 +621,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_
 }
 
 // dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_dq_convert(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_dq_convert(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config;
   using namespace fagen;
   const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
   for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
@@ -628,8 +635,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_
 
 // Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which
 // the main kernel wrote into the dk/dv workspace. Added in fp32; one thread per output element.
-extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_kv_group_sum(const fagen::AttentionArgs args) {
-  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc64_w4_config;
+extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_kv_group_sum(const fagen::AttentionArgs args) {
+  using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w8_config;
   using namespace fagen;
   const long long kv_heads = args.heads / args.kv_group;
   const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;

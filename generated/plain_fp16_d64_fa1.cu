@@ -182,7 +182,11 @@ constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ
 constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S^T per warp
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
-// dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x one 64-dim panel
+// dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x 64 dims. Where d is an
+// odd number of 32-column halves (d = 96 over two warpgroups) the last warpgroup's 64 dims end at d, overlapping
+// the previous warpgroup's by 32, and it leaves the atomics of those to that one: the same instructions in every
+// warpgroup (a branch between two wgmma shapes cost ptxas 10 registers and spilled), at no cost in time since
+// the warpgroup of the first 64 dims is the longer one anyway.
 constexpr bool DQ_BY_ROWS = BLOCK_R == 64 * GROUPS;
 constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -201,12 +205,13 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
-static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM == 64 * GROUPS), "dQ splits over warpgroups by rows or by dims");
+static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM > 64 * (GROUPS - 1) && HEAD_DIM <= 64 * GROUPS),
+              "dQ splits over warpgroups by rows or by dims (64 per warpgroup, the last one overlapping by up to 32)");
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
-// dQ by dims gives warpgroup g the 64 dims from 64 g, one 128-byte panel of K_j (k_cols, dq_dim0 below)
-static_assert(DQ_BY_ROWS || Layout::PANEL_COLUMNS == 64, "dQ by dims: one 64-column panel per warpgroup");
+// dQ by dims gives warpgroup g the 64 dims from min(64 g, d - 64): whole panels of K_j (k_cols, dq_dim0 below)
+static_assert(DQ_BY_ROWS || HEAD_DIM % Layout::PANEL_COLUMNS == 0, "dQ by dims: whole panels per warpgroup");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
@@ -326,7 +331,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
   // dQ by dims (d = 64 per warpgroup) takes warpgroup g's 64-column panel of K_j
   const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
-  const unsigned long long k_cols = Layout::mn_major(k_tile + (DQ_BY_ROWS ? 0 : warpgroup * BLOCK_C * Layout::ROW_BYTES), BLOCK_C);
+  const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * warpgroup, HEAD_DIM - 64);   // this warpgroup's first dQ dim
+  const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * warpgroup - dq_cols0) / 8;   // tiles the warpgroup before adds
+  const unsigned long long k_cols = Layout::mn_major(k_tile + dq_cols0 / Layout::PANEL_COLUMNS * BLOCK_C * Layout::ROW_BYTES, BLOCK_C);
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -451,7 +458,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
     wg::fence_registers(dk_acc);
     {
       const int dq_row0 = row0 + (DQ_BY_ROWS ? warpgroup * 64 : 0) + warp_in_group * 16 + group;
-      const int dq_dim0 = (DQ_BY_ROWS ? 0 : warpgroup * 64) + quad * 2;
+      const int dq_dim0 = dq_cols0 + quad * 2;
 #pragma unroll
       for (int e_half = 0; e_half < 2; ++e_half) {
         const int row = dq_row0 + e_half * 8;
@@ -459,7 +466,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
         float* dq_row = dq_accum + (long long)row * HEAD_DIM + dq_dim0;
 #pragma unroll
         for (int n = 0; n < DQ_TILES; ++n)  // one vector atomic for the lane's two adjacent dims
-          atomicAdd(reinterpret_cast<float2*>(dq_row + n * 8),
+          if (n >= dq_skip_tiles) atomicAdd(reinterpret_cast<float2*>(dq_row + n * 8),
                     make_float2(dq_acc[n][2 * e_half] * SCALE, dq_acc[n][2 * e_half + 1] * SCALE));
       }
     }

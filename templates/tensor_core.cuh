@@ -84,22 +84,71 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
+// Rows whose data is not whole 16-byte chunks (a head dim that is not a multiple of 16 bytes' elements: the
+// rows are not 16-byte aligned in global memory), for both tile layouts below; shared_at(r, c) is the shared
+// address of column c of tile row r. Where every row of the slice starts on a 4-byte boundary (the slice
+// 4-byte aligned and the row stride whole 4-byte words: d even, or the heads interleaved as (B, N, H, d)
+// with H even), the rows go as asynchronous 4-byte copies like the 16-byte path, a last column alone (d odd)
+// as a 2-byte copy whose other half is zero-filled. Otherwise (an odd row stride) element by element,
+// synchronously: finished before the next barrier like a completed copy, but with nothing to overlap.
+// Columns at or past valid_cols and rows at or past valid_rows are zero.
+// The element-by-element copy, a call rather than inlined: it is the slow path, and inlined beside the fast
+// one it cost kernels at the register limit 12-40 B of spills (ptxas, d = 59, 111).
+template <int ROWS, int HEAD_DIM, int THREADS, typename T, typename SharedAt>
+__device__ __noinline__ void load_rows_by_elements(SharedAt shared_at, const T* slice, long long row_stride, int row0,
+                                                   int valid_rows, int valid_cols) {
+  for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
+    const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
+    const T value = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
+    if constexpr (sizeof(T) == 2) {
+      asm volatile("st.shared.b16 [%0], %1;\n" :: "r"(shared_at(r, c)), "h"(*reinterpret_cast<const unsigned short*>(&value)));
+    } else {
+      asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(shared_at(r, c)), "r"(*reinterpret_cast<const unsigned*>(&value)));
+    }
+  }
+}
+
+template <int ROWS, int HEAD_DIM, int THREADS, typename T, typename SharedAt>
+__device__ __forceinline__ void load_rows_by_words(SharedAt shared_at, const T* slice, long long row_stride, int row0,
+                                                   int valid_rows, int valid_cols) {
+  constexpr int PER_WORD = 4 / sizeof(T);
+  constexpr int WORDS = HEAD_DIM / PER_WORD;   // per tile row, padding included
+  static_assert(HEAD_DIM % PER_WORD == 0, "whole 4-byte words per tile row");
+  if (reinterpret_cast<unsigned long long>(slice) % 4 == 0 && row_stride * sizeof(T) % 4 == 0) {
+    // each thread one fixed word column of every ROW_STEP-th row, as the 16-byte path does: a few instructions
+    // a copy (where THREADS is not a multiple of WORDS, the threads past ROW_STEP whole rows sit out)
+    constexpr int ROW_STEP = THREADS / WORDS;
+    static_assert(ROW_STEP >= 1, "a row of words per THREADS threads at most");
+    const int c = threadIdx.x % WORDS * PER_WORD, r0 = threadIdx.x / WORDS;
+    const int col_bytes = max(0, min(PER_WORD, valid_cols - c)) * int(sizeof(T));   // 4, 2 (a last odd column), 0
+    if (r0 < ROW_STEP) {
+#pragma unroll 4
+      for (int n = 0; n < (ROWS + ROW_STEP - 1) / ROW_STEP; ++n) {
+        const int r = r0 + n * ROW_STEP;
+        const int bytes = r < valid_rows ? col_bytes : 0;   // 0: zero-filled, nothing read
+        if (ROWS % ROW_STEP == 0 || r < ROWS)
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n"
+                       :: "r"(shared_at(r, c)), "l"(bytes ? slice + (long long)(row0 + r) * row_stride + c : slice), "r"(bytes));
+      }
+    }
+    return;
+  }
+  load_rows_by_elements<ROWS, HEAD_DIM, THREADS>(shared_at, slice, row_stride, row0, valid_rows, valid_cols);
+}
+
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a padded shared tile, 16 bytes per copy;
 // rows at or past valid_rows, and the columns at or past valid_cols (a head dim padded up to the
-// template's: valid_cols a multiple of 16 bytes' elements), are zero so that they add nothing to any product.
-// A valid_cols that is not whole 16-byte chunks (an odd head dim: the rows are not even 16-byte
-// aligned in global memory) takes plain element loads instead, finished before the next barrier like
-// a completed copy.
+// template's), are zero so that they add nothing to any product. A valid_cols that is not whole 16-byte
+// chunks takes load_rows_by_words.
 template <int ROWS, int HEAD_DIM, int PITCH, int THREADS, typename T>
 __device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long long row_stride, int row0, int valid_rows,
                                                 int valid_cols = HEAD_DIM) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   if (valid_cols % PER_CHUNK != 0) {
-    for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
-      const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
-      tile[r * PITCH + c] = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
-    }
+    const unsigned base = shared_address(tile);
+    load_rows_by_words<ROWS, HEAD_DIM, THREADS>([=](int r, int c) { return base + unsigned(r * PITCH + c) * unsigned(sizeof(T)); },
+                                                slice, row_stride, row0, valid_rows, valid_cols);
     return;
   }
   for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {

@@ -78,14 +78,10 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
   using Layout = Swizzle<HEAD_DIM>;
-  if (valid_cols % PER_CHUNK != 0) {   // an odd head dim: element loads into the same swizzled places
-    for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS) {
-      const int r = idx / HEAD_DIM, c = idx % HEAD_DIM;
-      const T value = r < valid_rows && c < valid_cols ? slice[(long long)(row0 + r) * row_stride + c] : from_float<T>(0.f);
-      const unsigned short bits = *reinterpret_cast<const unsigned short*>(&value);
-      asm volatile("st.shared.u16 [%0], %1;\n" :: "r"(tile + Layout::offset(ROWS, r, c / PER_CHUNK) + (c % PER_CHUNK) * 2),
-                   "h"(bits));
-    }
+  if (valid_cols % PER_CHUNK != 0) {   // rows not whole 16-byte chunks: 4-byte copies (or elements) into the same places
+    tc::load_rows_by_words<ROWS, HEAD_DIM, THREADS>(
+        [=](int r, int c) { return tile + Layout::offset(ROWS, r, c / PER_CHUNK) + unsigned(c % PER_CHUNK * sizeof(T)); },
+        slice, row_stride, row0, valid_rows, valid_cols);
     return;
   }
   if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % 8 == 0 && ROWS % ROW_STEP == 0) {

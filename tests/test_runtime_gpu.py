@@ -29,20 +29,24 @@ def _specs():
     return specs
 
 
-SPECS = _specs() + [  # head dims that are not multiples of 16 run on the CUDA-core fa2 template
+SPECS = _specs() + [  # head dims that are not multiples of 16
     Spec(head_dim=40, dtype="fp16", mask="causal", dropout=0.1),
     Spec(head_dim=72, dtype="bf16", mask="sliding_window", window=50),
     # any head dim from 1 to 256: the user's tensors as they are (rows of odd length, no padding copy)
     Spec(head_dim=1, dtype="fp32", mask="padding"),
     Spec(head_dim=3, dtype="bf16", mask="none", dropout=0.1),
     Spec(head_dim=59, dtype="fp16", mask="causal", dropout=0.1),
+    Spec(head_dim=58, dtype="bf16", mask="causal"),   # rows of whole 4-byte words: asynchronous 4-byte copies
+    Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70),   # dQ split 64 + 32 over two warpgroups
     Spec(head_dim=111, dtype="bf16", mask="sliding_window", window=50),
     Spec(head_dim=111, dtype="bf16", mask="block_sparse", block_size=64, loop_order="fa1"),
     Spec(head_dim=255, dtype="fp16", mask="causal"),
     # multiples of 8 that are not the templates' own multiples: tensor cores with the head dim padded
-    # inside the kernel (8 -> 16, 120 -> 128 on wgmma; 40 -> 48 and 72 -> 80 above)
+    # inside the kernel (8 -> 16 on mma.sync; 120 -> 128, and 40 -> 64, 72 -> 96 above, on wgmma; 72 -> 80 on
+    # mma.sync where the plan is for sm_80)
     Spec(head_dim=8, dtype="bf16", mask="padding"),
-    Spec(head_dim=120, dtype="fp16", mask="none", dropout=0.2)]
+    Spec(head_dim=120, dtype="fp16", mask="none", dropout=0.2),
+    Spec(head_dim=72, dtype="bf16", mask="causal", arch="sm_80")]
 GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
     Spec(head_dim=64, dtype="fp16", mask="causal", dropout=0.1, deterministic=True),
     # backward_fa2_mma_wide (d >= 160): Br = 64 on sm_90, Br = 32 where an sm_80 plan runs; an odd d padded to 256

@@ -182,11 +182,13 @@ def test_no_feasible_plan_ranks_better(fields):
     for pass_name, plan in solution.plans.items():
         feasible = feasible_plans(spec, pass_name)
         assert plan in feasible
-        best = min(feasible, key=Plan.rank_key)
-        assert plan.rank_key() == best.rank_key(), f"{best} ranks better than the chosen {plan}"
+        def rank(p):
+            return p.rank_key(spec.head_dim)
+        best = min(feasible, key=rank)
+        assert rank(plan) == rank(best), f"{best} ranks better than the chosen {plan}"
         # The candidates are exactly the feasible plans, ranked.
         ranked = solution.candidates[pass_name]
-        assert sorted(ranked, key=Plan.rank_key) == list(ranked)
+        assert sorted(ranked, key=rank) == list(ranked)
         assert set(ranked) == set(feasible)
 
 
@@ -380,15 +382,22 @@ def test_targets_are_plain_data():
         assert target.smem_per_block <= target.smem_per_sm
 
 
-@pytest.mark.parametrize("head_dim, family, computed", [
-    (40, "forward_fa2_mma", 48), (72, "forward_fa2_mma", 80), (120, "forward_wgmma", 128), (8, "forward_fa2_mma", 16),
-    (59, "forward_wgmma", 64), (3, "forward_fa2_mma", 16), (111, "forward_fa2_mma", 112), (64, "forward_wgmma", 64),
+@pytest.mark.parametrize("head_dim, arch, family, computed", [
+    (40, "sm_90", "forward_wgmma", 64), (72, "sm_90", "forward_wgmma", 96), (120, "sm_90", "forward_wgmma", 128),
+    (110, "sm_90", "forward_wgmma", 128), (59, "sm_90", "forward_wgmma", 64), (64, "sm_90", "forward_wgmma", 64),
+    # an odd d loads element by element (rows not 4-byte aligned): the least padding, 112 on mma.sync
+    (111, "sm_90", "forward_fa2_mma", 112),
+    # twice the columns is too many: d <= 16 stays on mma.sync at 16
+    (8, "sm_90", "forward_fa2_mma", 16), (3, "sm_90", "forward_fa2_mma", 16),
     # 64-byte swizzle panels: an odd number of 32-column halves runs on wgmma unpadded
-    (32, "forward_wgmma", 32), (90, "forward_wgmma", 96), (160, "forward_wgmma", 160)])
-def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, family, computed):
-    """Any d runs on tensor cores padded to the family's multiple, the least padding first (72 computes
-    as 80 on mma.sync rather than as 128 on wgmma); fp32 stays on the CUDA cores, unpadded."""
-    plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", passes=["forward"])).plans["forward"]
+    (32, "sm_90", "forward_wgmma", 32), (90, "sm_90", "forward_wgmma", 96), (160, "sm_90", "forward_wgmma", 160),
+    # without wgmma, the next multiple of 16
+    (40, "sm_80", "forward_fa2_mma", 48), (72, "sm_80", "forward_fa2_mma", 80), (111, "sm_80", "forward_fa2_mma", 112)])
+def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, arch, family, computed):
+    """Any d runs on tensor cores padded to the family's multiple, the least padding first, except that on
+    sm_90 wgmma at up to a third more columns beats mma.sync for an even d (PREFERRED_PADDING: 72 computes as
+    96 on wgmma, not as 80 on mma.sync); fp32 stays on the CUDA cores, unpadded."""
+    plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", passes=["forward"], arch=arch)).plans["forward"]
     assert (plan.family, plan.head_dim) == (family, computed)
     fp32 = solve(Spec(head_dim=head_dim, dtype="fp32", mask="causal", passes=["forward"])).plans["forward"]
     assert (fp32.family, fp32.head_dim) == ("forward_fa2_simt", head_dim)

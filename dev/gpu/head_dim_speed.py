@@ -1,27 +1,49 @@
 """Forward and backward time of head dims that are not multiples of 16 against the next multiple of 16
 (issue 11: odd dims within 10% of it), bf16, causal, N = 4096, batch 4 x 16 heads, one process.
-    python dev/gpu/head_dim_speed.py"""
+
+    python dev/gpu/head_dim_speed.py 59:64 58:64 111:112 --layouts bhnd,bnhd
+
+Layouts: `bhnd` contiguous (B, H, N, d) tensors (row stride d: odd for an odd d, so such rows are not all
+4-byte aligned and load element by element); `bnhd` (B, N, H, d) tensors seen as (B, H, N, d) (row stride
+H d: even with 16 heads, so every row loads by asynchronous 4-byte copies). FAGEN_TREE=path imports fagen
+from another tree (an A/B of a template change; give it its own FAGEN_CACHE_DIR)."""
+import argparse
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+sys.path.insert(0, os.environ.get("FAGEN_TREE") or
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 
 import fagen
 from fagen.bench.timing import time_cuda
 
-PAIRS = [(59, 64), (111, 112), (72, 80), (40, 48), (3, 16)]
-for odd, even in PAIRS:
-    times = {}
-    for d in (odd, even):
-        kernel = fagen.compile(fagen.Spec(head_dim=d, dtype="bf16", mask="causal"))
-        q, k, v, do = (torch.randn(4, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        o, lse = kernel.forward(q, k, v)
-        fwd = time_cuda(lambda: kernel.forward(q, k, v), 3, 10)
-        bwd = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 3, 10)
-        plans = {p: x["family"] for p, x in kernel.record["plans"].items()}
-        times[d] = (fwd, bwd, plans)
-    (f1, b1, p1), (f2, b2, p2) = times[odd], times[even]
-    print(f"d={odd}: fwd {f1:.3f} ms bwd {b1:.3f} ms {p1} | d={even}: fwd {f2:.3f} ms bwd {b2:.3f} ms {p2} | "
-          f"slowdown fwd {f1 / f2:.2f}x bwd {b1 / b2:.2f}x", flush=True)
+parser = argparse.ArgumentParser()
+parser.add_argument("pairs", nargs="*", default=["59:64", "111:112", "72:80", "40:48", "3:16"])
+parser.add_argument("--layouts", default="bhnd")
+args = parser.parse_args()
+print(f"fagen from {os.path.dirname(fagen.__file__)}", flush=True)
+
+
+def inputs(d, layout):
+    if layout == "bnhd":
+        return [torch.randn(4, 4096, 16, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2) for _ in range(4)]
+    return [torch.randn(4, 16, 4096, d, device="cuda", dtype=torch.bfloat16) for _ in range(4)]
+
+
+for layout in args.layouts.split(","):
+    for pair in args.pairs:
+        odd, even = (int(x) for x in pair.split(":"))
+        times = {}
+        for d in (odd, even):
+            kernel = fagen.compile(fagen.Spec(head_dim=d, dtype="bf16", mask="causal"))
+            q, k, v, do = inputs(d, layout)
+            o, lse = kernel.forward(q, k, v)
+            fwd = time_cuda(lambda: kernel.forward(q, k, v), 3, 10)
+            bwd = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 3, 10)
+            plans = {p: x["family"] for p, x in kernel.record["plans"].items()}
+            times[d] = (fwd, bwd, plans)
+        (f1, b1, p1), (f2, b2, p2) = times[odd], times[even]
+        print(f"{layout} d={odd}: fwd {f1:.3f} ms bwd {b1:.3f} ms {p1} | d={even}: fwd {f2:.3f} ms bwd {b2:.3f} ms "
+              f"{p2} | slowdown fwd {f1 / f2:.2f}x bwd {b1 / b2:.2f}x", flush=True)

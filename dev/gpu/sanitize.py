@@ -1,6 +1,7 @@
 """One small forward + backward per mask kind (and fa1), for compute-sanitizer memcheck / racecheck:
     compute-sanitizer --tool memcheck python dev/gpu/sanitize.py
     compute-sanitizer --tool racecheck python dev/gpu/sanitize.py
+    SANITIZE_ONLY=d59,d111 compute-sanitizer --tool memcheck python dev/gpu/sanitize.py   # some specs only
 Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
 import os
@@ -26,9 +27,12 @@ SPECS = [
     # the wide mma.sync backward (P^T, dS^T shared between warps), with dropout, and its sm_80 plan (Br = 32)
     Spec(head_dim=256, dtype="bf16", mask="causal", dropout=0.1),
     Spec(head_dim=192, dtype="fp16", mask="none", arch="sm_80"),
-    # head dims padded inside the tensor-core kernels: cp.async with zero columns (40), element loads (59)
+    # head dims padded inside the tensor-core kernels: cp.async with zero columns (40); 4-byte cp.async with a
+    # 2-byte last column where rows are 4-byte aligned, element loads where not (59, heads = 1 below); 4-byte
+    # copies with threads sitting out (111 on sm_80: 56 words a row, 128 threads)
     Spec(head_dim=40, dtype="fp16", mask="none", dropout=0.1, passes=["forward", "backward", "decode"]),
     Spec(head_dim=59, dtype="bf16", mask="causal", passes=["forward", "backward", "decode"]),
+    Spec(head_dim=111, dtype="fp16", mask="sliding_window", window=30, arch="sm_80"),
     # packed variable-length batches: empty and length-1 sequences, spare rows after the last one
     Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),
     Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1, layout="packed", arch="sm_80"),
@@ -41,7 +45,8 @@ CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, 
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
 DECODE = dict(CASE, heads=8, kv_heads=2, seq_q=2, seq_k=3001)   # 4 x 2 rows per block: the split-KV kernel
 
-for spec in SPECS:
+ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]   # variant-name substrings, e.g. d59,d111
+for spec in (s for s in SPECS if not ONLY or any(w in s.variant_name for w in ONLY)):
     extra = {}
     if spec.mask == "padding":
         extra["kv_lengths"] = (133, 70)
@@ -50,6 +55,7 @@ for spec in SPECS:
     # mask_mod / score_mod inputs as the property tests draw them, at sizes covering every case below
     extra.update(input_fields(spec, 4, 4, 150, 133, seed=5, scalars=[2.5] * len(spec.modifiers.scalars)))
     cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
+    cases += [dict(CASE, heads=1)] if spec.head_dim % 2 else []   # bnhd, one head: an odd row stride
     if spec.layout == "packed":
         cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
     cases += [DECODE] if "decode" in spec.passes else []

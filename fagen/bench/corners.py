@@ -43,6 +43,8 @@ CORNERS: tuple[Corner, ...] = (
     _corner(2, 16, 3000, head_dim=256, mask="causal"),
     _corner(8, 8, 1024, head_dim=192, mask="none"),
     _corner(1, 16, 16384, head_dim=256, mask="causal"),
+    _corner(2, 16, 3000, head_dim=96, mask="none"),
+    _corner(1, 16, 16384, head_dim=96, mask="causal"),
     *(_corner(4, 16, 4096, head_dim=d, mask="causal", dropout=0.1) for d in (64, 128)),
     _corner(2, 16, 3000, head_dim=128, mask="none", dropout=0.1),
     _corner(2, 16, 8192, head_dim=128, mask="sliding_window", window=1024),
