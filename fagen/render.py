@@ -114,7 +114,7 @@ WARPGROUP_PRODUCTS = {
     "backward_wgmma.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
         ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
-        # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or one 64-dim panel
+        # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or 64 dims (the last one's end at d)
         ("dq_product", lambda spec, plan: plan.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
     ),
 }

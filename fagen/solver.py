@@ -45,8 +45,8 @@ PACKED_REGISTERS = 24
 # KNOWN_SPILLS), cheaper than the smaller tiles a reservation forces.
 MODIFIER_REGISTERS = 24
 
-# Head-dim padding weighed against the family: a preference-0 family (warpgroup MMA) computing d padded to its
-# multiple of 32 ranks as if its head dim were this much smaller, so that it beats mma.sync at the next multiple
+# Head-dim padding weighed against the family: a warpgroup-MMA family (sm_90 only) computing d padded to its
+# multiple of 32 (up to 128) ranks as if its head dim were this much smaller, so that it beats mma.sync at the next multiple
 # of 16 up to a third more columns. Timed on H100 (bf16, causal, 4 x 16 x 4096, fwd / bwd ms): wgmma at 96 0.63 /
 # 1.98 against mma.sync at 80 0.69 / 2.32 (d = 72); at 128 0.72 / 2.19 against 1.06 / 3.10 at 112 (d = 97-112);
 # at 64 0.45 / 1.27 against 0.46 / 1.50 at 48 (d = 33-48). Twice the columns (d <= 16 as 32) stays on mma.sync.
@@ -157,7 +157,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + Bc * Br) + 2 * 2 * 4 * Br + 1024,
            # dK, dV (16 x d each over 32 lanes) + S^T, dP^T (16 x Br each) + the warpgroup's dQ tile (64 x d by rows,
            # 64 x 64 by dims, over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
-           registers=d + Br + sp.Max(Br * d / (32 * W), 32) + 24,
+           registers=d + Br + sp.Piecewise((32, Br < 16 * W), (Br * d / (32 * W), True)) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
@@ -270,8 +270,9 @@ class Plan:
         family = family_named(self.family)
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
         # Not for an odd d: its rows load element by element (not 4-byte aligned), which costs more on wgmma's
-        # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync)
-        weighed = family.preference == 0 and data_dim % 2 == 0
+        # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync). Not
+        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144).
+        weighed = family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0 and self.head_dim <= 128
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         if family.occupancy_first:
             return (head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,

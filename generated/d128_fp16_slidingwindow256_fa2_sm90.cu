@@ -317,7 +317,7 @@ static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // K_j, V_j, Q_i, dO_i: d columns
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br queries per key
 // dQ by dims gives warpgroup g the 64 dims from min(64 g, d - 64): whole panels of K_j (k_cols, dq_dim0 below)
-static_assert(DQ_BY_ROWS || HEAD_DIM % Layout::PANEL_COLUMNS == 0, "dQ by dims: whole panels per warpgroup");
+static_assert(DQ_BY_ROWS || (HEAD_DIM - 64) % Layout::PANEL_COLUMNS == 0, "dQ by dims: every warpgroup starts on a panel");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
@@ -435,7 +435,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
   const unsigned long long do_rows0 = Layout::k_major(do_tile(0));
   const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
-  // dQ by dims (d = 64 per warpgroup) takes warpgroup g's 64-column panel of K_j
+  // dQ by rows: warpgroup g's 64 rows of dS^T; by dims: all of dS^T, and the K_j panels of the warpgroup's 64 dims
   const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
   const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * warpgroup, HEAD_DIM - 64);   // this warpgroup's first dQ dim
   const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * warpgroup - dq_cols0) / 8;   // tiles the warpgroup before adds

@@ -87,8 +87,9 @@ template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile(
 // Rows whose data is not whole 16-byte chunks (a head dim that is not a multiple of 16 bytes' elements: the
 // rows are not 16-byte aligned in global memory), for both tile layouts below; shared_at(r, c) is the shared
 // address of column c of tile row r. Where every row of the slice starts on a 4-byte boundary (the slice
-// 4-byte aligned and the row stride whole 4-byte words: d even, or the heads interleaved as (B, N, H, d)
-// with H even), the rows go as asynchronous 4-byte copies like the 16-byte path, a last column alone (d odd)
+// 4-byte aligned and the row stride whole 4-byte words: d even; for an odd d, the heads interleaved as
+// (B, N, H, d) with H even, and only the even heads), the rows go as asynchronous 4-byte copies like the
+// 16-byte path, a last column alone (d odd)
 // as a 2-byte copy whose other half is zero-filled. Otherwise (an odd row stride) element by element,
 // synchronously: finished before the next barrier like a completed copy, but with nothing to overlap.
 // Columns at or past valid_cols and rows at or past valid_rows are zero.
@@ -114,11 +115,11 @@ __device__ __forceinline__ void load_rows_by_words(SharedAt shared_at, const T* 
   constexpr int PER_WORD = 4 / sizeof(T);
   constexpr int WORDS = HEAD_DIM / PER_WORD;   // per tile row, padding included
   static_assert(HEAD_DIM % PER_WORD == 0, "whole 4-byte words per tile row");
-  if (reinterpret_cast<unsigned long long>(slice) % 4 == 0 && row_stride * sizeof(T) % 4 == 0) {
+  // (fewer threads than words in a row, e.g. the 2-warp fp32 decode at d > 64: element by element)
+  if (THREADS >= WORDS && reinterpret_cast<unsigned long long>(slice) % 4 == 0 && row_stride * sizeof(T) % 4 == 0) {
     // each thread one fixed word column of every ROW_STEP-th row, as the 16-byte path does: a few instructions
     // a copy (where THREADS is not a multiple of WORDS, the threads past ROW_STEP whole rows sit out)
-    constexpr int ROW_STEP = THREADS / WORDS;
-    static_assert(ROW_STEP >= 1, "a row of words per THREADS threads at most");
+    constexpr int ROW_STEP = THREADS >= WORDS ? THREADS / WORDS : 1;
     const int c = threadIdx.x % WORDS * PER_WORD, r0 = threadIdx.x / WORDS;
     const int col_bytes = max(0, min(PER_WORD, valid_cols - c)) * int(sizeof(T));   // 4, 2 (a last odd column), 0
     if (r0 < ROW_STEP) {

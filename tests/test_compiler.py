@@ -276,6 +276,24 @@ def test_static_shared_memory_is_what_the_solver_counts(compiled, variant, arch)
             assert static == counted, f"{symbols[0]}: {static} B of static shared memory for the tile walk, not {counted}"
 
 
+@needs_nvcc
+@pytest.mark.parametrize("fields", [
+    # the CUDA-core decode at two warps (64 threads) loads rows of d > 64 fp32 words: fewer threads than words
+    dict(head_dim=128, dtype="fp32", mask="none", passes=["forward", "decode"]),
+    # rows that are not whole 16-byte chunks on each loader: wgmma (swizzled) and mma.sync (padded, sm_80)
+    dict(head_dim=59, dtype="bf16", mask="causal"),
+    dict(head_dim=111, dtype="fp16", mask="sliding_window", window=30, arch="sm_80"),
+], ids=["fp32-decode-d128", "d59-wgmma", "d111-mma-sm80"])
+def test_head_dims_beyond_the_examples_compile(fields):
+    """Specs no example covers, whose loaders take the paths for odd rows or narrow blocks."""
+    from fagen.spec import Spec
+
+    spec = Spec(**fields)
+    prepared = prepare(spec, spec.arch)
+    compiled = compile_cubin(prepared.rendered.text, spec.arch, prepared.rendered.include_dir)
+    assert compiled.resources, "no kernel in the cubin"
+
+
 def test_sm90_compiles_as_sm90a_and_other_archs_as_named():
     """The wgmma templates need Hopper's arch-specific profile; the cubin runs on every sm_90 part."""
     assert nvcc_arch("sm_90") == "sm_90a"

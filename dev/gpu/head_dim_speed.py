@@ -5,7 +5,8 @@
 
 Layouts: `bhnd` contiguous (B, H, N, d) tensors (row stride d: odd for an odd d, so such rows are not all
 4-byte aligned and load element by element); `bnhd` (B, N, H, d) tensors seen as (B, H, N, d) (row stride
-H d: even with 16 heads, so every row loads by asynchronous 4-byte copies). FAGEN_TREE=path imports fagen
+H d: even with 16 heads, so an even d loads by asynchronous 4-byte copies; an odd d only in the even heads,
+whose slices start on a 4-byte boundary, the odd heads element by element). FAGEN_TREE=path imports fagen
 from another tree (an A/B of a template change; give it its own FAGEN_CACHE_DIR)."""
 import argparse
 import os

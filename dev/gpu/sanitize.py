@@ -29,7 +29,7 @@ SPECS = [
     Spec(head_dim=192, dtype="fp16", mask="none", arch="sm_80"),
     # head dims padded inside the tensor-core kernels: cp.async with zero columns (40); 4-byte cp.async with a
     # 2-byte last column where rows are 4-byte aligned, element loads where not (59, heads = 1 below); 4-byte
-    # copies with threads sitting out (111 on sm_80: 56 words a row, 128 threads)
+    # copies with threads sitting out and element loads in the odd heads (111 on sm_80: 56 words a row, 128 threads)
     Spec(head_dim=40, dtype="fp16", mask="none", dropout=0.1, passes=["forward", "backward", "decode"]),
     Spec(head_dim=59, dtype="bf16", mask="causal", passes=["forward", "backward", "decode"]),
     Spec(head_dim=111, dtype="fp16", mask="sliding_window", window=30, arch="sm_80"),
