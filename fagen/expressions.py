@@ -1355,12 +1355,40 @@ class Modifiers:
         return self.mask is not None or self.score is not None
 
     def record(self) -> dict:
-        """What the build record stores: the expressions as written and sympy's derivative."""
+        """What the build record stores: the expressions as written and sympy's derivatives (in score, and
+        in each read of a float input: `input_grads`)."""
         inputs = {name: dtype for name, dtype, _ in self.tensors}
         inputs.update({name: "scalar" for name in self.scalars})
         return {"mask_mod": self.mask_text, "score_mod": self.score_text,
                 "score_grad": None if self.score_grad is None else str(self.score_grad),
+                "input_grads": {str(read): str(derivative) for _, read, derivative in self.input_grads},
                 "inputs": inputs}
+
+    @functools.cached_property
+    def input_grads(self) -> tuple:
+        """score_mod's derivative in each of its reads of a float input: ((name, read, derivative), ...), where
+        read is a scalar's symbol or one float32 tensor load `name[indices]`, in a fixed order, zero derivatives
+        left out. Each read is differentiated as an independent variable (so bias[i] + bias[j] gives 1 for each,
+        not sympy's KroneckerDelta of the indices); a read's gradient goes to the element it loads (its indices
+        clamped into the tensor, as the load is), where reads of one element add up. The float64 reference
+        uses these (`reference.score_input_grads`); the kernels do not compute input gradients yet."""
+        if self.score is None:
+            return ()
+        floats = {name for name, dtype, _ in self.tensors if dtype == "float32"}
+        reads = [sp.Symbol(name, real=True) for name in self.scalars]
+        reads = [read for read in reads if read in self.score.free_symbols]
+        reads += sorted((load for load in self.score.atoms(sp.Indexed) if load.base.label.name in floats), key=str)
+        fresh = {read: sp.Dummy(f"read{n}", real=True) for n, read in enumerate(reads)}
+        standing_in = self.score.xreplace(fresh)
+        result = []
+        for read in reads:
+            derivative = sp.diff(standing_in, fresh[read])
+            if derivative == 0:
+                continue
+            derivative = derivative.xreplace({dummy: read for read, dummy in fresh.items()})
+            name = read.name if isinstance(read, sp.Symbol) else read.base.label.name
+            result.append((name, read, derivative))
+        return tuple(result)
 
     # -- C++ ----------------------------------------------------------------------------------
     def _c_names(self) -> dict:
@@ -1588,6 +1616,15 @@ class Modifiers:
 
     def score_grad_numpy(self, score, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
         return self._float(self.score_grad, score, b, h, i, j, seq_q, seq_k, values, np.ones_like)
+
+    def float_numpy(self, expr, score, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
+        """Any expression of score and the indices (e.g. an `input_grads` derivative), broadcast to the grids."""
+        return self._float(expr, score, b, h, i, j, seq_q, seq_k, values, np.ones_like)
+
+    def index_numpy(self, expr, b, h, i, j, seq_q, seq_k, values: Optional[dict] = None) -> np.ndarray:
+        """An integer index expression (a tensor read's subscript) on the index grids."""
+        with np.errstate(all="ignore"):
+            return np.asarray(_np_eval(expr, self._env(b, h, i, j, seq_q, seq_k), values or {}), dtype=np.int64)
 
 
 # ---- building one ---------------------------------------------------------------------------

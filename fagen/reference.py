@@ -19,7 +19,7 @@ zero gradient, never NaN.
 from __future__ import annotations
 
 import operator
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
@@ -351,6 +351,70 @@ def attention_forward(q, k, v, spec: "Spec", *, kv_lengths=None, block_mask=None
     return np.einsum("bhij,bhjd->bhid", P_drop, v), lse
 
 
+class _BackwardTerms(NamedTuple):
+    do: np.ndarray
+    visible: np.ndarray      # (B or 1, H or 1, Nq, Nk) bool
+    P: np.ndarray            # softmax of the (modified, masked) scores
+    P_drop: np.ndarray       # P with dropout's keep mask and scale
+    dP: np.ndarray           # dO V^T (times the keep mask and scale)
+    D: np.ndarray            # rowsum(dO * O)
+    dS: np.ndarray           # P * (dP - D): the gradient of what the softmax sees (score_mod's output)
+    score_grad: Optional[np.ndarray]   # d score_mod / d score at each element (None without a score_mod)
+
+
+def _backward_terms(q, k, v, do, spec: "Spec", kv_lengths, block_mask, inputs, seed, offset, o,
+                    first_batch) -> _BackwardTerms:
+    """The backward's element-wise terms up to dS, for q, k, v as `_prepare` returns them."""
+    do = np.asarray(do, dtype=np.float64)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    if do.shape != (B, H, Nq, v.shape[3]):
+        raise ValueError(f"do must have the shape of o, {(B, H, Nq, v.shape[3])}, got {do.shape}")
+    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask, inputs, first_batch)
+    _, _, P, score_grad = _softmax_stats(q, k, spec, visible, inputs, first_batch)
+    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
+    P_drop = P if scale is None else P * scale
+    o = np.einsum("bhij,bhjd->bhid", P_drop, v) if o is None else np.asarray(o, dtype=np.float64)
+    dP = np.einsum("bhid,bhjd->bhij", do, v)
+    if scale is not None:
+        dP = dP * scale
+    D = (do * o).sum(axis=-1)
+    return _BackwardTerms(do, visible, P, P_drop, dP, D, P * (dP - D[..., None]), score_grad)
+
+
+def score_input_grads(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None, inputs: Optional[dict] = None,
+                      seed: int = 0, offset: int = 0, o=None, first_batch: int = 0) -> dict:
+    """{input name: gradient of sum(o * do)} for each float input score_mod reads with a nonzero derivative
+    (`Modifiers.input_grads`): float64 arrays of the tensor's shape, floats for scalars; same arguments as
+    `attention_backward`. Each read `name[indices]` adds dS' * d score_mod / d read over the visible elements
+    to the element it loads (indices clamped into the tensor, as the kernels' loads are); dS' is the gradient
+    of score_mod's output, P * (dP - D). The kernels do not compute these yet: this is the reference they will
+    be held to. Dense (B, H, N, d) batches."""
+    mods = spec.modifiers
+    q, k, v, _ = _prepare(q, k, v, spec)
+    terms = _backward_terms(q, k, v, do, spec, kv_lengths, block_mask, inputs, seed, offset, o, first_batch)
+    B, H, Nq, _ = q.shape
+    Nk = k.shape[2]
+    b, h, i, j = _index_grids(B, H, Nq, Nk, first_batch)
+    values = _input_values(inputs)
+    raw = spec.scale * np.einsum("bhid,bhjd->bhij", q, k)
+    grads = {}
+    for name, read, derivative in mods.input_grads:
+        with np.errstate(all="ignore"):   # masked elements may overflow; they are dropped below
+            slope = mods.float_numpy(derivative, raw, b, h, i, j, Nq, Nk, values)
+        contribution = np.where(terms.visible, terms.dS * slope, 0.0)
+        if name in mods.scalars:
+            grads[name] = grads.get(name, 0.0) + float(contribution.sum())
+            continue
+        table = np.asarray(values[name])
+        grad = grads.setdefault(name, np.zeros(table.shape, dtype=np.float64))
+        shape = contribution.shape
+        where = tuple(np.clip(np.broadcast_to(np.asarray(mods.index_numpy(index, b, h, i, j, Nq, Nk, values)), shape),
+                              0, size - 1) for index, size in zip(read.indices, table.shape))
+        np.add.at(grad, where, contribution)
+    return grads
+
+
 def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None,
                        inputs: Optional[dict] = None, seed: int = 0, offset: int = 0, o=None,
                        magnitudes: Optional[dict] = None, first_batch: int = 0):
@@ -366,22 +430,10 @@ def attention_backward(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask
     cancel, a scale for judging errors where the exact gradient is ~0 (e.g. Nk = 1, softmax constant).
     """
     q, k, v, group = _prepare(q, k, v, spec)
-    do = np.asarray(do, dtype=np.float64)
-    B, H, Nq, _ = q.shape
-    Nk = k.shape[2]
-    if do.shape != (B, H, Nq, v.shape[3]):
-        raise ValueError(f"do must have the shape of o, {(B, H, Nq, v.shape[3])}, got {do.shape}")
-    visible = visible_mask(spec, B, H, Nq, Nk, kv_lengths, block_mask, inputs, first_batch)
-    _, _, P, score_grad = _softmax_stats(q, k, spec, visible, inputs, first_batch)
-    scale = _dropout_scale(spec, seed, offset, B, H, Nq, Nk, first_batch)
-    P_drop = P if scale is None else P * scale
-    o = np.einsum("bhij,bhjd->bhid", P_drop, v) if o is None else np.asarray(o, dtype=np.float64)
-    dv = np.einsum("bhij,bhid->bhjd", P_drop, do)
-    dP = np.einsum("bhid,bhjd->bhij", do, v)
-    if scale is not None:
-        dP = dP * scale
-    D = (do * o).sum(axis=-1)
-    dS = P * (dP - D[..., None])
+    terms = _backward_terms(q, k, v, do, spec, kv_lengths, block_mask, inputs, seed, offset, o, first_batch)
+    P, dP, D, visible, score_grad = terms.P, terms.dP, terms.D, terms.visible, terms.score_grad
+    dv = np.einsum("bhij,bhid->bhjd", terms.P_drop, terms.do)
+    dS = terms.dS
     if score_grad is not None:   # the chain rule through score_mod: dS (of the raw score) = dS' * mod'(S)
         dS = dS * np.where(visible, score_grad, 0.0)
     dq = spec.scale * np.einsum("bhij,bhjd->bhid", dS, k)

@@ -91,6 +91,8 @@ def test_record_and_input_order():
     record = mods.record()
     assert record["mask_mod"] == "doc[b, i] == doc[b, j]"
     assert record["score_grad"] == "1"
+    # the derivative in each float input's read (doc is int32 and mask_mod's: none)
+    assert record["input_grads"] == {"alpha": "(-i + j)*slope[h]", "slope[h]": "alpha*(-i + j)"}
     assert record["inputs"] == {"doc": "int32", "slope": "float32", "alpha": "scalar"}
     assert mods.input_shapes(2, 3, 5, 7) == {"doc": (2, 7), "slope": (3,)}
     assert modifiers(None, "score + bias[i - j + 1024]", {"bias": "float32"}).input_shapes(1, 1, 100, 2000) == {"bias": (1124,)}

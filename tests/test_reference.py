@@ -702,6 +702,77 @@ def test_score_mod_backward_matches_numeric_gradients(fields, inputs):
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def _numeric_input_gradients(spec, q, k, v, do, inputs, names=None, step=1e-6, **runtime):
+    """d sum(o * do) / d(each input in names, default all) by central differences of attention_forward."""
+    from fagen.reference import attention_forward
+
+    def loss(values):
+        return (attention_forward(q, k, v, spec, inputs=values, **runtime)[0] * do).sum()
+
+    grads = {}
+    for name in names or inputs:
+        value = np.asarray(inputs[name], dtype=np.float64)
+        grad = np.zeros_like(value)
+        for index in np.ndindex(value.shape):
+            moved = [value.copy(), value.copy()]
+            moved[0][index] += step
+            moved[1][index] -= step
+            grad[index] = (loss({**inputs, name: moved[0]}) - loss({**inputs, name: moved[1]})) / (2 * step)
+        grads[name] = grad
+    return grads
+
+
+@pytest.mark.parametrize("fields, inputs", [
+    ({"mask": "causal", "score_mod": "cap * tanh(score / cap)"}, {"cap": 0.7}),
+    ({"mask": "causal", "score_mod": "score - slope[h] * (i - j)"}, {"slope": np.array([0.5, 0.125])}),
+    # a relative-position table read at i - j + 2: clamped into the table where that falls off either end
+    ({"score_mod": "score + bias[h, i - j + 2]", "dropout": 0.3}, {"bias": np.linspace(-1, 1, 10).reshape(2, 5)}),
+    # two reads of one tensor, one of them multiplied with the score; a scalar and a tensor together
+    ({"mask_mod": "j <= i + 1", "score_mod": "score * (1 + t[i]) - t[j] + alpha * score"},
+     {"t": np.array([0.3, -0.2, 0.5, 0.1, -0.4]), "alpha": 0.25}),
+], ids=["softcap", "alibi", "bias-table-dropout", "two-reads"])
+def test_score_input_gradients_match_numeric_gradients(fields, inputs):
+    """score_input_grads (dS' times sympy's derivative in each read, scattered to the element read) is the
+    gradient of the forward in each float input; int32 inputs and mask_mod get none."""
+    from fagen.reference import score_input_grads
+
+    spec = Spec(head_dim=3, dtype="fp32", inputs={name: "scalar" if np.ndim(value) == 0 else "float32"
+                                                   for name, value in inputs.items()}, **fields)
+    rng = np.random.default_rng(11)
+    q, k, v = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 5, 3))
+    do = rng.standard_normal((1, 2, 4, 3))
+    runtime = {"seed": 5, "offset": 2}
+    exact = score_input_grads(q, k, v, do, spec, inputs=inputs, **runtime)
+    assert set(exact) == set(inputs)
+    numeric = _numeric_input_gradients(spec, q, k, v, do, inputs, **runtime)
+    for name in inputs:
+        assert np.shape(exact[name]) == np.shape(inputs[name])
+        assert np.abs(numeric[name]).max() > 1e-3, f"{name}: the check would pass on zeros"
+        np.testing.assert_allclose(exact[name], numeric[name], rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_score_input_gradients_leave_out_int_inputs_and_masks():
+    """An int32 input (document ids, read by mask_mod and as an index) gets no gradient; the float table it
+    indexes does, every entry from the reads that land on it."""
+    from fagen.reference import score_input_grads
+
+    spec = Spec(head_dim=3, dtype="fp32", mask_mod="doc[b, i] >= doc[b, j]", score_mod="score + w[doc[b, j]]",
+                inputs={"doc": "int32", "w": "float32"})
+    assert [name for name, _, _ in spec.modifiers.input_grads] == ["w"]
+    assert spec.modifiers.record()["input_grads"] == {"w[doc[b, j]]": "1"}
+    rng = np.random.default_rng(3)
+    q, k, v, do = (rng.standard_normal((1, 1, 5, 3)) for _ in range(4))
+    inputs = {"doc": np.array([[0, 0, 1, 1, 1]]), "w": np.array([0.5, -1.0])}
+    grads = score_input_grads(q, k, v, do, spec, inputs=inputs)
+    assert set(grads) == {"w"}
+    numeric = _numeric_input_gradients(spec, q, k, v, do, inputs, names=["w"])["w"]
+    assert np.abs(numeric).max() > 1e-3
+    np.testing.assert_allclose(grads["w"], numeric, rtol=1e-5, atol=1e-7)
+    # without a score_mod there is nothing to differentiate
+    masked = Spec(head_dim=3, dtype="fp32", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    assert masked.modifiers.input_grads == () and score_input_grads(q, k, v, do, masked, inputs=inputs) == {}
+
+
 def test_mask_mod_is_anded_with_the_mask_and_indexed_per_batch_entry():
     from fagen.reference import visible_mask
 
