@@ -1530,8 +1530,43 @@ class Modifiers:
                   f"    return {score};", "  }",
                   "  // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by",
                   "  __device__ __forceinline__ float score_grad(float score, int i, int j) const {",
-                  f"    return {grad};", "  }", "};"]
+                  f"    return {grad};", "  }"]
+        lines += self._input_grad_lines()
+        lines.append("};")
         return "\n".join(lines) + "\n"
+
+    def _input_grad_lines(self) -> list:
+        """C++ for `input_grads`: per read n, input_grad_<n>(score, i, j) (its derivative) and, for a tensor read,
+        input_grad_<n>_offset(i, j) (the element it loads: indices clamped, times the strides), with the read's
+        slot (the tensor's index in args.mod_tensor, or -1 - the scalar's in args.mod_scalar) and whether the
+        element moves with the position (else a kernel may sum over a tile before one atomic add)."""
+        reads = self.input_grads
+        if not reads:
+            return ["  static constexpr int INPUT_GRADS = 0;"]
+        printer = _CPrinter("score_mod", self._c_names())
+        tensor_slot = {name: k for k, (name, _, _) in enumerate(self.tensors)}
+        slots, per_position = [], []
+        body = []
+        for n, (name, read, derivative) in enumerate(reads):
+            body += [f"  // d score_mod / d {read} = {derivative}",
+                     f"  __device__ __forceinline__ float input_grad_{n}(float score, int i, int j) const {{",
+                     "    (void)score; (void)i; (void)j;", f"    return {printer.f(derivative)};", "  }"]
+            if name in tensor_slot:
+                slots.append(tensor_slot[name])
+                per_position.append(read.has(I, J))
+                clamped = [f"(long long)min(max((int)({printer.i(index)}), 0), t_{name}_size[{d}] - 1) * t_{name}_stride[{d}]"
+                           for d, index in enumerate(read.indices)]
+                body += [f"  __device__ __forceinline__ long long input_grad_{n}_offset(int i, int j) const {{",
+                         "    (void)i; (void)j;", f"    return {' + '.join(clamped)};", "  }"]
+            else:
+                slots.append(-1 - self.scalars.index(name))
+                per_position.append(False)
+        return [f"  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the",
+                f"  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)",
+                f"  static constexpr int INPUT_GRADS = {len(reads)};",
+                f"  static constexpr int INPUT_GRAD_SLOT[{len(reads)}] = {{{', '.join(map(str, slots))}}};",
+                f"  static constexpr bool INPUT_GRAD_PER_POSITION[{len(reads)}] = "
+                f"{{{', '.join('true' if x else 'false' for x in per_position)}}};", *body]
 
     # -- tile classification in Python (the same program the kernel runs) -------------------------
     def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,

@@ -70,6 +70,20 @@ struct SpecMods {
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
     return 1.0f;
   }
+  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the
+  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)
+  static constexpr int INPUT_GRADS = 1;
+  static constexpr int INPUT_GRAD_SLOT[1] = {0};
+  static constexpr bool INPUT_GRAD_PER_POSITION[1] = {false};
+  // d score_mod / d slope[h] = -i + j
+  __device__ __forceinline__ float input_grad_0(float score, int i, int j) const {
+    (void)score; (void)i; (void)j;
+    return (float)((j + (-i)));
+  }
+  __device__ __forceinline__ long long input_grad_0_offset(int i, int j) const {
+    (void)i; (void)j;
+    return (long long)min(max((int)((int)h), 0), t_slope_size[0] - 1) * t_slope_stride[0];
+  }
 };
 
 }  // namespace fagen_mods_d128_bf16_causal_fa2_sm90_mod99cc2996

@@ -106,6 +106,7 @@ struct SpecMods {
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
     return 1.f;
   }
+  static constexpr int INPUT_GRADS = 0;
 };
 
 }  // namespace fagen_mods_d64_bf16_causal_fa2_sm90_mod6a3a1722

@@ -69,6 +69,20 @@ struct SpecMods {
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
     return 1.0f;
   }
+  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the
+  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)
+  static constexpr int INPUT_GRADS = 1;
+  static constexpr int INPUT_GRAD_SLOT[1] = {0};
+  static constexpr bool INPUT_GRAD_PER_POSITION[1] = {true};
+  // d score_mod / d bias[h, i - j] = 1
+  __device__ __forceinline__ float input_grad_0(float score, int i, int j) const {
+    (void)score; (void)i; (void)j;
+    return 1.0f;
+  }
+  __device__ __forceinline__ long long input_grad_0_offset(int i, int j) const {
+    (void)i; (void)j;
+    return (long long)min(max((int)((int)h), 0), t_bias_size[0] - 1) * t_bias_stride[0] + (long long)min(max((int)((i + (-j))), 0), t_bias_size[1] - 1) * t_bias_stride[1];
+  }
 };
 
 }  // namespace fagen_mods_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7

@@ -62,6 +62,16 @@ struct SpecMods {
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
     return (1.0f / (coshf((score * (1.0f / s_cap))) * coshf((score * (1.0f / s_cap)))));
   }
+  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the
+  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)
+  static constexpr int INPUT_GRADS = 1;
+  static constexpr int INPUT_GRAD_SLOT[1] = {-1};
+  static constexpr bool INPUT_GRAD_PER_POSITION[1] = {false};
+  // d score_mod / d cap = tanh(score/cap) - score*(1 - tanh(score/cap)**2)/cap
+  __device__ __forceinline__ float input_grad_0(float score, int i, int j) const {
+    (void)score; (void)i; (void)j;
+    return ((-(score * (1.0f / s_cap) * (1.0f + (-(tanhf((score * (1.0f / s_cap))) * tanhf((score * (1.0f / s_cap)))))))) + tanhf((score * (1.0f / s_cap))));
+  }
 };
 
 }  // namespace fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b

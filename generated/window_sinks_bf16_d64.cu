@@ -87,6 +87,7 @@ struct SpecMods {
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
     return 1.f;
   }
+  static constexpr int INPUT_GRADS = 0;
 };
 
 }  // namespace fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6

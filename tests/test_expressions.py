@@ -338,12 +338,8 @@ HOST_SETS = COMPILE_SETS + [
 ]
 
 
-@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
-@pytest.mark.parametrize("mask, score, inputs", HOST_SETS)
-def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs):
-    mods = modifiers(mask, score, inputs)
-    rng = np.random.default_rng(2)
-    seq_q, seq_k, b, h = 13, 11, 1, 2
+def _host_inputs(mods, rng):
+    """Random values for the inputs and the C++ that puts them in an AttentionArgs (and runs the summaries)."""
     values, tensors = {}, []
     for k, (name, dtype, ndim) in enumerate(mods.tensors):
         shape = (2, 9)[-ndim:] if ndim == 2 else (7,)
@@ -367,6 +363,26 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
         entries = shape[1 - dim] * -(-shape[dim] // 16)
         tensors.append(f"  static {ctype} u{k}[{2 * entries}]; args.mod_summary[{k}] = u{k};\n"
                        f"  fagen::summarise_input<{ctype}>(args, {k}, {dim});\n")
+    return values, tensors
+
+
+def _run_on_host(tmp_path, mods, main: str):
+    """The spec's struct and `main` compiled with g++ and run: its output lines."""
+    source = tmp_path / "host.cpp"
+    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct() + main)
+    build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
+                           capture_output=True, text=True)
+    assert build.returncode == 0, build.stderr[-4000:]
+    return iter(subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, check=True).stdout.split("\n"))
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
+@pytest.mark.parametrize("mask, score, inputs", HOST_SETS)
+def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs):
+    mods = modifiers(mask, score, inputs)
+    rng = np.random.default_rng(2)
+    seq_q, seq_k, b, h = 13, 11, 1, 2
+    values, tensors = _host_inputs(mods, rng)
     scores = [-3.0, -0.5, 0.0, 0.25, 2.0]
     tiles = [(0, 3, 0, 3), (4, 7, 0, 3), (0, 3, 8, 10), (8, 12, 0, 10), (2, 2, 5, 5)]
     main = ("int main() {\n  fagen::AttentionArgs args{};\n" + "".join(tensors)
@@ -378,12 +394,7 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             + "  }\n"
             + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
             + "}\n")
-    source = tmp_path / "host.cpp"
-    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct() + main)
-    build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
-                           capture_output=True, text=True)
-    assert build.returncode == 0, build.stderr[-4000:]
-    lines = iter(subprocess.run([str(tmp_path / "host")], capture_output=True, text=True, check=True).stdout.split("\n"))
+    lines = _run_on_host(tmp_path, mods, main)
     i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
     visible = mods.mask_numpy(b, h, i, j, seq_q, seq_k, values)
     s = np.array(scores)
@@ -399,6 +410,52 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
                                            err_msg=f"grad {ii} {jj} {scores[k]}")
     for tile in tiles:
         assert int(next(lines)) == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
+@pytest.mark.parametrize("score, inputs", [
+    ("score - slope[h] * (i - j)", {"slope": "float32"}),
+    ("cap * tanh(score / cap)", {"cap": "scalar"}),
+    # a table read off both of its ends (clamped), two reads of one tensor, a scalar and a product with score
+    ("score * (1 + t[i]) - t[j] + alpha * score + bias[h, i - j + 3]", {"t": "float32", "alpha": "scalar",
+                                                                       "bias": "float32"}),
+    ("score + w[doc[b, j]] * (j - i)", {"doc": "int32", "w": "float32"}),
+])
+def test_input_grads_render_and_agree_with_numpy_on_the_host(tmp_path, score, inputs):
+    """The C++ of each input read's derivative and of the element it loads agree with the expressions
+    evaluated in numpy (what reference.score_input_grads scatters with)."""
+    mods = modifiers(None, score, inputs)
+    reads = mods.input_grads
+    assert reads and f"INPUT_GRADS = {len(reads)};" in mods.cuda_struct()
+    rng = np.random.default_rng(5)
+    seq_q, seq_k, b, h = 9, 12, 1, 1
+    values, setup = _host_inputs(mods, rng)
+    scores = [-2.5, 0.0, 1.25]
+    prints = []
+    for n, (name, _, _) in enumerate(reads):
+        prints += [f'    printf("%.9g\\n", mods.input_grad_{n}({x!r}f, i, j));\n' for x in scores]
+        if name not in mods.scalars:
+            prints.append(f'    printf("%lld\\n", mods.input_grad_{n}_offset(i, j));\n')
+    main = ("int main() {\n  fagen::AttentionArgs args{};\n" + "".join(setup)
+            + f"  SpecMods mods(args, {b}, {h}, {seq_q}, {seq_k});\n"
+            + f"  for (int i = 0; i < {seq_q}; ++i) for (int j = 0; j < {seq_k}; ++j) {{\n" + "".join(prints) + "  }\n}\n")
+    lines = _run_on_host(tmp_path, mods, main)
+    checked = 0
+    for ii in range(seq_q):
+        for jj in range(seq_k):
+            for name, read, derivative in reads:
+                want = mods.float_numpy(derivative, np.array(scores), b, h, ii, jj, seq_q, seq_k, values)
+                got = [float(next(lines)) for _ in scores]
+                np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{read} at {ii}, {jj}")
+                if name in mods.scalars:
+                    continue
+                array = values[name]
+                index = [int(np.clip(mods.index_numpy(x, b, h, ii, jj, seq_q, seq_k, values), 0, size - 1))
+                         for x, size in zip(read.indices, array.shape)]
+                strides = [stride // array.itemsize for stride in array.strides]
+                assert int(next(lines)) == sum(x * stride for x, stride in zip(index, strides)), (read, ii, jj)
+                checked += 1
+    assert checked or all(name in mods.scalars for name, _, _ in reads)
 
 
 # ---- run-time summaries (tile decisions that depend on an input's values) -------------------------
