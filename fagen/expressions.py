@@ -1561,8 +1561,8 @@ class Modifiers:
             else:
                 slots.append(-1 - self.scalars.index(name))
                 per_position.append(False)
-        return [f"  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the",
-                f"  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)",
+        return ["  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the",
+                "  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)",
                 f"  static constexpr int INPUT_GRADS = {len(reads)};",
                 f"  static constexpr int INPUT_GRAD_SLOT[{len(reads)}] = {{{', '.join(map(str, slots))}}};",
                 f"  static constexpr bool INPUT_GRAD_PER_POSITION[{len(reads)}] = "
