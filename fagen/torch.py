@@ -244,6 +244,16 @@ def _as_tensor_or_none(value, name: str):
         raise runtime.ArgumentError(f"{name}: expected a tensor or a list of integers ({err})") from None
 
 
+def _refuse_input_gradients(inputs: dict) -> None:
+    """A mask_mod / score_mod input that requires grad would get none (the kernels do not compute input
+    gradients yet): an error rather than a learned bias table that silently stops learning."""
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor) and value.requires_grad:
+            raise runtime.ArgumentError(
+                f"inputs: '{name}' requires grad, but fagen's kernels do not compute gradients of mask_mod / score_mod "
+                f"inputs yet (fagen.reference.score_input_grads does, in float64); pass {name}.detach() to use it as data")
+
+
 def dropout_seed(device=None) -> torch.Tensor:
     """A fresh dropout seed drawn on the GPU by torch's CUDA generator, for `attention(..., seed=)`.
 
@@ -262,7 +272,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
     torch.compile pass a JSON string (or a Spec made outside the compiled function).
 
-    `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number.
+    `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number. They are
+    data: a tensor that requires grad (while grad mode is on) is refused, as no gradient would reach it.
 
     `seed` (dropout): an int in [0, 2**63), or a CUDA int64 tensor of one element that the kernels
     read when they run (`dropout_seed()` draws one; what CUDA graphs need). The backward regenerates
@@ -272,6 +283,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
+    if inputs and torch.is_grad_enabled():
+        _refuse_input_gradients(inputs)
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
         seed_tensor, seed = seed, 0

@@ -230,6 +230,32 @@ def test_modifier_inputs_travel_through_the_ops_autograd_and_compile(compiled, m
         np.testing.assert_allclose(as64(got), ref, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_modifier_inputs_that_require_grad_are_refused(compiled, monkeypatch):
+    """No gradient reaches a score_mod input, so one that asks for it is an error that says what to do, not a
+    parameter that silently stops learning; detached, or under no_grad, the same tensor is accepted."""
+    from fagen.runtime import ArgumentError
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    slope = torch.tensor([0.5, 0.25, 0.125], requires_grad=True)
+
+    def fn(q, k, v, slope):
+        return fagen.attention(q, k, v, MOD_SPEC, inputs={"cap": 2.0, "slope": slope})
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
+    with pytest.raises(Exception) as info:
+        fn(q, k, v, slope)
+    assert "'slope' requires grad" in str(info.value) and "slope.detach()" in str(info.value)
+    if not compiled:
+        assert isinstance(info.value, ArgumentError)
+    assert fn(q, k, v, slope.detach()).shape == q.shape
+    with torch.no_grad():
+        assert fn(q, k, v, slope).shape == q.shape
+
+
 def test_modifier_inputs_are_checked_against_the_spec():
     from fagen.runtime import ArgumentError
 
