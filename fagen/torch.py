@@ -63,6 +63,38 @@ except (AttributeError, ValueError):   # older torch, or registered already (a m
     pass
 
 
+# Head dims that are not multiples of 8 (fp16 / bf16): the rows of q, k, v are then not whole 16-byte copies,
+# which the kernels load 4 bytes or 2 bytes at a time (1.3-6x slower than the next multiple of 16, BENCHMARKS.md
+# "Head dims that are not multiples of 16"). Through torch, the tensors are padded with zero columns to the next
+# multiple of 8 instead (one copy of q, k, v per call, as FlashAttention-2's own interface does), computed
+# under the same spec at that head dim with the spec's softmax scale, and o is returned as the view of its
+# first d columns; autograd takes the gradients back through the padding. Zero columns add nothing to any
+# product, and dropout and the expressions do not depend on d, so the result is the unpadded spec's.
+_padded_keys: dict[str, tuple[str, int, int]] = {}
+
+
+def padded_spec_key(key: str) -> tuple[str, int, int]:
+    """(the spec key to compute with, its head dim, the spec's head dim) for a spec key; (key, 0, 0) where no
+    padding is needed."""
+    entry = _padded_keys.get(key)
+    if entry is None:
+        try:
+            spec = spec_from_dict(json.loads(key), where="fagen.attention spec")
+        except ValueError:   # not JSON, or not a spec: kernel_for reports it
+            return key, 0, 0
+        if spec.dtype == "fp32" or spec.head_dim % 8 == 0:
+            entry = (key, 0, 0)
+        else:
+            padded = spec_from_dict({**spec.to_dict(), "head_dim": -(-spec.head_dim // 8) * 8,
+                                     "softmax_scale": spec.scale}, where="fagen.attention spec")
+            entry = (padded.canonical_json(), padded.head_dim, spec.head_dim)
+        _padded_keys[key] = entry
+    return entry
+
+
+_constant_padded_spec_key = torch.compiler.assume_constant_result(padded_spec_key)
+
+
 def kernel_for(key: str, device: int) -> "runtime.Kernel":
     kernel = _kernels.get((key, device))
     if kernel is None:
@@ -275,6 +307,10 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number. They are
     data: a tensor that requires grad (while grad mode is on) is refused, as no gradient would reach it.
 
+    A fp16 / bf16 head dim that is not a multiple of 8 is computed on copies of q, k, v padded with zero
+    columns to the next multiple, and o is returned as a view of its first head_dim columns (see
+    `padded_spec_key`).
+
     `seed` (dropout): an int in [0, 2**63), or a CUDA int64 tensor of one element that the kernels
     read when they run (`dropout_seed()` draws one; what CUDA graphs need). The backward regenerates
     the mask from the same tensor, so it must still hold the same value then.
@@ -285,6 +321,16 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
     if inputs and torch.is_grad_enabled():
         _refuse_input_gradients(inputs)
+    padded_key, padded_dim, head_dim = _constant_padded_spec_key(spec if isinstance(spec, str) else _constant_spec_key(spec))
+    if padded_dim:   # a head dim that is not a multiple of 8: zero columns up to one (see padded_spec_key)
+        if not q.shape[-1] == k.shape[-1] == v.shape[-1] == head_dim:
+            raise runtime.ArgumentError(f"q, k, v: last dims {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}; the spec's "
+                                        f"head_dim is {head_dim}")
+        q, k, v = (torch.nn.functional.pad(t, (0, padded_dim - head_dim)) for t in (q, k, v))
+        out = attention(q, k, v, padded_key, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset,
+                        return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                        max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, inputs=inputs)
+        return (out[0][..., :head_dim], out[1]) if return_lse else out[..., :head_dim]
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
         seed_tensor, seed = seed, 0

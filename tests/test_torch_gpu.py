@@ -184,6 +184,29 @@ def test_op_is_differentiable_on_its_own():
         assert rel(t.grad, leaf.grad) < 2e-2, name
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])
+def test_head_dims_that_are_not_multiples_of_8_run_padded(eager, monkeypatch):
+    """d = 59 through fagen.attention: q, k, v padded to 64 with zero columns, o a view of 59 columns, the
+    gradients back through the padding; against float64 with d = 59's scale. (Added 2026-11-23 without a GPU
+    run: no device time was left that session.)"""
+    torch = _torch()
+    import fagen
+    import fagen.torch as fagen_torch
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", eager)
+    q, k, v = _inputs(d=59, requires_grad=True)
+    o = fagen.attention(q, k, v, fagen.Spec(head_dim=59, dtype="bf16", mask="causal"))
+    assert o.shape == q.shape
+    do = torch.randn_like(o)
+    o.backward(do)
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    want = reference(*leaves, True, 59 ** -0.5)
+    want.backward(do.double())
+    assert rel(o, want) < 1e-2
+    for name, t, leaf in zip("qkv", (q, k, v), leaves):
+        assert rel(t.grad, leaf.grad) < 2e-2, name
+
+
 def test_sync_switch_names_nothing_when_all_is_well(spec, monkeypatch):
     import fagen
     from fagen import runtime

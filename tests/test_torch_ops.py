@@ -29,14 +29,17 @@ def _mod_inputs(parsed, slots) -> dict:
     return inputs
 
 
-#: (pass, seed, seed_tensor) of each call of the CPU ops below
+#: (pass, seed, seed_tensor) of each call of the CPU ops below, and the forward's specs
 SEEDS_SEEN = []
+KEYS_SEEN = []
 
 
 def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
                        cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
     SEEDS_SEEN.append(("forward", seed, seed_tensor))
     parsed = spec_from_dict(json.loads(spec))
+    assert q.shape[-1] == parsed.head_dim, "the op is called with tensors of the spec's head dim"
+    KEYS_SEEN.append(parsed)
     if parsed.modifiers.active:   # fagen/reference.py evaluates the expressions (numpy, float64)
         from fagen import reference
 
@@ -254,6 +257,53 @@ def test_modifier_inputs_that_require_grad_are_refused(compiled, monkeypatch):
     assert fn(q, k, v, slope.detach()).shape == q.shape
     with torch.no_grad():
         assert fn(q, k, v, slope).shape == q.shape
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
+@pytest.mark.parametrize("layout", ["bhnd", "bnhd"])
+def test_head_dims_that_are_not_multiples_of_8_run_padded(compiled, layout, monkeypatch):
+    """d = 59 (bf16): the op runs the spec at d = 64 with d = 59's softmax scale on q, k, v padded with zero
+    columns; o comes back with 59 columns and the gradients reach the caller's tensors, equal to the float64
+    reference at d = 59."""
+    from fagen import reference
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    spec = fagen.Spec(head_dim=59, dtype="bf16", mask="causal")
+
+    def fn(q, k, v):
+        return fagen.attention(q, k, v, spec)
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    leaves = [torch.randn(2, 3, n, 59) if layout == "bhnd" else torch.randn(2, n, 3, 59) for n in (19, 23, 23)]
+    leaves = [t.requires_grad_() for t in leaves]
+    q, k, v = leaves if layout == "bhnd" else [t.transpose(1, 2) for t in leaves]
+    KEYS_SEEN.clear()
+    o = fn(q, k, v)
+    assert o.shape == q.shape
+    assert KEYS_SEEN[-1].head_dim == 64 and KEYS_SEEN[-1].scale == pytest.approx(59 ** -0.5)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, leaves, do)
+    as64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    want_o, _ = reference.attention_forward(as64(q), as64(k), as64(v), spec)
+    want = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), spec)
+    np.testing.assert_allclose(as64(o), want_o, rtol=1e-5, atol=1e-5)
+    for got, ref in zip(grads, want):
+        np.testing.assert_allclose(as64(got if layout == "bhnd" else got.transpose(1, 2)), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_padding_only_where_rows_are_not_whole_16_byte_copies():
+    from fagen.runtime import ArgumentError
+
+    for fields, padded in ((dict(head_dim=3, dtype="fp16"), 8), (dict(head_dim=111, dtype="bf16"), 112),
+                           (dict(head_dim=64, dtype="bf16"), 0), (dict(head_dim=59, dtype="fp32"), 0)):
+        key = fagen.Spec(**fields).canonical_json()
+        new_key, dim, _ = fagen_torch.padded_spec_key(key)
+        assert dim == padded and (new_key == key) == (padded == 0), fields
+    q, k, v = _inputs()   # d = 32 tensors against a d = 59 spec
+    with pytest.raises(ArgumentError, match="head_dim is 59"):
+        fagen.attention(q, k, v, fagen.Spec(head_dim=59, dtype="bf16"))
 
 
 def test_modifier_inputs_are_checked_against_the_spec():
