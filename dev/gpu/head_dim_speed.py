@@ -2,6 +2,7 @@
 (issue 11: odd dims within 10% of it), bf16, causal, N = 4096, batch 4 x 16 heads, one process.
 
     python dev/gpu/head_dim_speed.py 59:64 58:64 111:112 --layouts bhnd,bnhd
+    python dev/gpu/head_dim_speed.py 59:64 58:64 111:112 --torch   # through fagen.attention: fwd, fwd + bwd
 
 Layouts: `bhnd` contiguous (B, H, N, d) tensors (row stride d: odd for an odd d, so such rows are not all
 4-byte aligned and load element by element); `bnhd` (B, N, H, d) tensors seen as (B, H, N, d) (row stride
@@ -23,6 +24,8 @@ from fagen.bench.timing import time_cuda
 parser = argparse.ArgumentParser()
 parser.add_argument("pairs", nargs="*", default=["59:64", "111:112", "72:80", "40:48", "3:16"])
 parser.add_argument("--layouts", default="bhnd")
+parser.add_argument("--torch", action="store_true",
+                    help="time through fagen.attention (which pads d that are not multiples of 8) instead of the kernel")
 args = parser.parse_args()
 print(f"fagen from {os.path.dirname(fagen.__file__)}", flush=True)
 
@@ -40,9 +43,16 @@ for layout in args.layouts.split(","):
         for d in (odd, even):
             kernel = fagen.compile(fagen.Spec(head_dim=d, dtype="bf16", mask="causal"))
             q, k, v, do = inputs(d, layout)
-            o, lse = kernel.forward(q, k, v)
-            fwd = time_cuda(lambda: kernel.forward(q, k, v), 3, 10)
-            bwd = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 3, 10)
+            if args.torch:   # forward alone, and forward + backward through autograd
+                leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+                spec = kernel.spec
+                with torch.no_grad():
+                    fwd = time_cuda(lambda: fagen.attention(q, k, v, spec), 3, 10)
+                bwd = time_cuda(lambda: torch.autograd.grad(fagen.attention(*leaves, spec), leaves, do), 3, 10)
+            else:
+                o, lse = kernel.forward(q, k, v)
+                fwd = time_cuda(lambda: kernel.forward(q, k, v), 3, 10)
+                bwd = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 3, 10)
             plans = {p: x["family"] for p, x in kernel.record["plans"].items()}
             times[d] = (fwd, bwd, plans)
         (f1, b1, p1), (f2, b2, p2) = times[odd], times[even]
