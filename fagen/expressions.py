@@ -1362,6 +1362,8 @@ class Modifiers:
         return {"mask_mod": self.mask_text, "score_mod": self.score_text,
                 "score_grad": None if self.score_grad is None else str(self.score_grad),
                 "input_grads": {str(read): str(derivative) for _, read, derivative in self.input_grads},
+                **({"input_grads_not_derived": {str(read): why for _, read, why in self.input_grads_not_derived}}
+                   if self.input_grads_not_derived else {}),
                 "inputs": inputs}
 
     @functools.cached_property
@@ -1371,24 +1373,42 @@ class Modifiers:
         left out. Each read is differentiated as an independent variable (so bias[i] + bias[j] gives 1 for each,
         not sympy's KroneckerDelta of the indices); a read's gradient goes to the element it loads (its indices
         clamped into the tensor, as the load is), where reads of one element add up. The float64 reference
-        uses these (`reference.score_input_grads`); the kernels do not compute input gradients yet."""
+        uses these (`reference.score_input_grads`); the kernels do not compute input gradients yet. A read
+        whose derivative sympy cannot give in a printable form (under floor, ceil or %) is left out and listed
+        in `input_grads_not_derived`; it never makes the spec invalid."""
+        return self._input_grads[0]
+
+    @property
+    def input_grads_not_derived(self) -> tuple:
+        """((name, read, why), ...): the float input reads `input_grads` leaves out."""
+        return self._input_grads[1]
+
+    @functools.cached_property
+    def _input_grads(self) -> tuple:
         if self.score is None:
-            return ()
+            return (), ()
         floats = {name for name, dtype, _ in self.tensors if dtype == "float32"}
         reads = [sp.Symbol(name, real=True) for name in self.scalars]
         reads = [read for read in reads if read in self.score.free_symbols]
         reads += sorted((load for load in self.score.atoms(sp.Indexed) if load.base.label.name in floats), key=str)
         fresh = {read: sp.Dummy(f"read{n}", real=True) for n, read in enumerate(reads)}
         standing_in = self.score.xreplace(fresh)
-        result = []
+        printer = _CPrinter("score_mod", self._c_names())
+        derived, left_out = [], []
         for read in reads:
             derivative = sp.diff(standing_in, fresh[read])
             if derivative == 0:
                 continue
             derivative = derivative.xreplace({dummy: read for read, dummy in fresh.items()})
             name = read.name if isinstance(read, sp.Symbol) else read.base.label.name
-            result.append((name, read, derivative))
-        return tuple(result)
+            try:
+                _check_renderable(derivative, f"d score_mod / d {read}")
+                printer.f(derivative)
+            except ExpressionError as err:
+                left_out.append((name, read, str(err)))
+                continue
+            derived.append((name, read, derivative))
+        return tuple(derived), tuple(left_out)
 
     # -- C++ ----------------------------------------------------------------------------------
     def _c_names(self) -> dict:

@@ -391,6 +391,9 @@ def score_input_grads(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=
     of score_mod's output, P * (dP - D). The kernels do not compute these yet: this is the reference they will
     be held to. Dense (B, H, N, d) batches."""
     mods = spec.modifiers
+    if mods.input_grads_not_derived:
+        _, read, why = mods.input_grads_not_derived[0]
+        raise ValueError(f"score_input_grads: no derivative of score_mod in {read} ({why})")
     q, k, v, _ = _prepare(q, k, v, spec)
     terms = _backward_terms(q, k, v, do, spec, kv_lengths, block_mask, inputs, seed, offset, o, first_batch)
     B, H, Nq, _ = q.shape

@@ -82,7 +82,13 @@ def padded_spec_key(key: str) -> tuple[str, int, int]:
             spec = spec_from_dict(json.loads(key), where="fagen.attention spec")
         except ValueError:   # not JSON, or not a spec: kernel_for reports it
             return key, 0, 0
-        if spec.dtype == "fp32" or spec.head_dim % 8 == 0:
+        # only where the solver puts the spec on tensor cores (fp16 / bf16, the fa2 loop order, the auto tile
+        # policy, no shared-memory budget, not deterministic: the CUDA-core templates take any d as it is and
+        # gain nothing), and not for a spec with a decode pass, whose small calls stream K/V once: a padded
+        # copy of the cache would triple what they read
+        on_tensor_cores = (spec.dtype in ("fp16", "bf16") and spec.loop_order == "fa2" and spec.tile_policy == "auto"
+                           and not spec.sram_budget and not spec.deterministic)
+        if spec.head_dim % 8 == 0 or not on_tensor_cores or "decode" in spec.passes:
             entry = (key, 0, 0)
         else:
             padded = spec_from_dict({**spec.to_dict(), "head_dim": -(-spec.head_dim // 8) * 8,
@@ -215,7 +221,7 @@ def _mod_slots(key: str, inputs: Optional[dict]) -> list:
     spec's declaration order (the ops' schema has no dict type)."""
     if not inputs:
         return []
-    tensor_names, scalar_names = _input_names(key)
+    tensor_names, scalar_names, _ = _input_names(key)
     names = list(tensor_names + scalar_names)
     if set(inputs) != set(names):
         raise runtime.ArgumentError(f"inputs: the spec declares {names}, got {sorted(inputs)}")
@@ -227,12 +233,14 @@ def _mod_slots(key: str, inputs: Optional[dict]) -> list:
 _declared: dict = {}
 
 
-def _declared_inputs(key: str) -> tuple[tuple, tuple]:
-    """(tensor input names, scalar input names) of the spec with this key, in declaration order."""
+def _declared_inputs(key: str) -> tuple[tuple, tuple, tuple]:
+    """(tensor input names, scalar input names, the float inputs score_mod depends on) of the spec with this
+    key, the first two in declaration order."""
     names = _declared.get(key)
     if names is None:
         mods = spec_from_dict(json.loads(key), where="fagen.attention spec").modifiers
-        names = _declared[key] = (tuple(name for name, _, _ in mods.tensors), tuple(mods.scalars))
+        differentiable = tuple(dict.fromkeys(name for name, _, _ in mods.input_grads + mods.input_grads_not_derived))
+        names = _declared[key] = (tuple(name for name, _, _ in mods.tensors), tuple(mods.scalars), differentiable)
     return names
 
 
@@ -276,14 +284,17 @@ def _as_tensor_or_none(value, name: str):
         raise runtime.ArgumentError(f"{name}: expected a tensor or a list of integers ({err})") from None
 
 
-def _refuse_input_gradients(inputs: dict) -> None:
-    """A mask_mod / score_mod input that requires grad would get none (the kernels do not compute input
-    gradients yet): an error rather than a learned bias table that silently stops learning."""
-    for name, value in inputs.items():
+def _refuse_input_gradients(key: str, inputs: dict) -> None:
+    """A score_mod input that requires grad, and on which score_mod depends, would get none (the kernels do
+    not compute input gradients yet): an error rather than a learned bias table that silently stops learning.
+    (An input only mask_mod reads, or whose derivative is 0, has a zero gradient: nothing is lost there.)"""
+    for name in _input_names(key)[2]:
+        value = inputs.get(name)
         if isinstance(value, torch.Tensor) and value.requires_grad:
             raise runtime.ArgumentError(
-                f"inputs: '{name}' requires grad, but fagen's kernels do not compute gradients of mask_mod / score_mod "
-                f"inputs yet (fagen.reference.score_input_grads does, in float64); pass {name}.detach() to use it as data")
+                f"inputs: '{name}' requires grad, but fagen's kernels do not compute gradients of score_mod inputs yet "
+                f"(fagen.reference.score_input_grads does, in float64); pass {name}.detach() to use it as data, or "
+                f"call under torch.no_grad() when nothing is differentiated")
 
 
 def dropout_seed(device=None) -> torch.Tensor:
@@ -308,8 +319,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     data: a tensor that requires grad (while grad mode is on) is refused, as no gradient would reach it.
 
     A fp16 / bf16 head dim that is not a multiple of 8 is computed on copies of q, k, v padded with zero
-    columns to the next multiple, and o is returned as a view of its first head_dim columns (see
-    `padded_spec_key`).
+    columns to the next multiple, and o is returned as a view of its first head_dim columns, where the spec
+    runs on tensor cores and has no decode pass (see `padded_spec_key`); a compiled Kernel runs as it is.
 
     `seed` (dropout): an int in [0, 2**63), or a CUDA int64 tensor of one element that the kernels
     read when they run (`dropout_seed()` draws one; what CUDA graphs need). The backward regenerates
@@ -320,9 +331,14 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
     if inputs and torch.is_grad_enabled():
-        _refuse_input_gradients(inputs)
-    padded_key, padded_dim, head_dim = _constant_padded_spec_key(spec if isinstance(spec, str) else _constant_spec_key(spec))
-    if padded_dim:   # a head dim that is not a multiple of 8: zero columns up to one (see padded_spec_key)
+        _refuse_input_gradients(spec if isinstance(spec, str) else _constant_spec_key(spec), inputs)
+    # a head dim that is not a multiple of 8 (what q's shape says; the spec decides, see padded_spec_key);
+    # a compiled Kernel given as the spec is run as it is
+    if q.shape[-1] % 8 and not isinstance(spec, runtime.Kernel):
+        padded_key, padded_dim, head_dim = _constant_padded_spec_key(spec if isinstance(spec, str) else _constant_spec_key(spec))
+    else:
+        padded_dim = 0
+    if padded_dim:   # zero columns up to the next multiple of 8
         if not q.shape[-1] == k.shape[-1] == v.shape[-1] == head_dim:
             raise runtime.ArgumentError(f"q, k, v: last dims {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}; the spec's "
                                         f"head_dim is {head_dim}")

@@ -412,6 +412,32 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
         assert int(next(lines)) == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile
 
 
+@pytest.mark.parametrize("score, inputs, derived, left_out", [
+    ("score + floor(bias[h])", {"bias": "float32"}, {}, ["bias[h]"]),
+    ("score * floor(s)", {"s": "scalar"}, {}, ["s"]),
+    ("score + bias[h] % 2 + w[h]", {"bias": "float32", "w": "float32"}, {"w[h]": "1"}, ["bias[h]"]),
+    ("max(score, w[h])", {"w": "float32"}, {"w[h]": "Heaviside(-score + w[h])"}, []),
+])
+def test_input_reads_without_a_printable_derivative_are_left_out_not_errors(score, inputs, derived, left_out):
+    """floor, ceil and % of an input have no derivative sympy can print: the spec stays valid (as it was
+    before input gradients were derived), the record says which reads were left out, and the reference
+    refuses to give a partial gradient."""
+    from fagen.reference import score_input_grads
+    from fagen.spec import Spec
+
+    spec = Spec(head_dim=8, dtype="fp32", score_mod=score, inputs=inputs)
+    record = spec.modifiers.record()
+    assert record["input_grads"] == derived
+    assert sorted(record.get("input_grads_not_derived", {})) == left_out
+    assert "INPUT_GRADS" in spec.modifiers.cuda_struct()
+    if left_out:
+        rng = np.random.default_rng(0)
+        q, k, v, do = (rng.standard_normal((1, 1, 3, 8)) for _ in range(4))
+        values = {name: 1.5 if kind == "scalar" else np.ones(4) for name, kind in inputs.items()}
+        with pytest.raises(ValueError, match="no derivative of score_mod in"):
+            score_input_grads(q, k, v, do, spec, inputs=values)
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
 @pytest.mark.parametrize("score, inputs", [
     ("score - slope[h] * (i - j)", {"slope": "float32"}),

@@ -233,6 +233,16 @@ def test_modifier_inputs_travel_through_the_ops_autograd_and_compile(compiled, m
         np.testing.assert_allclose(as64(got), ref, rtol=1e-5, atol=1e-5)
 
 
+def test_inputs_that_require_grad_but_get_a_zero_gradient_are_accepted(monkeypatch):
+    """Only inputs score_mod depends on are refused: a float tensor mask_mod alone reads (its gradient is 0
+    everywhere it is defined) passes."""
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    spec = fagen.Spec(head_dim=32, dtype="fp32", mask_mod="gate[j] > 0", inputs={"gate": "float32"})
+    gate = torch.ones(23, requires_grad=True)
+    q, k, v = _inputs()
+    assert fagen.attention(q, k, v, spec, inputs={"gate": gate}).shape == q.shape
+
+
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
 def test_modifier_inputs_that_require_grad_are_refused(compiled, monkeypatch):
     """No gradient reaches a score_mod input, so one that asks for it is an error that says what to do, not a
@@ -294,15 +304,23 @@ def test_head_dims_that_are_not_multiples_of_8_run_padded(compiled, layout, monk
 
 
 def test_padding_only_where_rows_are_not_whole_16_byte_copies():
+    """Padded: fp16 / bf16 specs the solver puts on tensor cores. Not padded: multiples of 8, fp32, and specs
+    on the CUDA-core templates (fa1, paper tiles, a shared-memory budget, deterministic), which take any d and
+    where the padded spec may not even fit the budget; nor a spec with a decode pass (its calls stream K/V)."""
     from fagen.runtime import ArgumentError
 
     for fields, padded in ((dict(head_dim=3, dtype="fp16"), 8), (dict(head_dim=111, dtype="bf16"), 112),
-                           (dict(head_dim=64, dtype="bf16"), 0), (dict(head_dim=59, dtype="fp32"), 0)):
+                           (dict(head_dim=64, dtype="bf16"), 0), (dict(head_dim=59, dtype="fp32"), 0),
+                           (dict(head_dim=59, dtype="bf16", loop_order="fa1"), 0),
+                           (dict(head_dim=107, dtype="fp16", sram_budget=16384), 0),
+                           (dict(head_dim=59, dtype="bf16", tile_policy="paper"), 0),
+                           (dict(head_dim=59, dtype="bf16", deterministic=True), 0),
+                           (dict(head_dim=59, dtype="bf16", passes=["forward", "decode"]), 0)):
         key = fagen.Spec(**fields).canonical_json()
         new_key, dim, _ = fagen_torch.padded_spec_key(key)
         assert dim == padded and (new_key == key) == (padded == 0), fields
-    q, k, v = _inputs()   # d = 32 tensors against a d = 59 spec
-    with pytest.raises(ArgumentError, match="head_dim is 59"):
+    q, k, v = (torch.randn(2, 3, 19, 61) for _ in range(3))   # d = 61 tensors against a d = 59 spec
+    with pytest.raises(ArgumentError, match="last dims 61, 61, 61; the spec's head_dim is 59"):
         fagen.attention(q, k, v, fagen.Spec(head_dim=59, dtype="bf16"))
 
 
