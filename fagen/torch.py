@@ -36,6 +36,7 @@ SEED_LIMIT = 2**63   # the ops' int arguments are int64
 
 # ---- spec strings -> kernels -----------------------------------------------------------------
 _spec_keys: dict[int, tuple[Spec, str]] = {}
+_dict_keys: dict[str, str] = {}
 _kernels: dict[tuple[str, int], "runtime.Kernel"] = {}
 
 
@@ -45,10 +46,14 @@ def spec_key(spec) -> str:
         return spec
     if isinstance(spec, runtime.Kernel):
         spec = spec.spec
+    if not isinstance(spec, Spec):   # a dict of fields: by its content (a fresh Spec per call would fill the id cache)
+        text = json.dumps(spec, sort_keys=True, default=repr)
+        key = _dict_keys.get(text)
+        if key is None:
+            key = _dict_keys[text] = spec_from_dict(spec).canonical_json()
+        return key
     entry = _spec_keys.get(id(spec))
     if entry is None or entry[0] is not spec:
-        if not isinstance(spec, Spec):
-            spec = spec_from_dict(spec)
         entry = _spec_keys[id(spec)] = (spec, spec.canonical_json())
     return entry[1]
 

@@ -110,6 +110,16 @@ def test_compile_fullgraph_matches_the_uncompiled_op(how):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_a_dict_spec_is_keyed_by_its_content_without_growing_the_cache():
+    fields = {"head_dim": 32, "dtype": "fp32", "mask": "causal"}
+    key = fagen_torch.spec_key(dict(fields))
+    assert key == SPEC.canonical_json()
+    before = len(fagen_torch._spec_keys), len(fagen_torch._dict_keys)
+    for _ in range(50):
+        assert fagen_torch.spec_key(dict(fields)) == key
+    assert (len(fagen_torch._spec_keys), len(fagen_torch._dict_keys)) == before
+
+
 def test_compiled_function_follows_a_new_spec_object():
     torch._dynamo.reset()
     compiled = torch.compile(lambda q, k, v, s: fagen.attention(q, k, v, s), backend="aot_eager", fullgraph=True)
