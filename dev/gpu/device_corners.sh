@@ -49,6 +49,8 @@ precompile([s for s in t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + v.SPECS + m.S
       tests/test_modifiers_gpu.py tests/test_torch_gpu.py -k "drop or grouped or seed" 2>&1 | tail -6 || failed=1
   fi
   if [ "$step" = bench-old ]; then
+    # without AB_OLD, `cd ""` stays here and the "old" run would time this tree again (it happened once)
+    [ -d "${AB_OLD:-}" ] || { echo "bench-old: set AB_OLD to the old tree (e.g. AB_OLD=.ab_old)"; failed=1; continue; }
     echo "== bench corners, tree $AB_OLD"
     old_tree=$(cd "$AB_OLD" && pwd); other_paths=${PYTHONPATH#$PWD:}   # the old tree first, not this one
     (cd "$old_tree" && PYTHONPATH=$old_tree:$other_paths FAGEN_CACHE_DIR=/tmp/fagen-cache-old timeout 400 python3 -m fagen.bench corners \
