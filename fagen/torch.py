@@ -58,10 +58,19 @@ def spec_key(spec) -> str:
     return entry[1]
 
 
+def compile_constant(fn):
+    """`torch.compiler.assume_constant_result(fn)` without its cost: that function imports torch._dynamo
+    (about a second, more than all the rest of importing fagen) only to set the mark below, which dynamo
+    reads when it traces a call of fn. A process that never compiles never needs dynamo. (transformers
+    marks its compile-time constants the same way.)"""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 # Under torch.compile a Spec object is a constant of the traced code: dynamo cannot trace pydantic's
 # serialiser, so the key is computed outside the trace and folded in as a constant. Registering Spec
 # (frozen: hashable, compared by value) as a pytree constant lets dynamo treat the object itself as one.
-_constant_spec_key = torch.compiler.assume_constant_result(spec_key)
+_constant_spec_key = compile_constant(spec_key)
 try:
     torch.utils._pytree.register_constant(Spec)
 except (AttributeError, ValueError):   # older torch, or registered already (a module reload)
@@ -103,7 +112,7 @@ def padded_spec_key(key: str) -> tuple[str, int, int]:
     return entry
 
 
-_constant_padded_spec_key = torch.compiler.assume_constant_result(padded_spec_key)
+_constant_padded_spec_key = compile_constant(padded_spec_key)
 
 
 def kernel_for(key: str, device: int) -> "runtime.Kernel":
@@ -250,7 +259,7 @@ def _declared_inputs(key: str) -> tuple[tuple, tuple, tuple]:
 
 
 # (a constant of the traced code under torch.compile, like the spec key: dynamo cannot trace the parser)
-_input_names = torch.compiler.assume_constant_result(_declared_inputs)
+_input_names = compile_constant(_declared_inputs)
 
 
 # ---- eager fast path -------------------------------------------------------------------------

@@ -110,6 +110,18 @@ def test_compile_fullgraph_matches_the_uncompiled_op(how):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
+def test_importing_fagen_torch_does_not_import_dynamo():
+    """torch._dynamo costs about a second to import; fagen marks its compile-time constants without it, so a
+    process that never compiles never pays for it (torch.compile still sees the marks: the compile tests here)."""
+    import subprocess
+    import sys
+
+    code = "import sys, torch, fagen, fagen.torch; print('torch._dynamo' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+    assert fagen_torch._constant_spec_key._dynamo_marked_constant is True
+
+
 def test_a_dict_spec_is_keyed_by_its_content_without_growing_the_cache():
     fields = {"head_dim": 32, "dtype": "fp32", "mask": "causal"}
     key = fagen_torch.spec_key(dict(fields))

@@ -202,7 +202,7 @@ def _warn(reason: str) -> bool:
 
 # torch.compile runs this while tracing (once per graph) and keeps it out of the graph, which a
 # warnings.warn call would otherwise break.
-_warn_once = torch.compiler.assume_constant_result(_warn)
+_warn_once = fagen_torch.compile_constant(_warn)
 
 
 def bottom_right_mask(seq_q: int, seq_k: int, window, device) -> torch.Tensor:
