@@ -71,6 +71,13 @@ def compile_constant(fn):
 # serialiser, so the key is computed outside the trace and folded in as a constant. Registering Spec
 # (frozen: hashable, compared by value) as a pytree constant lets dynamo treat the object itself as one.
 _constant_spec_key = compile_constant(spec_key)
+
+
+def _key_of(spec) -> str:
+    """The key of a spec as attention() takes it, a constant of the traced code under torch.compile."""
+    return spec if isinstance(spec, str) else _constant_spec_key(spec)
+
+
 try:
     torch.utils._pytree.register_constant(Spec)
 except (AttributeError, ValueError):   # older torch, or registered already (a module reload)
@@ -345,11 +352,11 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
     if inputs and torch.is_grad_enabled():
-        _refuse_input_gradients(spec if isinstance(spec, str) else _constant_spec_key(spec), inputs)
+        _refuse_input_gradients(_key_of(spec), inputs)
     # a head dim that is not a multiple of 8 (what q's shape says; the spec decides, see padded_spec_key);
     # a compiled Kernel given as the spec is run as it is
     if q.shape[-1] % 8 and not isinstance(spec, runtime.Kernel):
-        padded_key, padded_dim, head_dim = _constant_padded_spec_key(spec if isinstance(spec, str) else _constant_spec_key(spec))
+        padded_key, padded_dim, head_dim = _constant_padded_spec_key(_key_of(spec))
     else:
         padded_dim = 0
     if padded_dim:   # zero columns up to the next multiple of 8
@@ -385,7 +392,7 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         else:   # nothing to differentiate: no autograd node
             o, lse = kernel.forward(q, k, v, **kwargs)
     else:
-        key = spec if isinstance(spec, str) else _constant_spec_key(spec)
+        key = _key_of(spec)
         if packed:
             cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
             cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")

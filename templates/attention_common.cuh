@@ -486,7 +486,6 @@ struct TileWalk {
  private:
   template <bool KEYS, typename V>
   __device__ __forceinline__ void fill(const V& visibility, int t, int tiles, int size, int other0, int other_count, int extent) {
-    if (!ACTIVE) return;
     __syncthreads();   // every thread is done reading the tiles held so far
     const int tile = t + threadIdx.x, start = tile * size, length = min(size, extent - start);
     bool visible = false, full = false;

@@ -84,17 +84,8 @@ __device__ __forceinline__ void cp_async_4(void* dst, const void* src, bool vali
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 
-// Rows whose data is not whole 16-byte chunks (a head dim that is not a multiple of 16 bytes' elements: the
-// rows are not 16-byte aligned in global memory), for both tile layouts below; shared_at(r, c) is the shared
-// address of column c of tile row r. Where every row of the slice starts on a 4-byte boundary (the slice
-// 4-byte aligned and the row stride whole 4-byte words: d even; for an odd d, the heads interleaved as
-// (B, N, H, d) with H even, and only the even heads), the rows go as asynchronous 4-byte copies like the
-// 16-byte path, a last column alone (d odd)
-// as a 2-byte copy whose other half is zero-filled. Otherwise (an odd row stride) element by element,
-// synchronously: finished before the next barrier like a completed copy, but with nothing to overlap.
-// Columns at or past valid_cols and rows at or past valid_rows are zero.
-// The element-by-element copy, a call rather than inlined: it is the slow path, and inlined beside the fast
-// one it cost kernels at the register limit 12-40 B of spills (ptxas, d = 59, 111).
+// load_rows_by_words' slow path, element by element and synchronously: a call rather than inlined, since
+// inlined beside the fast path it cost kernels at the register limit 12-40 B of spills (ptxas, d = 59, 111).
 template <int ROWS, int HEAD_DIM, int THREADS, typename T, typename SharedAt>
 __device__ __noinline__ void load_rows_by_elements(SharedAt shared_at, const T* slice, long long row_stride, int row0,
                                                    int valid_rows, int valid_cols) {
@@ -109,6 +100,14 @@ __device__ __noinline__ void load_rows_by_elements(SharedAt shared_at, const T* 
   }
 }
 
+// Rows whose data is not whole 16-byte chunks (a head dim that is not a multiple of 16 bytes' elements: the
+// rows are not 16-byte aligned in global memory), for both tile layouts below; shared_at(r, c) is the shared
+// address of column c of tile row r. Where every row of the slice starts on a 4-byte boundary (the slice
+// 4-byte aligned and the row stride whole 4-byte words: d even; for an odd d, the heads interleaved as
+// (B, N, H, d) with H even, and only the even heads), the rows go as asynchronous 4-byte copies like the
+// 16-byte path, a last column alone (d odd) as a 2-byte copy whose other half is zero-filled. Otherwise (an
+// odd row stride) element by element: finished before the next barrier like a completed copy, but with
+// nothing to overlap. Columns at or past valid_cols and rows at or past valid_rows are zero.
 template <int ROWS, int HEAD_DIM, int THREADS, typename T, typename SharedAt>
 __device__ __forceinline__ void load_rows_by_words(SharedAt shared_at, const T* slice, long long row_stride, int row0,
                                                    int valid_rows, int valid_cols) {
