@@ -112,6 +112,12 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 // fences after its copies land and before the barrier that publishes them.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// target[0..3] += value where `when`: one 16-byte fp32 reduction (sm_90), predicated rather than branched around.
+__device__ __forceinline__ void add_four_if(float* target, float4 value, bool when) {
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n"
+               :: "l"(target), "f"(value.x), "f"(value.y), "f"(value.z), "f"(value.w), "r"(int(when)) : "memory");
+}
+
 // Keeps the compiler from moving reads or writes of accumulators across an in-flight wgmma.
 template <int TILES>
 __device__ __forceinline__ void fence_registers(float (&acc)[TILES][4]) {

@@ -1,0 +1,19 @@
+# A/B of template changes across several fagen trees on one GPU: `bash dev/gpu/ab_trees.sh . .ab_old ...`
+# (each an untracked copy, e.g. `git archive <commit> | tar x -C .ab_old`, carried as an ignored path).
+# Compiles dev/gpu/ab_time.py's kernels for every tree at once (one kernel cache per tree), then times the
+# trees in turn, twice round, so that drift on the GPU shows up as a difference between the rounds.
+source dev/gpu/device_prelude.sh
+trees=("$@"); root=$PWD
+cache_of() { echo "/tmp/fagen-cache-ab-$(echo "$1" | tr -c 'a-zA-Z0-9' _)"; }
+for tree in "${trees[@]}"; do
+  (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 -c "
+from fagen.runtime import precompile
+from fagen.spec import Spec
+precompile([Spec(head_dim=d, dtype='bf16', mask=m) for d in (64, 128) for m in ('causal', 'none')], jobs=4)" 2>&1 | grep -iv warn | tail -2) &
+done
+wait
+for round in 1 2; do
+  for tree in "${trees[@]}"; do
+    (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") python3 "$root/dev/gpu/ab_time.py" "$PWD" "round $round $tree")
+  done
+done
