@@ -584,7 +584,10 @@ class _CPrinter:
                 return f"(-{self.i(rest) if integer else self.f(rest)})"
             if integer and all(a.is_integer for a in expr.args):
                 return "(" + " * ".join(self.i(a) for a in expr.args) + ")"
-            return "(" + " * ".join(self.f(a) for a in expr.args) + ")"
+            # factors that move with neither the position nor the score first: C multiplies left to right, so
+            # their product is loop-invariant and the compiler hoists it (ALiBi: one multiply-add per score)
+            ordered = sorted(expr.args, key=lambda a: a.has(I, J, SCORE))
+            return "(" + " * ".join(self.f(a) for a in ordered) + ")"
         if isinstance(expr, sp.Pow):
             return self.power(expr)
         if isinstance(expr, (sp.floor, sp.ceiling)):
@@ -1457,7 +1460,21 @@ class Modifiers:
         return "\n".join([f'extern "C" __global__ void __launch_bounds__(256) {symbol}(const fagen::AttentionArgs args) {{',
                           *calls, "}", ""])
 
-    def cuda_struct(self, name: str = "SpecMods") -> str:
+    def raw_score(self, scale: float) -> Optional[sp.Expr]:
+        """score_mod(tau s) / tau: the score_mod on the kernels' raw product s = q.k and in its units, which is
+        what their exponent takes. With tau folded in by sympy, a score costs no multiply by tau and back:
+        score + g(i, j) becomes s + g / tau (ALiBi: one multiply-add), cap tanh(score / cap) becomes
+        (cap / tau) tanh((tau / cap) s)."""
+        if self.score is None:
+            return None
+        tau = sp.Float(scale)
+        rest = self.score - SCORE
+        if not rest.has(SCORE):
+            return SCORE + rest / tau
+        return self.score.subs(SCORE, tau * SCORE) / tau
+
+    def cuda_struct(self, name: str = "SpecMods", scale: float = 1.0) -> str:
+        """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score)."""
         printer = _CPrinter("mask_mod", self._c_names())
         has_grad_one = self.score_grad is None or self.score_grad == 1
         lines = [f"struct {name} {{",
@@ -1544,10 +1561,14 @@ class Modifiers:
             lines += program.c_code(result, printer)
         lines.append("  }")
         score = "score" if self.score is None else _CPrinter("score_mod", self._c_names()).f(self.score)
+        raw = "score" if self.score is None else _CPrinter("score_mod", self._c_names()).f(self.raw_score(scale))
         grad = "1.f" if self.score_grad is None else _CPrinter("score_mod", self._c_names()).f(self.score_grad)
         lines += ["  // the score_mod, in natural units (score = tau * q.k)",
                   "  __device__ __forceinline__ float score(float score, int i, int j) const {",
                   f"    return {score};", "  }",
+                  f"  // the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = {scale!r}",
+                  "  __device__ __forceinline__ float raw_score(float score, int i, int j) const {",
+                  f"    return {raw};", "  }",
                   "  // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by",
                   "  __device__ __forceinline__ float score_grad(float score, int i, int j) const {",
                   f"    return {grad};", "  }"]

@@ -178,7 +178,7 @@ def mods_source(spec: Spec) -> str:
     if not mods.active:
         return ""
     lines = [f"// {key}: {value}" for key, value in mods.record().items() if value]
-    return "\n".join([*lines, f"namespace {mods_namespace(spec)} {{", mods.cuda_struct("SpecMods"),
+    return "\n".join([*lines, f"namespace {mods_namespace(spec)} {{", mods.cuda_struct("SpecMods", spec.scale),
                       f"}}  // namespace {mods_namespace(spec)}", ""])
 
 

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
 
       // S_ij = tau * Q_i K_j^T, masked
       masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
-                                                              col0, cols_here, SCALE, SCALE_LOG2);
+                                                              col0, cols_here, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);
@@ -391,7 +391,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, SCALE);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }

@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, SCALE);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }
@@ -497,7 +497,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

@@ -89,7 +89,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_fp32_padding_fa1
 
       // S_ij = tau * Q_i K_j^T, masked
       masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
-                                                              col0, cols_here, SCALE, SCALE_LOG2);
+                                                              col0, cols_here, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);
@@ -217,7 +217,7 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
     if (r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c)) {
       const float s = dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH);  // score_mod: S' = mod(S), dS *= mod'(S)
       const float score_grad = visibility.score_gradient(s, row0 + r, col0 + c, SCALE);
-      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c, SCALE) * SCALE_LOG2 - t.lse[r]);
+      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c) * SCALE_LOG2 - t.lse[r]);
       float dp = dot_row<HEAD_DIM>(t.d_o + r * HEAD_DIM, t.v + c * PITCH);
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;

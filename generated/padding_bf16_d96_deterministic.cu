@@ -157,7 +157,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, SCALE);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }
@@ -323,7 +323,7 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
     if (r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c)) {
       const float s = dot_row<HEAD_DIM>(t.q + r * HEAD_DIM, t.k + c * PITCH);  // score_mod: S' = mod(S), dS *= mod'(S)
       const float score_grad = visibility.score_gradient(s, row0 + r, col0 + c, SCALE);
-      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c, SCALE) * SCALE_LOG2 - t.lse[r]);
+      p = exp2f(visibility.modified_score(s, row0 + r, col0 + c) * SCALE_LOG2 - t.lse[r]);
       float dp = dot_row<HEAD_DIM>(t.d_o + r * HEAD_DIM, t.v + c * PITCH);
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;

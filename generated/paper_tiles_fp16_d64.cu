@@ -88,7 +88,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
 
       // S_ij = tau * Q_i K_j^T, masked
       masked_scores<BLOCK_R, BLOCK_C, HEAD_DIM, K_PITCH, THREADS>(s_tile, q_tile, k_tile, visibility, row0, rows_here,
-                                                              col0, cols_here, SCALE, SCALE_LOG2);
+                                                              col0, cols_here, SCALE_LOG2);
       __syncthreads();
 
       // m~ = rowmax(S), P~ = exp(S - m~), l~ = rowsum(P~); m_new = max(m_i, m~);

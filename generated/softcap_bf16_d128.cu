@@ -56,11 +56,15 @@ struct SpecMods {
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j) const {
-    return (s_cap * tanhf((score * (1.0f / s_cap))));
+    return (s_cap * tanhf(((1.0f / s_cap) * score)));
+  }
+  // the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = 0.08838834764831843
+  __device__ __forceinline__ float raw_score(float score, int i, int j) const {
+    return (11.313708498984761f * s_cap * tanhf((0.08838834764831843f * (1.0f / s_cap) * score)));
   }
   // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by
   __device__ __forceinline__ float score_grad(float score, int i, int j) const {
-    return (1.0f / (coshf((score * (1.0f / s_cap))) * coshf((score * (1.0f / s_cap)))));
+    return (1.0f / (coshf(((1.0f / s_cap) * score)) * coshf(((1.0f / s_cap) * score))));
   }
   // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the
   // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)
@@ -70,7 +74,7 @@ struct SpecMods {
   // d score_mod / d cap = tanh(score/cap) - score*(1 - tanh(score/cap)**2)/cap
   __device__ __forceinline__ float input_grad_0(float score, int i, int j) const {
     (void)score; (void)i; (void)j;
-    return ((-(score * (1.0f / s_cap) * (1.0f + (-(tanhf((score * (1.0f / s_cap))) * tanhf((score * (1.0f / s_cap)))))))) + tanhf((score * (1.0f / s_cap))));
+    return ((-((1.0f / s_cap) * score * (1.0f + (-(tanhf(((1.0f / s_cap) * score)) * tanhf(((1.0f / s_cap) * score))))))) + tanhf(((1.0f / s_cap) * score)));
   }
 };
 
@@ -228,7 +232,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, SCALE);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }
@@ -568,7 +572,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

@@ -289,7 +289,8 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 // A spec without mask_mod / score_mod. A spec with them gets a generated struct of the same shape
 // (fagen/expressions.py, rendered into every template as SpecMods): visible(i, j) is the mask_mod,
 // tile_class bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
-// its derivative in the score (sympy's), all in natural units (score = tau * q.k).
+// its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
+// on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy).
 struct NoMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
@@ -298,6 +299,7 @@ struct NoMods {
   // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair.
   __device__ __forceinline__ int tile_class(int, int, int, int) const { return 2; }
   __device__ __forceinline__ float score(float s, int, int) const { return s; }
+  __device__ __forceinline__ float raw_score(float s, int, int) const { return s; }
   __device__ __forceinline__ float score_grad(float, int, int) const { return 1.f; }
 };
 enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
@@ -425,8 +427,8 @@ struct Visibility {
   // The score_mod applied to a raw product s = q.k (what the kernels accumulate): the modified score
   // in the same raw units (divided by tau again), so that the online softmax, which multiplies by
   // tau * log2(e), is unchanged. Identity without a score_mod.
-  __device__ __forceinline__ float modified_score(float s, int row, int col, float scale) const {
-    return Mods::HAS_SCORE ? mods.score(s * scale, row, col) * (1.f / scale) : s;
+  __device__ __forceinline__ float modified_score(float s, int row, int col) const {
+    return Mods::HAS_SCORE ? mods.raw_score(s, row, col) : s;
   }
   // d(score_mod)/d(score) at the raw product s: the factor the backward multiplies dS by.
   __device__ __forceinline__ float score_gradient(float s, int row, int col, float scale) const {
@@ -527,12 +529,12 @@ __device__ __forceinline__ float dot_row(const A* a, const B* b) {
 // S = tau * score_mod(Q_i K_j^T) into a Br x Bc fp32 tile (log2 domain); masked and out-of-range entries -inf.
 template <int BLOCK_R, int BLOCK_C, int HEAD_DIM, int K_PITCH, int THREADS, typename T, typename Vis>
 __device__ __forceinline__ void masked_scores(float* s_tile, const T* q_tile, const T* k_tile, const Vis& visibility,
-                                              int row0, int rows_here, int col0, int cols_here, float scale, float scale_log2) {
+                                              int row0, int rows_here, int col0, int cols_here, float scale_log2) {
   for (int idx = threadIdx.x; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
     const bool keep = r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c);
     s_tile[idx] = keep ? visibility.modified_score(dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH),
-                                                   row0 + r, col0 + c, scale) * scale_log2 : -INFINITY;
+                                                   row0 + r, col0 + c) * scale_log2 : -INFINITY;
   }
 }
 

@@ -366,10 +366,10 @@ def _host_inputs(mods, rng):
     return values, tensors
 
 
-def _run_on_host(tmp_path, mods, main: str):
-    """The spec's struct and `main` compiled with g++ and run: its output lines."""
+def _run_on_host(tmp_path, mods, main: str, scale: float = 1.0):
+    """The spec's struct (for softmax scale `scale`) and `main` compiled with g++ and run: its output lines."""
     source = tmp_path / "host.cpp"
-    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct() + main)
+    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct("SpecMods", scale) + main)
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
@@ -389,12 +389,13 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             + f"  SpecMods mods(args, {b}, {h}, {seq_q}, {seq_k});\n"
             + f"  for (int i = 0; i < {seq_q}; ++i) for (int j = 0; j < {seq_k}; ++j) {{\n"
             + '    printf("%d\\n", (int)mods.visible(i, j));\n'
-            + "".join(f'    printf("%.9g %.9g\\n", mods.score({s!r}f, i, j), mods.score_grad({s!r}f, i, j));\n'
-                      for s in scores)
+            + "".join(f'    printf("%.9g %.9g %.9g\\n", mods.score({s!r}f, i, j), mods.score_grad({s!r}f, i, j), '
+                      f'mods.raw_score({s!r}f, i, j));\n' for s in scores)
             + "  }\n"
             + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
             + "}\n")
-    lines = _run_on_host(tmp_path, mods, main)
+    tau = 0.3   # raw_score(s) = score_mod(tau s) / tau: what the kernels apply to q.k
+    lines = _run_on_host(tmp_path, mods, main, scale=tau)
     i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
     visible = mods.mask_numpy(b, h, i, j, seq_q, seq_k, values)
     s = np.array(scores)
@@ -403,8 +404,10 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             assert int(next(lines)) == visible[ii, jj], (ii, jj)
             want = mods.score_numpy(s, b, h, ii, jj, seq_q, seq_k, values)
             want_grad = mods.score_grad_numpy(s, b, h, ii, jj, seq_q, seq_k, values)
+            want_raw = mods.score_numpy(tau * s, b, h, ii, jj, seq_q, seq_k, values) / tau
             for k in range(len(scores)):
-                got, got_grad = map(float, next(lines).split())
+                got, got_grad, got_raw = map(float, next(lines).split())
+                np.testing.assert_allclose(got_raw, want_raw[k], rtol=2e-5, atol=2e-5, err_msg=f"raw {ii} {jj} {scores[k]}")
                 np.testing.assert_allclose(got, want[k], rtol=2e-5, atol=2e-5, err_msg=f"score {ii} {jj} {scores[k]}")
                 np.testing.assert_allclose(got_grad, want_grad[k], rtol=2e-5, atol=2e-5,
                                            err_msg=f"grad {ii} {jj} {scores[k]}")
