@@ -533,9 +533,13 @@ class _CPrinter:
     `names` maps a symbol to its C spelling (scalar members are `s_<name>`, tensors load through
     `load_<name>(...)`, which clamps)."""
 
-    def __init__(self, field_name: str, names: dict):
+    def __init__(self, field_name: str, names: dict, float_names: Optional[dict] = None):
         self.field = field_name
         self.names = names
+        # symbols that also arrive as floats (the score functions' fi, fj): an integer sum of them in a float
+        # context adds those floats (exact below 2^24) instead of converting the int sum, which costs an
+        # int-to-float conversion per score on the pipe the softmax's exponentials use
+        self.float_names = float_names or {}
 
     def fail(self, expr):
         head = type(expr).__name__
@@ -548,6 +552,14 @@ class _CPrinter:
         if expr.is_Integer:
             text = _float_literal(expr)
             return f"({text})" if text.startswith("-") else text
+        if expr in self.float_names:
+            return self.float_names[expr]
+        if self.float_names and self.is_int(expr) and expr.has(*self.float_names):
+            if isinstance(expr, sp.Add):
+                return "(" + " + ".join(self.f(term) for term in expr.args) + ")"
+            coefficient, rest = expr.as_coeff_Mul()
+            if isinstance(expr, sp.Mul) and coefficient.is_Integer and rest in self.float_names:
+                return f"(-{self.float_names[rest]})" if coefficient == -1 else f"({self.f(coefficient)} * {self.float_names[rest]})"
         code = self.emit(expr)
         return f"(float)({code})" if self.is_int(expr) and not expr.is_Number else code
 
@@ -1560,18 +1572,23 @@ class Modifiers:
         else:
             lines += program.c_code(result, printer)
         lines.append("  }")
-        score = "score" if self.score is None else _CPrinter("score_mod", self._c_names()).f(self.score)
-        raw = "score" if self.score is None else _CPrinter("score_mod", self._c_names()).f(self.raw_score(scale))
-        grad = "1.f" if self.score_grad is None else _CPrinter("score_mod", self._c_names()).f(self.score_grad)
-        lines += ["  // the score_mod, in natural units (score = tau * q.k)",
-                  "  __device__ __forceinline__ float score(float score, int i, int j) const {",
-                  f"    return {score};", "  }",
-                  f"  // the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = {scale!r}",
-                  "  __device__ __forceinline__ float raw_score(float score, int i, int j) const {",
-                  f"    return {raw};", "  }",
-                  "  // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by",
-                  "  __device__ __forceinline__ float score_grad(float score, int i, int j) const {",
-                  f"    return {grad};", "  }"]
+        # the score functions take the positions as ints and as floats (fi, fj: what a float expression of them
+        # reads; the kernels make them by adding constants, not by a conversion per score), with int-only overloads
+        score_printer = _CPrinter("score_mod", self._c_names(), {I: "fi", J: "fj"})
+        score = "score" if self.score is None else score_printer.f(self.score)
+        raw = "score" if self.score is None else score_printer.f(self.raw_score(scale))
+        grad = "1.f" if self.score_grad is None else score_printer.f(self.score_grad)
+        for comment, function, code in (
+                ("the score_mod, in natural units (score = tau * q.k)", "score", score),
+                (f"the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = {scale!r}",
+                 "raw_score", raw),
+                ("d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by", "score_grad", grad)):
+            lines += [f"  // {comment}",
+                      f"  __device__ __forceinline__ float {function}(float score, int i, int j, float fi, float fj) const {{",
+                      "    (void)i; (void)j; (void)fi; (void)fj;",
+                      f"    return {code};", "  }",
+                      f"  __device__ __forceinline__ float {function}(float value, int i, int j) const {{",
+                      f"    return {function}(value, i, j, (float)i, (float)j);", "  }"]
         lines += self._input_grad_lines()
         lines.append("};")
         return "\n".join(lines) + "\n"

@@ -385,13 +385,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
+          const float frow = frow0 + (n * 8 + e % 2), fkey = fkey0 + (e / 2) * 8;
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

@@ -152,12 +152,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d256_bf16_causal_
     // S = score_mod(S), then the mask
     const bool interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + group), fcol0 = (float)(col0 + quad * 2);   // the score_mod's fi, fj
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, frow0 + (e / 2) * 8, fcol0 + (t * 8 + e % 2));
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }
@@ -473,13 +474,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
+          const float frow = frow0 + (n * 8 + e % 2), fkey = fkey0 + (e / 2) * 8;
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

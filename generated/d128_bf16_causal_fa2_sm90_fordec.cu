@@ -152,12 +152,13 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d128_bf16_causal_
     // S = score_mod(S), then the mask
     const bool interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + group), fcol0 = (float)(col0 + quad * 2);   // the score_mod's fi, fj
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col);
+          s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, frow0 + (e / 2) * 8, fcol0 + (t * 8 + e % 2));
           if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
         }
     }

@@ -73,16 +73,28 @@ struct SpecMods {
     return t22;
   }
   // the score_mod, in natural units (score = tau * q.k)
-  __device__ __forceinline__ float score(float score, int i, int j) const {
+  __device__ __forceinline__ float score(float score, int i, int j, float fi, float fj) const {
+    (void)i; (void)j; (void)fi; (void)fj;
     return score;
+  }
+  __device__ __forceinline__ float score(float value, int i, int j) const {
+    return score(value, i, j, (float)i, (float)j);
   }
   // the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = 0.125
-  __device__ __forceinline__ float raw_score(float score, int i, int j) const {
+  __device__ __forceinline__ float raw_score(float score, int i, int j, float fi, float fj) const {
+    (void)i; (void)j; (void)fi; (void)fj;
     return score;
   }
+  __device__ __forceinline__ float raw_score(float value, int i, int j) const {
+    return raw_score(value, i, j, (float)i, (float)j);
+  }
   // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by
-  __device__ __forceinline__ float score_grad(float score, int i, int j) const {
+  __device__ __forceinline__ float score_grad(float score, int i, int j, float fi, float fj) const {
+    (void)i; (void)j; (void)fi; (void)fj;
     return 1.f;
+  }
+  __device__ __forceinline__ float score_grad(float value, int i, int j) const {
+    return score_grad(value, i, j, (float)i, (float)j);
   }
   static constexpr int INPUT_GRADS = 0;
 };
@@ -243,6 +255,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     const bool interior = col0 + BLOCK_C <= seq_k && mods_full &&
                           visibility.tile_all_visible<false>(warp_row0, 16 * M_TILES, col0, BLOCK_C);
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + group), fcol0 = (float)(col0 + quad * 2);   // the score_mod's fi, fj
 #pragma unroll
       for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
@@ -250,7 +263,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = warp_row0 + m * 16 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
-            s_acc[m][t][e] = visibility.modified_score(s_acc[m][t][e], row, col);
+            s_acc[m][t][e] = visibility.modified_score(s_acc[m][t][e], row, col, frow0 + (m * 16 + (e / 2) * 8),
+                                                       fcol0 + (t * 8 + e % 2));
             if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[m][t][e] = -INFINITY;
           }
     }
@@ -523,13 +537,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
+      const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key);
+          const float frow = frow0 + (n * 8 + e % 2), fkey = fkey0 + (e / 2) * 8;
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
+          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
           if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN

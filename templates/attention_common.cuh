@@ -290,7 +290,8 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 // (fagen/expressions.py, rendered into every template as SpecMods): visible(i, j) is the mask_mod,
 // tile_class bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
 // its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
-// on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy).
+// on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
+// position (i, j) as ints and as floats (fi, fj), which a float expression of them reads.
 struct NoMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
@@ -298,9 +299,9 @@ struct NoMods {
   // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): TILE_EMPTY if no pair is visible,
   // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair.
   __device__ __forceinline__ int tile_class(int, int, int, int) const { return 2; }
-  __device__ __forceinline__ float score(float s, int, int) const { return s; }
-  __device__ __forceinline__ float raw_score(float s, int, int) const { return s; }
-  __device__ __forceinline__ float score_grad(float, int, int) const { return 1.f; }
+  __device__ __forceinline__ float score(float s, int, int, float, float) const { return s; }
+  __device__ __forceinline__ float raw_score(float s, int, int, float, float) const { return s; }
+  __device__ __forceinline__ float score_grad(float, int, int, float, float) const { return 1.f; }
 };
 enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 
@@ -427,12 +428,20 @@ struct Visibility {
   // The score_mod applied to a raw product s = q.k (what the kernels accumulate): the modified score
   // in the same raw units (divided by tau again), so that the online softmax, which multiplies by
   // tau * log2(e), is unchanged. Identity without a score_mod.
+  // frow, fcol: row and col as floats, which the tensor-core templates make by adding constants to one
+  // conversion per tile (a conversion per score would share the pipe of the softmax's exponentials).
+  __device__ __forceinline__ float modified_score(float s, int row, int col, float frow, float fcol) const {
+    return Mods::HAS_SCORE ? mods.raw_score(s, row, col, frow, fcol) : s;
+  }
   __device__ __forceinline__ float modified_score(float s, int row, int col) const {
-    return Mods::HAS_SCORE ? mods.raw_score(s, row, col) : s;
+    return modified_score(s, row, col, (float)row, (float)col);
   }
   // d(score_mod)/d(score) at the raw product s: the factor the backward multiplies dS by.
+  __device__ __forceinline__ float score_gradient(float s, int row, int col, float frow, float fcol, float scale) const {
+    return Mods::SCORE_GRAD_IS_ONE ? 1.f : mods.score_grad(s * scale, row, col, frow, fcol);
+  }
   __device__ __forceinline__ float score_gradient(float s, int row, int col, float scale) const {
-    return Mods::SCORE_GRAD_IS_ONE ? 1.f : mods.score_grad(s * scale, row, col);
+    return score_gradient(s, row, col, (float)row, (float)col, scale);
   }
 };
 
