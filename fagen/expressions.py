@@ -518,10 +518,15 @@ _C_FLOAT_FUNCTIONS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.sin: 
                       sp.tan: "tanf", sp.sinh: "sinhf", sp.cosh: "coshf"}
 
 
+FLT_MAX = 3.4028234663852886e38
+
+
 def _float_literal(value) -> str:
     text = repr(float(value))
     if not math.isfinite(float(value)):
         raise ExpressionError(f"the constant {value} is not finite")
+    if abs(float(value)) > FLT_MAX:   # a float literal beyond it is inf on the GPU
+        raise ExpressionError(f"the constant {float(value):g} does not fit in a float (|x| <= {FLT_MAX:g})")
     if "e" not in text and "." not in text:
         text += ".0"
     return text + "f"
@@ -1576,7 +1581,11 @@ class Modifiers:
         # reads; the kernels make them by adding constants, not by a conversion per score), with int-only overloads
         score_printer = _CPrinter("score_mod", self._c_names(), {I: "fi", J: "fj"})
         score = "score" if self.score is None else score_printer.f(self.score)
-        raw = "score" if self.score is None else score_printer.f(self.raw_score(scale))
+        try:
+            raw = "score" if self.score is None else score_printer.f(self.raw_score(scale))
+        except ExpressionError as err:
+            raise ExpressionError(f"score_mod: at softmax scale {scale:g} the kernels apply it as score_mod(scale * s) / "
+                                  f"scale, and {str(err).split(': ', 1)[-1]}") from None
         grad = "1.f" if self.score_grad is None else score_printer.f(self.score_grad)
         for comment, function, code in (
                 ("the score_mod, in natural units (score = tau * q.k)", "score", score),

@@ -229,7 +229,8 @@ class Spec(BaseModel):
                 raise ValueError("the decode pass does not take mask_mod / score_mod yet: leave decode out of passes")
             from fagen.expressions import ExpressionError
             try:
-                _modifiers(self.mask_mod, self.score_mod, self.inputs)
+                # rendered at this spec's softmax scale, which the kernels' form of score_mod divides constants by
+                _modifiers(self.mask_mod, self.score_mod, self.inputs).cuda_struct("SpecMods", self.scale)
             except ExpressionError as err:
                 raise ValueError(str(err)) from None
         if self.deterministic and "backward" not in self.passes:

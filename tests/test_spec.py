@@ -347,3 +347,12 @@ def test_inputs_mean_the_same_slots_whatever_order_they_are_declared_in():
     assert one == two and one.canonical_name == two.canonical_name and one.canonical_json() == two.canonical_json()
     assert spec_from_dict(json.loads(one.canonical_json())) == one
     assert [name for name, _, _ in one.modifiers.tensors] == ["b2", "c"] and one.modifiers.scalars == ("a",)
+
+
+def test_score_mod_constant_that_overflows_at_the_spec_scale_is_refused():
+    """The kernels apply score_mod as score_mod(tau s) / tau, which divides constants by tau: one that fits in a
+    float in the user's units but not after that division must be refused, not rendered as inf."""
+    assert Spec(head_dim=64, dtype="bf16", score_mod="score - 3e37").modifiers.active
+    with pytest.raises(ValueError) as err:
+        Spec(head_dim=64, dtype="bf16", score_mod="score - 3e38")
+    assert "softmax scale 0.125" in str(err.value) and "does not fit in a float" in str(err.value)
