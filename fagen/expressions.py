@@ -1578,7 +1578,7 @@ class Modifiers:
             lines += program.c_code(result, printer)
         lines.append("  }")
         # the score functions take the positions as ints and as floats (fi, fj: what a float expression of them
-        # reads; the kernels make them by adding constants, not by a conversion per score), with int-only overloads
+        # reads; the kernels make them by adding constants, not by a conversion per score)
         score_printer = _CPrinter("score_mod", self._c_names(), {I: "fi", J: "fj"})
         score = "score" if self.score is None else score_printer.f(self.score)
         try:
@@ -1595,9 +1595,7 @@ class Modifiers:
             lines += [f"  // {comment}",
                       f"  __device__ __forceinline__ float {function}(float score, int i, int j, float fi, float fj) const {{",
                       "    (void)i; (void)j; (void)fi; (void)fj;",
-                      f"    return {code};", "  }",
-                      f"  __device__ __forceinline__ float {function}(float value, int i, int j) const {{",
-                      f"    return {function}(value, i, j, (float)i, (float)j);", "  }"]
+                      f"    return {code};", "  }"]
         lines += self._input_grad_lines()
         lines.append("};")
         return "\n".join(lines) + "\n"

@@ -77,24 +77,15 @@ struct SpecMods {
     (void)i; (void)j; (void)fi; (void)fj;
     return score;
   }
-  __device__ __forceinline__ float score(float value, int i, int j) const {
-    return score(value, i, j, (float)i, (float)j);
-  }
   // the same on the raw product (score = q.k) and in its units: score_mod(tau score) / tau, tau = 0.125
   __device__ __forceinline__ float raw_score(float score, int i, int j, float fi, float fj) const {
     (void)i; (void)j; (void)fi; (void)fj;
     return score;
   }
-  __device__ __forceinline__ float raw_score(float value, int i, int j) const {
-    return raw_score(value, i, j, (float)i, (float)j);
-  }
   // d score_mod / d score (sympy's derivative): the factor the backward multiplies dS by
   __device__ __forceinline__ float score_grad(float score, int i, int j, float fi, float fj) const {
     (void)i; (void)j; (void)fi; (void)fj;
     return 1.f;
-  }
-  __device__ __forceinline__ float score_grad(float value, int i, int j) const {
-    return score_grad(value, i, j, (float)i, (float)j);
   }
   static constexpr int INPUT_GRADS = 0;
 };

@@ -221,7 +221,8 @@ def test_cuda_struct_compiles(tmp_path):
         calls.append(f"""  {{
     mods{k}::SpecMods mods(args, blockIdx.x, blockIdx.y, 64, 80);
     out[{k}] = (mods.visible(threadIdx.x, threadIdx.y) ? 1.f : 0.f) + mods.tile_class(0, 15, 16, 31)
-             + mods.score(out[{k}], threadIdx.x, threadIdx.y) + mods.score_grad(out[{k}], threadIdx.x, threadIdx.y)
+             + mods.score(out[{k}], threadIdx.x, threadIdx.y, (float)threadIdx.x, (float)threadIdx.y)
+             + mods.score_grad(out[{k}], threadIdx.x, threadIdx.y, (float)threadIdx.x, (float)threadIdx.y)
              + (mods{k}::SpecMods::HAS_MASK + mods{k}::SpecMods::HAS_SCORE + mods{k}::SpecMods::SCORE_GRAD_IS_ONE);
   }}""")
     parts.append("__global__ void exercise(AttentionArgs args, float* out) {\n" + "\n".join(calls) + "\n}")
@@ -389,8 +390,8 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             + f"  SpecMods mods(args, {b}, {h}, {seq_q}, {seq_k});\n"
             + f"  for (int i = 0; i < {seq_q}; ++i) for (int j = 0; j < {seq_k}; ++j) {{\n"
             + '    printf("%d\\n", (int)mods.visible(i, j));\n'
-            + "".join(f'    printf("%.9g %.9g %.9g\\n", mods.score({s!r}f, i, j), mods.score_grad({s!r}f, i, j), '
-                      f'mods.raw_score({s!r}f, i, j));\n' for s in scores)
+            + "".join(f'    printf("%.9g %.9g %.9g\\n", mods.score({s!r}f, i, j, i, j), mods.score_grad({s!r}f, i, j, i, j), '
+                      f'mods.raw_score({s!r}f, i, j, i, j));\n' for s in scores)
             + "  }\n"
             + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
             + "}\n")
