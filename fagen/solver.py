@@ -155,9 +155,9 @@ FAMILIES: tuple[Family, ...] = (
     # shared memory (+1 KB to align), LSE_i and D_i in fp32; dQ through fp32 atomics (from a per-warp tile in
     # shared memory).
     Family("backward_wgmma", "backward_wgmma.cu.j2", ("backward",),
-           # + each warp's dQ_i staging: 16 rows x (64 dims, or d where dQ splits by rows) in fp32, 16 bytes of padding per row
+           # + each warp's dQ_i staging: 16 rows x (64 dims, or d where dQ splits by rows) in fp32, 32 bytes of padding per row
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + Bc * Br) + 2 * 2 * 4 * Br + 1024
-           + 16 * W * (4 * sp.Piecewise((d, sp.Eq(Br, 16 * W)), (64, True)) + 16),
+           + 16 * W * (4 * sp.Piecewise((d, sp.Eq(Br, 16 * W)), (64, True)) + 32),
            # dK, dV (16 x d each over 32 lanes) + S^T, dP^T (16 x Br each) + the warpgroup's dQ tile (64 x d by rows,
            # 64 x 64 by dims, over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
            registers=d + Br + sp.Piecewise((32, Br < 16 * W), (Br * d / (32 * W), True)) + 24,

@@ -2,7 +2,7 @@
 // spec d128_fp16_slidingwindow256_fa2_sm90: {"arch": "sm_90", "block_size": null, "deterministic": false, "dropout": 0.0, "dtype": "fp16", "head_dim": 128, "layout": "padded", "loop_order": "fa2", "mask": "sliding_window", "name": null, "passes": ["forward", "backward"], "softmax_scale": null, "sram_budget": null, "tile_policy": "auto", "window": 256}
 // plan (auto policy, sm_90, budget 232448 B):
 //   forward: forward_wgmma.cu.j2 Br=128 Bc=128 warps=8 smem=164864 B
-//   backward: backward_wgmma.cu.j2 Br=64 Bc=128 warps=8 smem=184320 B
+//   backward: backward_wgmma.cu.j2 Br=64 Bc=128 warps=8 smem=186368 B
 #include "attention_common.cuh"
 // ---- fagen_fwd_d128_fp16_slidingwindow256_fa2_sm90_br128_bc128_w8: made by templates/forward_wgmma.cu.j2 ----
 // FlashAttention-2 forward on Hopper's warpgroup MMA (wgmma, sm_90a). Q row block outer, K/V column
@@ -298,9 +298,9 @@ constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK,
 // the warpgroup of the first 64 dims is the longer one anyway.
 constexpr bool DQ_BY_ROWS = BLOCK_R == 64 * GROUPS;
 constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
-// A warp's dQ_i tile in shared memory: 16 rows x DQ_TILES * 8 dims, fp32, each row padded by 16 bytes so that
-// the 8 rows one store instruction writes fall in different banks (4 words apart)
-constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 16;
+// A warp's dQ_i tile in shared memory: 16 rows x DQ_TILES * 8 dims, fp32, each row padded by 32 bytes so that
+// the 4 rows of one half-warp's 8-byte stores (8 words each) fall in disjoint banks (rows 8 words apart)
+constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 32;
 constexpr int DQ_STAGE_BYTES = 16 * DQ_STAGE_ROW_BYTES;   // per warp
 constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 dims) per row
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -536,6 +536,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
 
     // The accumulators of P^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
     // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
+    // The stores run while dV's products do; dK's products are issued after them, because the registers
+    // of an in-flight wgmma's A operand must not be accessed (read included) until its wait.
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk) {
       tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
@@ -548,9 +550,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
-#pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
-    wg::commit();
     const int key_row = warp * 16 + group;  // within K_j
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk)
@@ -560,9 +559,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_slidingwin
         asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
         asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
       }
+#pragma unroll
+    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
+    wg::commit();
     wg::fence_async_proxy();
     __syncthreads();  // dS^T complete
-    wg::wait<0>();    // dV, dK (they ran during the dS^T stores): their A registers are free before dQ's accumulators
+    wg::wait<0>();    // dV (it ran during the dS^T stores), dK: their A registers are free before dQ's accumulators
     wg::fence_registers(dv_acc);
     wg::fence_registers(dk_acc);
 
