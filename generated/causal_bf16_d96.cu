@@ -509,7 +509,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 4 elements;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements, shuffled;
     // warp_row0 is a multiple of 16, as the patches need)
     const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
                                                                                     quad, DROPOUT_THRESHOLD) : 0ull;

@@ -192,8 +192,8 @@ __device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
 
 // The random stream is laid out in patches that match the m16n8 accumulator layouts (the PTX ISA's: a
 // thread holds rows g, g + 8 of a 16-row slab and columns 2t, 2t + 1 of each 8-column tile), so that
-// one Philox call serves 8 elements of the forward's fragments and 4 of the backward's (transposed)
-// ones instead of one per element: Philox is what a dropout kernel spends its time on.
+// one Philox call serves 8 elements of the forward's fragments (and, shuffled, of the backward's
+// transposed ones) instead of one per element: Philox is what a dropout kernel spends its time on.
 // A patch is rows {i, i + 8} x columns {j0, j0 + 1, j0 + 8, j0 + 9} (i & 8 == 0, j0 & 9 == 0) of an
 // aligned 16 x 16 square; its call's word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds the row's pair of
 // columns j0 + (j & 8), 16 bits each (column j in half j & 1). fagen/reference.py: dropout_bits.
@@ -252,25 +252,36 @@ __device__ __forceinline__ void dropout_accumulator_pair(float (&lo)[4], float (
 
 // The dropout decisions of one thread's share of the backward's transposed m16n8 accumulators
 // (S^T of 16 keys x 8 * R_TILES queries; element e of n-tile n is key key0 + group + 8 (e / 2), query
-// row0 + 8 n + 2 quad + e % 2), as bit 4 n + e. A patch is queries q, q + 8 (n-tiles 2c, 2c + 1) x keys
-// group, group + 8: one Philox call for 4 elements, words 0 .. 3 all in half group & 1 (row0 and key0
-// are multiples of 16). A bit mask, and a loop that is not unrolled, because the backward runs at the
-// edge of its registers: unrolled, ptxas interleaves the Philox calls and spills.
+// row0 + 8 n + 2 quad + e % 2), as bit 4 n + e. Transposed, a thread holds only 4 elements of any one
+// patch (queries q, q + 8 x keys group, group + 8), so drawing its own patches would cost one Philox call
+// per 4 elements. Instead the warp draws each 16 x 16 square once, in the forward's layout: the lane
+// (group, quad) draws the patch of queries group, group + 8 x keys 2 quad + {0, 1, 8, 9} (8 decisions,
+// one call), and each lane takes its 4 + 4 from the two lanes that drew its queries 2 quad and 2 quad + 1
+// with one shuffle each: one Philox call per 8 elements, as in the forward (H100: see BENCHMARKS.md).
+// row0 and key0 are multiples of 16; every lane of the warp must call it (the shuffles). A loop that
+// is not unrolled, because the backward runs at the edge of its registers: unrolled, ptxas interleaves
+// the Philox calls and spills.
 template <int R_TILES>
 __device__ __forceinline__ unsigned long long dropout_transposed_mask(const AttentionArgs& args, long long bh, int row0,
                                                                       int key0, int group, int quad, unsigned threshold) {
-  static_assert(4 * R_TILES <= 64, "one bit per element");
+  static_assert(R_TILES % 2 == 0 && 4 * R_TILES <= 64, "whole 16-query squares, one bit per element");
   unsigned long long kept = 0;
   const uint2 key = dropout_key(args);
 #pragma unroll 1
-  for (int pair = 0; pair < R_TILES; ++pair) {   // n-tiles 2c, 2c + 1, queries 2 quad + col
-    const int c = pair / 2, col = pair % 2;
-    const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + quad * 2 + col, key0 + group);
-    unsigned bits = 0;   // word w is n-tile 2c + w / 2, element 2 (w % 2) + col: bit 8c + col + 2w
+  for (int c = 0; c < R_TILES / 2; ++c) {   // the square of n-tiles 2c, 2c + 1
+    const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + group, key0 + quad * 2);
+    unsigned patch = 0;   // bit 2 w + h: the decision in half h of word w (query + 8 (w / 2), key + 8 (w % 2) + h)
 #pragma unroll
     for (int word = 0; word < 4; ++word)
-      bits |= (unsigned)dropout_half_kept(dropout_word(draws, word), group & 1, threshold) << (2 * word);
-    kept |= (unsigned long long)bits << (8 * c + col);
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+        patch |= (unsigned)dropout_half_kept(dropout_word(draws, word), half, threshold) << (2 * word + half);
+#pragma unroll
+    for (int odd = 0; odd < 2; ++odd) {   // queries 2 quad + odd (+ 8): drawn by lane (2 quad + odd, group / 2)
+      const unsigned drawn = __shfl_sync(0xffffffffu, patch, (2 * quad + odd) * 4 + (group >> 1));
+      // half group & 1 of each word; word w = 2 (n - 2c) + e / 2 lands on bit 4 n + e with e % 2 = odd
+      kept |= (unsigned long long)((drawn >> (group & 1)) & 0x55u) << (8 * c + odd);
+    }
   }
   return kept;
 }
