@@ -300,6 +300,7 @@ constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatr
 constexpr int P_PITCH = BLOCK_R + 8;
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d (S^T, dP^T)
 constexpr int R_TILES = WARP_ROWS / 8;              // n-tiles of the warp's S^T (8 queries each)
+constexpr bool DROPOUT_SHUFFLED = true;                // dropout's draws shared across the warp (one Philox call per 8 elements, warp shuffles)
 constexpr int D_TILES = WARP_DIMS / 8;              // n-tiles of the warp's dK, dV (8 dims each)
 // dQ_i = dS K_j split over the warps: DQ_M 16-row slabs x DQ_N 8-dim tiles each, DQ_CHUNK tiles at a time
 constexpr int Q_SLABS = BLOCK_R / 16;
@@ -491,10 +492,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements, shuffled;
-    // warp_row0 is a multiple of 16, as the patches need)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
-                                                                                    quad, DROPOUT_THRESHOLD) : 0ull;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements where the
+    // template's DROPOUT_SHUFFLED, else per 4; warp_row0 and warp_col0 are multiples of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                      args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.

@@ -368,6 +368,7 @@ constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatr
 constexpr int DS_PITCH = BLOCK_R + 8;
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d (S^T, dP^T)
 constexpr int R_TILES = BLOCK_R / 8;                // n-tiles of S^T (8 queries each)
+constexpr bool DROPOUT_SHUFFLED = false;               // dropout's draws per lane (one Philox call per 4 elements): shuffled, ptxas spills at 255 on sm_80
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // n-tiles of dK, dV, dQ (8 dims each)
 // dQ_i = dS K_j split over the warps: DQ_M 16-row slabs x DQ_N 8-dim tiles each
@@ -545,10 +546,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements, shuffled;
-    // warp_row0 is a multiple of 16, as the patches need)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
-                                                                                    quad, DROPOUT_THRESHOLD) : 0ull;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements where the
+    // template's DROPOUT_SHUFFLED, else per 4; warp_row0 and warp_col0 are multiples of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                      args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.

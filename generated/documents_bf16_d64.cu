@@ -405,6 +405,7 @@ constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T
 constexpr int R_STEPS = BLOCK_R / 16;               // k-steps over the queries (dV, dK)
 constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ)
 constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S^T per warp
+constexpr bool DROPOUT_SHUFFLED = true;                // dropout's draws shared across the warp (one Philox call per 8 elements, warp shuffles)
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
 // dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x 64 dims. Where d is an
@@ -625,10 +626,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
         }
     }
 
-    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements, shuffled;
-    // warp_row0 is a multiple of 16, as the patches need)
-    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES>(args, bh, warp_row0, warp_col0, group,
-                                                                                    quad, DROPOUT_THRESHOLD) : 0ull;
+    // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements where the
+    // template's DROPOUT_SHUFFLED, else per 4; warp_row0 and warp_col0 are multiples of 16, as the patches need)
+    const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                      args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
     // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
     // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.

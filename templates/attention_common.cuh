@@ -173,12 +173,15 @@ __device__ __forceinline__ float warp_sum(float x) {
 // FlashAttention's convention, so that such rows give 0 instead of NaN.
 __device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f : m; }
 
-// ---- dropout: counter-based Philox4x32-10 ----------------------------------------------------
+// ---- dropout: counter-based Philox4x32-7 -----------------------------------------------------
 // The mask of element (b, h, row, col) depends only on (seed, offset) and those indices, never on
 // the tiling or the loop order, so the backward regenerates it and fagen/reference.py matches it.
-__device__ __forceinline__ uint4 philox4x32_10(uint4 counter, uint2 key) {
+// 7 rounds, as FlashAttention-2 draws its dropout: Random123 reports 7 as the fewest that pass BigCrush
+// (10 is its default, a safety margin), and a dropout kernel spends most of its time in these calls.
+constexpr int PHILOX_ROUNDS = 7;
+__device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
 #pragma unroll
-  for (int round = 0; round < 10; ++round) {
+  for (int round = 0; round < PHILOX_ROUNDS; ++round) {
     if (round > 0) {
       key.x += 0x9E3779B9u;
       key.y += 0xBB67AE85u;
@@ -210,7 +213,7 @@ __device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, const 
   const unsigned row_patch = ((unsigned)row >> 4) * 8 + ((unsigned)row & 7);
   const unsigned col_patch = ((unsigned)col >> 4) * 4 + (((unsigned)col >> 1) & 3);
   const uint4 counter = make_uint4(col_patch, row_patch, (unsigned)bh, (unsigned)args.offset);
-  return philox4x32_10(counter, key);
+  return philox4x32(counter, key);
 }
 
 __device__ __forceinline__ uint4 dropout_draws(const AttentionArgs& args, long long bh, int row, int col) {
@@ -253,34 +256,49 @@ __device__ __forceinline__ void dropout_accumulator_pair(float (&lo)[4], float (
 // The dropout decisions of one thread's share of the backward's transposed m16n8 accumulators
 // (S^T of 16 keys x 8 * R_TILES queries; element e of n-tile n is key key0 + group + 8 (e / 2), query
 // row0 + 8 n + 2 quad + e % 2), as bit 4 n + e. Transposed, a thread holds only 4 elements of any one
-// patch (queries q, q + 8 x keys group, group + 8), so drawing its own patches would cost one Philox call
-// per 4 elements. Instead the warp draws each 16 x 16 square once, in the forward's layout: the lane
-// (group, quad) draws the patch of queries group, group + 8 x keys 2 quad + {0, 1, 8, 9} (8 decisions,
-// one call), and each lane takes its 4 + 4 from the two lanes that drew its queries 2 quad and 2 quad + 1
-// with one shuffle each: one Philox call per 8 elements, as in the forward (H100: see BENCHMARKS.md).
-// row0 and key0 are multiples of 16; every lane of the warp must call it (the shuffles). A loop that
-// is not unrolled, because the backward runs at the edge of its registers: unrolled, ptxas interleaves
-// the Philox calls and spills.
-template <int R_TILES>
+// patch: queries q, q + 8 x keys group, group + 8, all in half group & 1 of the call's words. Two ways:
+//  - SHUFFLED: the warp draws each 16 x 16 square once, in the forward's layout: lane (group, quad) draws
+//    the patch of queries group, group + 8 x keys 2 quad + {0, 1, 8, 9} (8 decisions from one call), and
+//    each lane takes its 4 + 4 from the two lanes that drew its queries 2 quad and 2 quad + 1, one
+//    shuffle each: one Philox call per 8 elements (H100: backward 7-13% faster with dropout). Every lane
+//    of the warp must call it.
+//  - otherwise each lane draws the patches of its own elements, one call per 4, for the kernels where the
+//    shuffled form's few more live registers make ptxas spill (backward_fa2_mma at 255 on sm_80).
+// row0 and key0 are multiples of 16. Loops that are not unrolled, because the backwards run at the edge
+// of their registers: unrolled, ptxas interleaves the Philox calls and spills.
+template <int R_TILES, bool SHUFFLED>
 __device__ __forceinline__ unsigned long long dropout_transposed_mask(const AttentionArgs& args, long long bh, int row0,
                                                                       int key0, int group, int quad, unsigned threshold) {
   static_assert(R_TILES % 2 == 0 && 4 * R_TILES <= 64, "whole 16-query squares, one bit per element");
   unsigned long long kept = 0;
   const uint2 key = dropout_key(args);
+  if constexpr (SHUFFLED) {
 #pragma unroll 1
-  for (int c = 0; c < R_TILES / 2; ++c) {   // the square of n-tiles 2c, 2c + 1
-    const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + group, key0 + quad * 2);
-    unsigned patch = 0;   // bit 2 w + h: the decision in half h of word w (query + 8 (w / 2), key + 8 (w % 2) + h)
+    for (int c = 0; c < R_TILES / 2; ++c) {   // the square of n-tiles 2c, 2c + 1
+      const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + group, key0 + quad * 2);
+      unsigned patch = 0;   // bit 2 w + h: the decision in half h of word w (query + 8 (w / 2), key + 8 (w % 2) + h)
 #pragma unroll
-    for (int word = 0; word < 4; ++word)
+      for (int word = 0; word < 4; ++word)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
-        patch |= (unsigned)dropout_half_kept(dropout_word(draws, word), half, threshold) << (2 * word + half);
+        for (int half = 0; half < 2; ++half)
+          patch |= (unsigned)dropout_half_kept(dropout_word(draws, word), half, threshold) << (2 * word + half);
 #pragma unroll
-    for (int odd = 0; odd < 2; ++odd) {   // queries 2 quad + odd (+ 8): drawn by lane (2 quad + odd, group / 2)
-      const unsigned drawn = __shfl_sync(0xffffffffu, patch, (2 * quad + odd) * 4 + (group >> 1));
-      // half group & 1 of each word; word w = 2 (n - 2c) + e / 2 lands on bit 4 n + e with e % 2 = odd
-      kept |= (unsigned long long)((drawn >> (group & 1)) & 0x55u) << (8 * c + odd);
+      for (int odd = 0; odd < 2; ++odd) {   // queries 2 quad + odd (+ 8): drawn by lane (2 quad + odd, group / 2)
+        const unsigned drawn = __shfl_sync(0xffffffffu, patch, (2 * quad + odd) * 4 + (group >> 1));
+        // half group & 1 of each word; word w = 2 (n - 2c) + e / 2 lands on bit 4 n + e with e % 2 = odd
+        kept |= (unsigned long long)((drawn >> (group & 1)) & 0x55u) << (8 * c + odd);
+      }
+    }
+  } else {
+#pragma unroll 1
+    for (int step = 0; step < R_TILES; ++step) {   // n-tiles 2c, 2c + 1, queries 2 quad + odd
+      const int c = step / 2, odd = step % 2;
+      const uint4 draws = dropout_draws(args, key, bh, row0 + c * 16 + quad * 2 + odd, key0 + group);
+      unsigned bits = 0;   // word w is n-tile 2c + w / 2, element 2 (w % 2) + odd: bit 8c + odd + 2w
+#pragma unroll
+      for (int word = 0; word < 4; ++word)
+        bits |= (unsigned)dropout_half_kept(dropout_word(draws, word), group & 1, threshold) << (2 * word);
+      kept |= (unsigned long long)bits << (8 * c + odd);
     }
   }
   return kept;

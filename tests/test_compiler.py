@@ -161,7 +161,9 @@ KNOWN_SPILLS = {
     # forward_fa1_simt spills at 64-128 registers although 255 are allowed
     ("d32_fp32_padding_fa1_sm80", "sm_80", "forward"): "8 / 8 B",
     ("plain_fp16_d64_fa1", "sm_80", "forward"): "16 / 16 B",
-    ("block_sparse_dropout_fp16_d128_fa1", "sm_80", "forward"): "60 / 64 B",
+    # with Philox at 7 rounds (2026-11-23) the block-sparse dropout one became spill-free and this one, at 64
+    # registers, started spilling
+    ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_80", "forward"): "8 / 8 B at 64 registers",
     # forward_fa2_mma at Br=128, Bc=64, 4 warps, d=96: the solver estimates 248 registers, ptxas needs more than 255
     ("padding_bf16_d96_deterministic", "sm_80", "forward"): "16 / 20 B at 255 registers",
     # backward_fa2_mma at the edge of its register model (d + Br = 192, 255 registers): a few bytes at

@@ -24,11 +24,13 @@ from fagen.reference import (
     dropout_threshold,
     packed_backward,
     packed_forward,
-    philox4x32_10,
+    PHILOX_ROUNDS,
+    philox4x32,
     tiled_backward,
     tiled_forward,
     visible_mask,
 )
+from fagen.sources import TEMPLATE_DIR
 from fagen.spec import Spec
 
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
@@ -63,41 +65,57 @@ def spec_for(mask: str, *, d: int = 32, dropout: float = 0.0, window: Optional[i
 
 
 # ---- Philox ----------------------------------------------------------------------------------
-# Random123's kat_vectors for philox4x32 with 10 rounds.
+# Random123's kat_vectors for philox4x32 (rounds, counter, key, expected): dropout's 7 rounds and the
+# default 10 (the round function is the same; only the count differs).
 PHILOX_KAT = [
-    ((0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
-    ((0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
-    ((0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+    (7, (0, 0, 0, 0), (0, 0), (0x5F6FB709, 0x0D893F64, 0x4F121F81, 0x4F730A48)),
+    (7, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x5207DDC2, 0x45165E59, 0x4D8EE751, 0x8C52F662)),
+    (7, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
+     (0x4DFCCABA, 0x190A87F0, 0xC47362BA, 0xB6B5242A)),
+    (10, (0, 0, 0, 0), (0, 0), (0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8)),
+    (10, (0xFFFFFFFF,) * 4, (0xFFFFFFFF,) * 2, (0x408F276D, 0x41C83B0E, 0xA20BC7C6, 0x6D5451FD)),
+    (10, (0x243F6A88, 0x85A308D3, 0x13198A2E, 0x03707344), (0xA4093822, 0x299F31D0),
      (0xD16CFE09, 0x94FDCCEB, 0x5001E420, 0x24126EA1)),
 ]
 
 
-@pytest.mark.parametrize("counter, key, expected", PHILOX_KAT)
-def test_philox_known_answers(counter, key, expected):
-    out = philox4x32_10(np.array(counter, dtype=np.uint32), np.array(key, dtype=np.uint32))
+@pytest.mark.parametrize("rounds, counter, key, expected", PHILOX_KAT)
+def test_philox_known_answers(rounds, counter, key, expected):
+    out = philox4x32(np.array(counter, dtype=np.uint32), np.array(key, dtype=np.uint32), rounds)
     assert out.dtype == np.uint32
     assert out.tolist() == list(expected)
 
 
+def test_dropout_draws_with_seven_rounds():
+    """The kernels' round count (templates/attention_common.cuh) is the reference's default."""
+    assert PHILOX_ROUNDS == 7
+    source = (TEMPLATE_DIR / "attention_common.cuh").read_text()
+    assert f"constexpr int PHILOX_ROUNDS = {PHILOX_ROUNDS};" in source
+    counter, key = np.array(PHILOX_KAT[0][1], dtype=np.uint32), np.array(PHILOX_KAT[0][2], dtype=np.uint32)
+    assert philox4x32(counter, key).tolist() == list(PHILOX_KAT[0][3])
+
+
 def test_philox_vectorises_and_broadcasts_the_key():
-    counters = np.array([c for c, _, _ in PHILOX_KAT], dtype=np.uint32)
-    keys = np.array([k for _, k, _ in PHILOX_KAT], dtype=np.uint32)
-    assert philox4x32_10(counters, keys).tolist() == [list(e) for _, _, e in PHILOX_KAT]
+    for rounds in (7, 10):
+        cases = [case for case in PHILOX_KAT if case[0] == rounds]
+        counters = np.array([c for _, c, _, _ in cases], dtype=np.uint32)
+        keys = np.array([k for _, _, k, _ in cases], dtype=np.uint32)
+        assert philox4x32(counters, keys, rounds).tolist() == [list(e) for _, _, _, e in cases]
     grid = np.random.default_rng(0).integers(0, 2**32, size=(3, 5, 4), dtype=np.uint64)
     key = np.array([7, 2**32 - 3], dtype=np.uint32)
-    batched = philox4x32_10(grid, key)
+    batched = philox4x32(grid, key)
     assert batched.shape == (3, 5, 4)
     for index in np.ndindex(3, 5):
-        assert batched[index].tolist() == philox4x32_10(grid[index], key).tolist()
+        assert batched[index].tolist() == philox4x32(grid[index], key).tolist()
 
 
 def test_philox_rejects_words_that_are_not_uint32():
     with pytest.raises(ValueError, match="uint32"):
-        philox4x32_10(np.array([0, 0, 0, 2**32]), np.array([0, 0]))
+        philox4x32(np.array([0, 0, 0, 2**32]), np.array([0, 0]))
     with pytest.raises(ValueError, match="shape"):
-        philox4x32_10(np.array([0, 0, 0]), np.array([0, 0]))
+        philox4x32(np.array([0, 0, 0]), np.array([0, 0]))
     with pytest.raises(ValueError, match="integers"):
-        philox4x32_10(np.zeros(4), np.array([0, 0]))
+        philox4x32(np.zeros(4), np.array([0, 0]))
 
 
 # ---- dropout ---------------------------------------------------------------------------------
@@ -129,7 +147,7 @@ def test_dropout_bits_follow_the_patch_layout():
     mask = dropout_keep_mask(seed, offset, 2, H, 48, 48, 0.37)
     for i0, j0 in ((0, 0), (5, 2), (23, 36), (16 + 7, 16 + 6)):   # (i & 8, j & 9) == 0: a patch's corner
         row_patch, col_patch = (i0 >> 4) * 8 + (i0 & 7), (j0 >> 4) * 4 + ((j0 >> 1) & 3)
-        lanes = philox4x32_10(np.array([col_patch, row_patch, b * H + h, offset % 2**32], dtype=np.uint32),
+        lanes = philox4x32(np.array([col_patch, row_patch, b * H + h, offset % 2**32], dtype=np.uint32),
                               np.array([seed & 0xFFFFFFFF, seed >> 32], dtype=np.uint32))
         for word, (di, dj) in enumerate(((0, 0), (0, 8), (8, 0), (8, 8))):
             for half in (0, 1):
