@@ -270,11 +270,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   const unsigned dq_stage = ds_tile + DS_BYTES + 2 * 2 * 4 * BLOCK_R + warp * DQ_STAGE_BYTES;   // 16-byte aligned
-  exit_if_spare(args);
-  const Problem<PACKED> problem(args, grid_problem());
+  exit_if_spare_grouped(args);
+  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
-  const int col0 = blockIdx.x * BLOCK_C;
+  const int col0 = blockIdx.y * BLOCK_C;
   if (PACKED && col0 >= seq_k) return;  // packed: the grid is sized for the longest sequence
   const int cols_here = min(BLOCK_C, seq_k - col0);
   const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys

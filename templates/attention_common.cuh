@@ -94,6 +94,19 @@ __device__ __forceinline__ void exit_if_spare(const AttentionArgs& args) {
   if (grid_problem() >= args.problems) asm volatile("exit;");
 }
 
+// The Hopper kernels' grids (fagen/runtime.py: grouped_grid) run their blocks in groups of problems:
+// x = a problem of the group, y = the block's index (key block, or row block in dispatch order), z = the
+// group, so that every block of a group with index 0 is dispatched before any with index 1. Where a
+// block's work falls with its index (causal: those kernels order their blocks heaviest first) that is
+// longest-first across the group's problems, not only within each one, so the last blocks to start are
+// light ones; and blocks in flight together belong to different problems (different dQ rows for the
+// backward's atomics). All from special registers, which ptxas re-reads where it needs them instead of
+// holding a register (a division of one linear index cost the backward 4-20 bytes of spills).
+__device__ __forceinline__ unsigned grouped_problem() { return blockIdx.z * gridDim.x + blockIdx.x; }
+__device__ __forceinline__ void exit_if_spare_grouped(const AttentionArgs& args) {
+  if (grouped_problem() >= args.problems) asm volatile("exit;");
+}
+
 // One (sequence, query head) pair, grid_problem() = b * heads + h. Padded batches: sequence b is rows
 // [0, seq_q) of batch entry b. Packed batches: every sequence lives in batch entry 0, sequence b at
 // rows [cu_seqlens_q[b], cu_seqlens_q[b + 1]) and keys [cu_seqlens_k[b], cu_seqlens_k[b + 1]).

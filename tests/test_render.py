@@ -281,8 +281,14 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
         if "forward" in family.passes or "backward" in family.passes:
             # after the fold's spare blocks left (grid_problem() >= args.problems: the Problem of a pair past
             # the last sequence would read cu_seqlens beyond its end)
+            # (the Hopper templates' grouped grids: exit_if_spare_grouped and grouped_problem, fagen/runtime.py
+            # grouped_grid)
             text = _with_includes(family.template, templates)
-            assert "exit_if_spare(args);\n  const Problem<PACKED> problem(args, grid_problem());" in text, family.template
+            from fagen.runtime import GROUPED_TEMPLATES   # the host launches these with grouped_grid
+            expected = ("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, grouped_problem());"
+                        if family.template in GROUPED_TEMPLATES else
+                        "exit_if_spare(args);\n  const Problem<PACKED> problem(args, grid_problem());")
+            assert expected in text, family.template
 
 
 def test_warpgroup_mma_wrapper_lists_one_operand_per_accumulator():

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fagen.runtime import GRID_YZ_LIMIT, ArgumentError, decode_splits, problem_grid
+from fagen.runtime import GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, block_group, decode_splits, grouped_grid, problem_grid
 
 
 @pytest.mark.parametrize("base", [1, 8, 32, 64, 256, 1024])
@@ -86,6 +86,52 @@ def test_problem_grid_folds_the_pairs_over_z_within_the_limits(problems):
 def test_problem_grid_beyond_what_y_and_z_hold_is_a_clear_error():
     with pytest.raises(ArgumentError, match="pairs in one call"):
         problem_grid(1, GRID_YZ_LIMIT ** 2 + 1, {})
+
+
+@pytest.mark.parametrize("blocks, problems, group", [(32, 64, 16), (32, 70, 16), (7, 3, 16), (1, 1, 4),
+                                                    (5, 16 * GRID_YZ_LIMIT + 1, 16), (2, GRID_YZ_LIMIT ** 2, 4)])
+def test_grouped_grid_covers_every_block_of_every_pair_in_group_order(blocks, problems, group):
+    """x = a pair of the group, y = the block, z = the group (templates/attention_common.cuh
+    grouped_problem = z * gridDim.x + x): every (pair, block) exactly once, spare pairs only in the last
+    group, and groups of `group` unless z would exceed what it holds."""
+    args = {}
+    x, y, z = grouped_grid(blocks, problems, group, args)
+    assert args["problems"] == problems and y == blocks
+    assert 1 <= x and 1 <= z <= GRID_YZ_LIMIT
+    assert problems <= x * z < problems + x
+    assert x == min(problems, max(group, math.ceil(problems / GRID_YZ_LIMIT)))
+    if problems * blocks <= 10_000:   # the kernels' mapping, in dispatch order (x fastest)
+        order = [(gz * x + gx, gy) for gz in range(z) for gy in range(y) for gx in range(x) if gz * x + gx < problems]
+        assert sorted(order) == [(p, b) for p in range(problems) for b in range(blocks)]
+        # within a group, every pair's block b starts before any pair's block b + 1
+        first_group = [b for p, b in order[: x * y]]
+        assert first_group == sorted(first_group)
+
+
+def test_grouped_grid_refuses_more_blocks_than_y_holds():
+    with pytest.raises(ArgumentError, match="blocks of one"):
+        grouped_grid(GRID_YZ_LIMIT + 1, 4, 4, {})
+
+
+@pytest.mark.parametrize("spec_fields, grouped", [({"head_dim": 128, "dtype": "bf16", "mask": "causal"}, True),
+                                                  ({"head_dim": 64, "dtype": "fp16", "arch": "sm_80"}, False)])
+def test_launch_plans_know_their_template(spec_fields, grouped):
+    """The runtime picks each launch's grid layout by the plan's template (a record the solver wrote)."""
+    from fagen.runtime import LaunchPlan
+    from fagen.solver import solve
+    from fagen.spec import Spec
+
+    solution = solve(Spec(**spec_fields))
+    for name, plan in solution.plans.items():
+        launch = LaunchPlan.from_plan(plan.to_dict(), ("kernel",), 64)
+        assert launch.template == plan.template
+        assert (launch.template in GROUPED_TEMPLATES) == grouped
+
+
+def test_block_groups_follow_the_mask():
+    assert block_group("causal") == 16
+    assert {block_group(m) for m in ("none", "sliding_window", "padding", "block_sparse")} == {1}
+    assert set(GROUPED_TEMPLATES) == {"forward_wgmma.cu.j2", "backward_wgmma.cu.j2"}
 
 
 def test_fast_path_keys_return_none_for_arrays_that_are_not_torch_tensors():
