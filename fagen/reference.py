@@ -117,7 +117,8 @@ def _philox_key(seed) -> np.ndarray:
 # The random stream is laid out in patches that match the tensor-core accumulator layouts: rows {i, i + 8}
 # of an aligned 16-row slab x columns {j0, j0 + 1, j0 + 8, j0 + 9} (j0 & 9 == 0) share one Philox call,
 # whose word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds columns (j & ~1, j | 1) of row i as 16-bit halves.
-# A kernel thread then makes one call for 8 elements of the forward's fragments (4 of the backward's).
+# A kernel thread then makes one call for 8 elements of the forward's fragments (the wgmma and wide backwards
+# too, shuffling decisions between lanes; the mma.sync backward one for 4).
 def _dropout_counter(offset: int, num_heads: int, b, h, i, j) -> list:
     """The four counter words of the patch of element (b, h, i, j) (int64 arrays, taken mod 2**32)."""
     row_patch = (i >> 4) * 8 + (i & 7)

@@ -321,7 +321,7 @@ def block_group(mask: str) -> int:
 def grouped_grid(blocks: int, problems: int, group: int, args) -> tuple:
     """The grid of a GROUPED_TEMPLATES kernel: `blocks` blocks for each of `problems` (sequence, head)
     pairs, x = the problems of a group of `group`, y = the block, z = the group (templates/
-    attention_common.cuh grouped_problem); sets args["problems"]. The hardware dispatches x fastest,
+    attention_common.cuh grouped_problem); sets args["problems"]. The hardware dispatches x fastest (in practice),
     so all of a group's first blocks start before its second ones. Groups grow past `group` where z
     would exceed what it holds; the spare blocks of the last group return at once."""
     if blocks > GRID_YZ_LIMIT:
