@@ -131,6 +131,7 @@ def test_launch_plans_know_their_template(spec_fields, grouped):
 def test_block_groups_follow_the_mask():
     assert block_group("causal") == 16
     assert {block_group(m) for m in ("none", "sliding_window", "padding", "block_sparse")} == {1}
+    assert block_group("none", "j < prefix[b] or j <= i") == 16   # a mask_mod counts as causal-like
     assert set(GROUPED_TEMPLATES) == {"forward_wgmma.cu.j2", "backward_wgmma.cu.j2"}
 
 
