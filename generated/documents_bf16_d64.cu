@@ -406,7 +406,7 @@ constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T
 constexpr int R_STEPS = BLOCK_R / 16;               // k-steps over the queries (dV, dK)
 constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ)
 constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S^T per warp
-constexpr bool DROPOUT_SHUFFLED = true;                // dropout's draws shared across the warp (one Philox call per 8 elements, warp shuffles)
+constexpr bool DROPOUT_SHUFFLED = true;             // dropout's draws shared across the warp (shuffles)
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
 // dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x 64 dims. Where d is an
