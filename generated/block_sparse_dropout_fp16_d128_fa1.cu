@@ -212,6 +212,11 @@ using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod 
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
 constexpr float KEEP_SCALE = 1.111099808e+00f;
+// Two overlaps (H100: backward 1-3% faster at d = 64, 128 without dropout): P^T's exponentials while dP^T is still
+// on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
+// through work that dropout's Philox state and the modifiers also need: where ptxas then spilled, they are off.
+constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE && !Mods::HAS_MASK;
+constexpr bool DQ_ATOMICS_LATE = !HAS_DROPOUT;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM > 64 * (GROUPS - 1) && HEAD_DIM <= 64 * GROUPS),
               "dQ splits over warpgroups by rows or by dims (64 per warpgroup, the last one overlapping by up to 32)");
@@ -343,6 +348,23 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
   const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * warpgroup, HEAD_DIM - 64);   // this warpgroup's first dQ dim
   const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * warpgroup - dq_cols0) / 8;   // tiles the warpgroup before adds
   const unsigned long long k_cols = Layout::mn_major(k_tile + dq_cols0 / Layout::PANEL_COLUMNS * BLOCK_C * Layout::ROW_BYTES, BLOCK_C);
+  // dQ_i's atomics for the warp's staged tile (below): 16-byte reductions, row by row (the dims the warpgroup
+  // before adds, dq_skip_tiles, left out). Where DQ_ATOMICS_LATE, issued one row block late, while the tensor
+  // cores compute the next block's S^T and dP^T; the last row block's at once (one call site for the loop's
+  // end: a second one after the loop cost ptxas 4-5 registers and spilled). Not unrolled: ptxas would hoist
+  // every shared-memory load ahead of the atomics, 4 registers each, and spill.
+  auto add_staged_dq = [&](int warp_dq_row0) {
+#pragma unroll 1
+    for (int step = 0; step < DQ_TILES; ++step) {
+      const int chunk = step * 32 + lane, r = chunk / DQ_ROW_CHUNKS, c = chunk % DQ_ROW_CHUNKS;
+      float4 sum;
+      asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n" : "=f"(sum.x), "=f"(sum.y), "=f"(sum.z), "=f"(sum.w)
+                   : "r"(dq_stage + r * DQ_STAGE_ROW_BYTES + c * 16) : "memory");
+      wg::add_four_if(dq_accum + (long long)(warp_dq_row0 + r) * HEAD_DIM + dq_cols0 + c * 4, sum,
+                      warp_dq_row0 + r < seq_q && c / 2 >= dq_skip_tiles);
+    }
+  };
+  int staged_dq_row0 = -1;   // the first row of the warp's staged dQ tile, -1 while none is
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -363,20 +385,23 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     const int row0 = i * BLOCK_R;
     const int warp_row0 = row0;                                    // every warp scores the whole row block
 
-    // S^T = K_g Q_i^T and dP^T = V_g dO_i^T
+    // S^T = K_g Q_i^T and dP^T = V_g dO_i^T, two commit groups: P^T's exponentials run while dP^T is still on
+    // the tensor cores (where P_DURING_DP)
     wg::fence_registers(s_acc);
     wg::fence_registers(dp_acc);
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
+    if (P_DURING_DP) wg::commit();
 #pragma unroll
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
-    wg::wait<0>();
+    if (staged_dq_row0 >= 0) add_staged_dq(staged_dq_row0);   // the previous row block's dQ, during S^T, dP^T
+    wg::wait<P_DURING_DP ? 1 : 0>();   // S^T (groups complete in order; dP^T may still run)
     wg::fence_registers(s_acc);
-    wg::fence_registers(dp_acc);
+    if (!P_DURING_DP) wg::fence_registers(dp_acc);
 
-    // ---- from S^T, dP^T to P_drop^T, dS^T: made by templates/backward_transposed_scores.cu.j2 ----
+    // ---- from S^T to P^T: made by templates/backward_transposed_scores.cu.j2 ----
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
     // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
     // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
@@ -408,27 +433,34 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                       args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
-    // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
-    // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
+    // P^T (kept in s_acc, undropped: dS^T needs P where the mask drops it too). The LSE arrives in natural log;
+    // a row that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
 #pragma unroll
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
-        const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
-        float dp = dp_acc[n][e];
-        if (HAS_DROPOUT) {
-          const float keep = (kept >> (4 * n + e)) & 1 ? KEEP_SCALE : 0.f;
-          dp *= keep;
-          s_acc[n][e] = p * keep;
-        } else {
-          s_acc[n][e] = p;
-        }
-        dp_acc[n][e] = p * (dp - delta_tile[r]);
-        if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
+        s_acc[n][e] = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
       }
 
-    // The accumulators of P^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
+    if (P_DURING_DP) {
+      wg::wait<0>();   // dP^T
+      wg::fence_registers(dp_acc);
+    }
+
+    // ---- from dP^T to dS^T: made by templates/backward_score_grads.cu.j2 ----
+#pragma unroll
+    for (int n = 0; n < R_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
+        const float keep = dropout_keep_factor<HAS_DROPOUT>(kept, 4 * n + e, KEEP_SCALE);
+        dp_acc[n][e] = s_acc[n][e] * (dp_acc[n][e] * keep - delta_tile[r]);
+        if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
+        s_acc[n][e] *= keep;   // P_drop^T, the A operand of dV
+      }
+
+    // The accumulators of P_drop^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
     // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
     // The stores run while dV's products do; dK's products are issued after them, because the registers
     // of an in-flight wgmma's A operand must not be accessed (read included) until its wait.
@@ -473,7 +505,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
     wg::fence_registers(dv_acc);
     wg::fence_registers(dk_acc);
     {
-      // the lane's accumulators (rows group, group + 8; dims 8 n + 2 quad, + 1), scaled, into the warp's tile ...
+      // the lane's accumulators (rows group, group + 8; dims 8 n + 2 quad, + 1), scaled, into the warp's tile,
       const unsigned lane_stage = dq_stage + group * DQ_STAGE_ROW_BYTES + quad * 8;
 #pragma unroll
       for (int e_half = 0; e_half < 2; ++e_half)
@@ -482,18 +514,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp16_blockspars
           asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(lane_stage + e_half * 8 * DQ_STAGE_ROW_BYTES + n * 32),
                        "f"(dq_acc[n][2 * e_half] * SCALE), "f"(dq_acc[n][2 * e_half + 1] * SCALE) : "memory");
       __syncwarp();
-      // ... then out as 16-byte reductions, row by row (the dims the warpgroup before adds, dq_skip_tiles, left out).
-      // Not unrolled: ptxas would hoist every shared-memory load ahead of the atomics, 4 registers each, and spill.
+      // ... which goes out as atomics now, or while the next row block's scores are computed
       const int warp_dq_row0 = row0 + (DQ_BY_ROWS ? warpgroup * 64 : 0) + warp_in_group * 16;
-#pragma unroll 1
-      for (int step = 0; step < DQ_TILES; ++step) {
-        const int chunk = step * 32 + lane, r = chunk / DQ_ROW_CHUNKS, c = chunk % DQ_ROW_CHUNKS;
-        float4 sum;
-        asm volatile("ld.shared.v4.f32 { %0, %1, %2, %3 }, [%4];\n" : "=f"(sum.x), "=f"(sum.y), "=f"(sum.z), "=f"(sum.w)
-                     : "r"(dq_stage + r * DQ_STAGE_ROW_BYTES + c * 16) : "memory");
-        wg::add_four_if(dq_accum + (long long)(warp_dq_row0 + r) * HEAD_DIM + dq_cols0 + c * 4, sum,
-                        warp_dq_row0 + r < seq_q && c / 2 >= dq_skip_tiles);
-      }
+      if (DQ_ATOMICS_LATE && i_next < row_blocks) staged_dq_row0 = warp_dq_row0;
+      else add_staged_dq(warp_dq_row0);
     }
     __syncthreads();  // every warpgroup's products are done with this stage and with dS^T before either is refilled
     stage ^= 1;

@@ -519,7 +519,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
       }
     }
 
-    // ---- from S^T, dP^T to P_drop^T, dS^T: made by templates/backward_transposed_scores.cu.j2 ----
+    // ---- from S^T to P^T: made by templates/backward_transposed_scores.cu.j2 ----
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
     // warp_row0 + 8 n + 2 quad + e % 2 (the warp's WARP_ROWS queries start at row warp_row0 - row0 of
     // the block's LSE_i, D_i). Mask: only tiles that cross a mask edge or the end of Q / K pay for the
@@ -551,24 +551,25 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
     const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                       args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
-    // P^T, P_drop^T (kept in s_acc) and dS^T (kept in dp_acc). The LSE arrives in natural log; a row
-    // that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
+    // P^T (kept in s_acc, undropped: dS^T needs P where the mask drops it too). The LSE arrives in natural log;
+    // a row that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
 #pragma unroll
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
-        const float p = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
-        float dp = dp_acc[n][e];
-        if (HAS_DROPOUT) {
-          const float keep = (kept >> (4 * n + e)) & 1 ? KEEP_SCALE : 0.f;
-          dp *= keep;
-          s_acc[n][e] = p * keep;
-        } else {
-          s_acc[n][e] = p;
-        }
-        dp_acc[n][e] = p * (dp - delta_tile[r]);
+        s_acc[n][e] = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
+      }
+    // ---- from dP^T to dS^T: made by templates/backward_score_grads.cu.j2 ----
+#pragma unroll
+    for (int n = 0; n < R_TILES; ++n)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
+        const float keep = dropout_keep_factor<HAS_DROPOUT>(kept, 4 * n + e, KEEP_SCALE);
+        dp_acc[n][e] = s_acc[n][e] * (dp_acc[n][e] * keep - delta_tile[r]);
         if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
+        s_acc[n][e] *= keep;   // P_drop^T, the A operand of dV
       }
 
     // dV_w += P_drop^T dO_i and dK_w += dS^T Q_i: the accumulators of S^T / dS^T are A operands as they are

@@ -317,6 +317,12 @@ __device__ __forceinline__ unsigned long long dropout_transposed_mask(const Atte
   return kept;
 }
 
+// The factor Z of bit `bit` of dropout_transposed_mask's result: keep_scale where kept, else 0; 1 without dropout.
+template <bool DROPOUT>
+__device__ __forceinline__ float dropout_keep_factor(unsigned long long kept, int bit, float keep_scale) {
+  return !DROPOUT ? 1.f : (kept >> bit) & 1 ? keep_scale : 0.f;
+}
+
 // ---- masks ---------------------------------------------------------------------------------
 // The keys batch entry b may attend to. For the padding mask this is kv_lengths[b], which arrives in
 // device memory unchecked (the host cannot read it back without synchronising), so it is clamped to

@@ -175,9 +175,6 @@ KNOWN_SPILLS = {
     # this one and the sm_80 backward of block_sparse_dropout_fp16_d128_fa1 became spill-free
     ("window_bf16_d32_fa1", "sm_80", "backward"): "56 / 56 B at 255 registers",
     ("d128_fp16_slidingwindow256_fa2_sm90", "sm_80", "backward"): "64 / 68 B at 255 registers",
-    # backward_wgmma since dQ's atomics leave from a per-warp tile in shared memory (2-5% faster at d = 64, 128
-    # without a window, H100): the window's tests tip d = 128 over by two registers
-    ("d128_fp16_slidingwindow256_fa2_sm90", "sm_90", "backward"): "8 / 8 B at 255 registers",
     # score_mod (examples/modifiers.yaml): forward_fa2_mma at d = 128 still spills with the solver's 24-register
     # reservation (Br=128, Bc=32). Soft-capping's sm_90 backward spilled 32 B at 255 registers until
     # backward_wgmma's dQ split was reworked for d = 96, none after, and 8 B since tau is folded into the
@@ -191,7 +188,8 @@ KNOWN_SPILLS = {
     # the same in forward_wgmma held to the solver's two resident blocks (128 registers): kept, because it
     # runs 1.44x faster than one block without spills (H100, N = 8192: 962 -> 669 us, dev/gpu/mask_mod_cost.py)
     ("documents_bf16_d64", "sm_90", "forward"): "20 / 32 B at 128 registers",
-    # the mask_mod's tile walk (TileWalk) in the wgmma backward
+    # the mask_mod's tile walk (TileWalk) in the wgmma backward (56 B before dQ's atomics were issued one row
+    # block late, 44 B since)
     ("prefix_lm_bf16_d64", "sm_90", "backward"): "44 / 52 B at 255 registers",
 }
 

@@ -1,7 +1,7 @@
 # A/B of template changes across several fagen trees on one GPU: `bash dev/gpu/ab_trees.sh . .ab_old ...`
 # (each an untracked copy, e.g. `git archive <commit> | tar x -C .ab_old`, carried as an ignored path).
 # Compiles dev/gpu/ab_time.py's kernels for every tree at once (one kernel cache per tree), then times the
-# trees in turn, twice round, so that drift on the GPU shows up as a difference between the rounds.
+# trees in turn, twice round (AB_DROPOUT=1: the dropout rows as well), so that drift on the GPU shows up as a difference between the rounds.
 source dev/gpu/device_prelude.sh
 trees=("$@"); root=$PWD
 cache_of() { echo "/tmp/fagen-cache-ab-$(echo "$1" | tr -c 'a-zA-Z0-9' _)"; }
@@ -9,7 +9,9 @@ for tree in "${trees[@]}"; do
   (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 -c "
 from fagen.runtime import precompile
 from fagen.spec import Spec
-precompile([Spec(head_dim=d, dtype='bf16', mask=m) for d in (64, 128) for m in ('causal', 'none')], jobs=4)" 2>&1 | grep -iv warn | tail -2) &
+import os
+precompile([Spec(head_dim=d, dtype='bf16', mask=m, dropout=p) for d in (64, 128) for m in ('causal', 'none')
+            for p in ((0.0, 0.1) if os.environ.get('AB_DROPOUT') else (0.0,))], jobs=8)" 2>&1 | grep -iv warn | tail -2) &
 done
 wait
 for round in 1 2; do
