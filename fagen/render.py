@@ -155,6 +155,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan) -> dict:
         "keep_scale": float_literal(dropout_keep_scale(spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "packed": "true" if spec.layout == "packed" else "false",
+        "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(

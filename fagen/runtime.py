@@ -306,17 +306,17 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
     return (blocks_x, -(-problems // slices), slices)
 
 
-#: The templates whose grids run in groups of problems (grouped_grid), and the group size: causal blocks
-#: are ordered heaviest first, so a group puts every problem's heavy blocks ahead of the light ones. Timed
-#: on an H100 (bf16, N = 4096, B x H = 128 / 64; BENCHMARKS.md "Causal blocks in groups of problems")
-#: against one problem at a time: causal with 16, forward -5%, backward -1.5..-2%. Without a mask every
-#: block has the same work, and groups of 4 timed the same as none (+-1%): 1, the grid's own order. A mask_mod
-#: counts as causal-like (forward_wgmma runs its row blocks last first too): most hide keys after the query.
+#: The templates whose grids run in groups of problems (grouped_grid), and the group size: where later rows
+#: see more keys (Spec.keys_grow_with_rows: causal, a mask_mod) the blocks are ordered heaviest first, so a
+#: group puts every problem's heavy blocks ahead of the light ones. Timed on an H100 (bf16, N = 4096, B x H =
+#: 128 / 64; BENCHMARKS.md "Causal blocks in groups of problems") against one problem at a time: causal with
+#: 16, forward -5%, backward -1.5..-2%. Without a mask every block has the same work, and groups of 4 timed
+#: the same as none (+-1%): 1, the grid's own order.
 GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "backward_wgmma.cu.j2")
 
 
-def block_group(mask: str, mask_mod=None) -> int:
-    return 16 if mask == "causal" or mask_mod is not None else 1
+def block_group(spec: Spec) -> int:
+    return 16 if spec.keys_grow_with_rows else 1
 
 
 def grouped_grid(blocks: int, problems: int, group: int, args) -> tuple:
@@ -794,6 +794,13 @@ class Kernel:
             return device, stream_handle(stream)
         return device, int(q.stream or 0)   # CAI: None = no stream given (legacy), 1 = legacy, 2 = per-thread
 
+    def _blocks_grid(self, plan: LaunchPlan, blocks: int, problems: int, args) -> tuple:
+        """The grid of a main kernel's `blocks` blocks per (sequence, head) pair: in groups of pairs for the
+        templates built for it (GROUPED_TEMPLATES), one pair after another otherwise."""
+        if plan.template in GROUPED_TEMPLATES:
+            return grouped_grid(blocks, problems, block_group(self.spec), args)
+        return problem_grid(blocks, problems, args)
+
     def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int):
         functions = self._functions.get(device) or self._load(device)
         try:
@@ -1241,10 +1248,8 @@ class Kernel:
             row_groups = max(1, min(row_blocks, math.ceil(2 * self.target.sm_count / (problems[0] * heads))))
             args["row_groups"] = row_groups
             grid = problem_grid(row_groups, problems[0] * heads, args)
-        elif plan.template in GROUPED_TEMPLATES:
-            grid = grouped_grid(row_blocks, problems[0] * heads, block_group(self.spec.mask, self.spec.mask_mod), args)
         else:
-            grid = problem_grid(row_blocks, problems[0] * heads, args)
+            grid = self._blocks_grid(plan, row_blocks, problems[0] * heads, args)
         arguments = args.packed()
         if self.modifiers.summaries:   # the mask_mod inputs' per-tile bounds, before the kernel reads them
             self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
@@ -1409,8 +1414,7 @@ class Kernel:
         rows = batch * heads * seq_q
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
         key_blocks = math.ceil(problems[3] / plan.block_c)
-        grid = (grouped_grid(key_blocks, problems[0] * heads, block_group(self.spec.mask, self.spec.mask_mod), args)
-                if plan.template in GROUPED_TEMPLATES else problem_grid(key_blocks, problems[0] * heads, args))
+        grid = self._blocks_grid(plan, key_blocks, problems[0] * heads, args)
         launches += [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),

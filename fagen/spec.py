@@ -248,6 +248,13 @@ class Spec(BaseModel):
         return _modifiers(self.mask_mod, self.score_mod, self.inputs)
 
     @property
+    def keys_grow_with_rows(self) -> bool:
+        """Later query rows see more keys: causal, and any mask_mod (most hide the keys after the query:
+        prefix-LM, windows with sinks, documents). The Hopper kernels then start the heaviest blocks first:
+        forward_wgmma's row blocks last first, and the grid in groups of (sequence, head) pairs (runtime)."""
+        return self.mask == "causal" or self.mask_mod is not None
+
+    @property
     def element_bytes(self) -> int:
         return DTYPE_BYTES[self.dtype]
 

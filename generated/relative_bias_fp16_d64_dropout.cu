@@ -120,6 +120,7 @@ constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
@@ -169,9 +170,8 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d64_fp16_causal_d
   // dropout's Philox key, once per block: the seed argument, or read from memory where it lives there
   const uint2 philox_key = HAS_DROPOUT ? dropout_key(args) : make_uint2(0u, 0u);
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
-  // causal: the last row blocks see the most keys, so they are issued first (no long tail at the end); a
-  // mask_mod too, as most hide keys after the query (prefix-LM, windows with sinks, documents)
-  const int row_block = MASK == MASK_CAUSAL || Mods::HAS_MASK ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
+  // where the last row blocks see the most keys, they are issued first (no long tail at the end)
+  const int row_block = ROWS_LAST_FIRST ? gridDim.y - 1 - blockIdx.y : blockIdx.y;
   const int row0 = row_block * BLOCK_R;
   if (PACKED && row0 >= seq_q) return;  // packed: the grid is sized for the longest sequence
   const int rows_here = min(BLOCK_R, seq_q - row0);

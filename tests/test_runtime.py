@@ -5,6 +5,7 @@ import math
 import pytest
 
 from fagen.runtime import GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, block_group, decode_splits, grouped_grid, problem_grid
+from fagen.spec import Spec
 
 
 @pytest.mark.parametrize("base", [1, 8, 32, 64, 256, 1024])
@@ -129,9 +130,12 @@ def test_launch_plans_know_their_template(spec_fields, grouped):
 
 
 def test_block_groups_follow_the_mask():
-    assert block_group("causal") == 16
-    assert {block_group(m) for m in ("none", "sliding_window", "padding", "block_sparse")} == {1}
-    assert block_group("none", "j < prefix[b] or j <= i") == 16   # a mask_mod counts as causal-like
+    assert block_group(Spec(head_dim=64, mask="causal")) == 16
+    windowed = {"sliding_window": {"window": 128}, "block_sparse": {"block_size": 64}}
+    assert {block_group(Spec(head_dim=64, mask=m, **windowed.get(m, {})))
+            for m in ("none", "sliding_window", "padding", "block_sparse")} == {1}
+    prefix_lm = Spec(head_dim=64, mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
+    assert block_group(prefix_lm) == 16   # a mask_mod counts as causal-like
     assert set(GROUPED_TEMPLATES) == {"forward_wgmma.cu.j2", "backward_wgmma.cu.j2"}
 
 
