@@ -1,7 +1,7 @@
 # A/B of template changes across several fagen trees on one GPU: `bash dev/gpu/ab_trees.sh . .ab_old ...`
 # (each an untracked copy, e.g. `git archive <commit> | tar x -C .ab_old`, carried as an ignored path).
 # Compiles dev/gpu/ab_time.py's kernels for every tree at once (one kernel cache per tree), then times the
-# trees in turn, twice round (AB_DROPOUT=1: the dropout rows as well), so that drift on the GPU shows up as a difference between the rounds.
+# trees in turn, twice round (AB_DROPOUT=1, AB_WINDOW=1: the dropout, sliding-window rows as well), so that drift on the GPU shows up as a difference between the rounds.
 source dev/gpu/device_prelude.sh
 trees=("$@"); root=$PWD
 cache_of() { echo "/tmp/fagen-cache-ab-$(echo "$1" | tr -c 'a-zA-Z0-9' _)"; }
@@ -11,7 +11,9 @@ from fagen.runtime import precompile
 from fagen.spec import Spec
 import os
 precompile([Spec(head_dim=d, dtype='bf16', mask=m, dropout=p) for d in (64, 128) for m in ('causal', 'none')
-            for p in ((0.0, 0.1) if os.environ.get('AB_DROPOUT') else (0.0,))], jobs=8)" 2>&1 | grep -iv warn | tail -2) &
+            for p in ((0.0, 0.1) if os.environ.get('AB_DROPOUT') else (0.0,))]
+           + [Spec(head_dim=d, dtype='bf16', mask='sliding_window', window=1024) for d in (64, 128) if os.environ.get('AB_WINDOW')],
+           jobs=8)" 2>&1 | grep -iv warn | tail -2) &
 done
 wait
 for round in 1 2; do
