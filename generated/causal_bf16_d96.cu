@@ -562,10 +562,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
-        const float keep = dropout_keep_factor<HAS_DROPOUT>(kept, 4 * n + e, KEEP_SCALE);
-        dp_acc[n][e] = s_acc[n][e] * (dp_acc[n][e] * keep - delta_tile[r]);
+        const float p = s_acc[n][e];
+        float dp = dp_acc[n][e];
+        if (HAS_DROPOUT) {
+          const float keep = dropout_keep_factor<HAS_DROPOUT>(kept, 4 * n + e, KEEP_SCALE);
+          dp *= keep;
+          s_acc[n][e] = p * keep;   // P_drop^T, the A operand of dV
+        }
+        dp_acc[n][e] = p * (dp - delta_tile[r]);
         if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
-        s_acc[n][e] *= keep;   // P_drop^T, the A operand of dV
       }
 
     // The accumulators of P_drop^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
