@@ -457,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
         const float p = s_acc[n][e];
         float dp = dp_acc[n][e];
         if (HAS_DROPOUT) {
-          const float keep = dropout_keep_factor<HAS_DROPOUT>(kept, 4 * n + e, KEEP_SCALE);
+          const float keep = dropout_keep_factor(kept, 4 * n + e, KEEP_SCALE);
           dp *= keep;
           s_acc[n][e] = p * keep;   // P_drop^T, the A operand of dV
         }

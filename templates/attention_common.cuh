@@ -317,10 +317,9 @@ __device__ __forceinline__ unsigned long long dropout_transposed_mask(const Atte
   return kept;
 }
 
-// The factor Z of bit `bit` of dropout_transposed_mask's result: keep_scale where kept, else 0; 1 without dropout.
-template <bool DROPOUT>
+// The factor Z of bit `bit` of dropout_transposed_mask's result: keep_scale where kept, else 0.
 __device__ __forceinline__ float dropout_keep_factor(unsigned long long kept, int bit, float keep_scale) {
-  return !DROPOUT ? 1.f : (kept >> bit) & 1 ? keep_scale : 0.f;
+  return (kept >> bit) & 1 ? keep_scale : 0.f;
 }
 
 // ---- masks ---------------------------------------------------------------------------------
