@@ -541,8 +541,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
     const unsigned long long kept = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                       args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 
-    // P^T (kept in s_acc, undropped: dS^T needs P where the mask drops it too). The LSE arrives in natural log;
-    // a row that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
+    // P^T (kept in s_acc, undropped: dS^T needs P even where dropout zeroes P_drop). The LSE arrives in natural
+    // log; a row that sees no key has LSE = -inf, clamped so that its (all masked) P is exp2(-inf) = 0, not NaN.
 #pragma unroll
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
