@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from fagen import render as rendering
 from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbols, render, template_context
+from fagen.runtime import GROUPED_TEMPLATES
 from fagen.solver import FAMILIES, InfeasibleSpec, Plan, family_plans, solve
 from fagen.target import target_for
 from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec, load_specs
@@ -280,11 +281,9 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
     for family in FAMILIES:
         if "forward" in family.passes or "backward" in family.passes:
             # after the fold's spare blocks left (grid_problem() >= args.problems: the Problem of a pair past
-            # the last sequence would read cu_seqlens beyond its end)
-            # (the Hopper templates' grouped grids: exit_if_spare_grouped and grouped_problem, fagen/runtime.py
-            # grouped_grid)
+            # the last sequence would read cu_seqlens beyond its end); the Hopper templates, which the host
+            # launches with grouped_grid (GROUPED_TEMPLATES), through exit_if_spare_grouped and grouped_problem
             text = _with_includes(family.template, templates)
-            from fagen.runtime import GROUPED_TEMPLATES   # the host launches these with grouped_grid
             expected = ("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, grouped_problem());"
                         if family.template in GROUPED_TEMPLATES else
                         "exit_if_spare(args);\n  const Problem<PACKED> problem(args, grid_problem());")

@@ -4,7 +4,9 @@ import math
 
 import pytest
 
-from fagen.runtime import GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, block_group, decode_splits, grouped_grid, problem_grid
+from fagen.runtime import (GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, LaunchPlan, block_group, decode_splits,
+                           grouped_grid, problem_grid)
+from fagen.solver import solve
 from fagen.spec import Spec
 
 
@@ -118,10 +120,6 @@ def test_grouped_grid_refuses_more_blocks_than_y_holds():
                                                   ({"head_dim": 64, "dtype": "fp16", "arch": "sm_80"}, False)])
 def test_launch_plans_know_their_template(spec_fields, grouped):
     """The runtime picks each launch's grid layout by the plan's template (a record the solver wrote)."""
-    from fagen.runtime import LaunchPlan
-    from fagen.solver import solve
-    from fagen.spec import Spec
-
     solution = solve(Spec(**spec_fields))
     for name, plan in solution.plans.items():
         launch = LaunchPlan.from_plan(plan.to_dict(), ("kernel",), 64)
@@ -158,7 +156,6 @@ def test_a_paged_cache_with_packed_arguments_is_refused_before_anything_runs():
     from types import SimpleNamespace
 
     from fagen.runtime import Kernel
-    from fagen.spec import Spec
 
     for spec, packed in ((Spec(head_dim=64, dtype="bf16", mask="padding", passes=["forward", "decode"]), {"cu_seqlens_q": [0, 1]}),
                          (Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"), {})):

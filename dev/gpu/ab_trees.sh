@@ -1,7 +1,8 @@
 # A/B of template changes across several fagen trees on one GPU: `bash dev/gpu/ab_trees.sh . .ab_old ...`
 # (each an untracked copy, e.g. `git archive <commit> | tar x -C .ab_old`, carried as an ignored path).
 # Compiles dev/gpu/ab_time.py's kernels for every tree at once (one kernel cache per tree), then times the
-# trees in turn, twice round (AB_DROPOUT=1, AB_WINDOW=1: the dropout, sliding-window rows as well), so that drift on the GPU shows up as a difference between the rounds.
+# trees in turn, twice round, so that drift on the GPU shows up as a difference between the rounds.
+# AB_DROPOUT=1, AB_WINDOW=1: the dropout and sliding-window rows as well.
 source dev/gpu/device_prelude.sh
 trees=("$@"); root=$PWD
 cache_of() { echo "/tmp/fagen-cache-ab-$(echo "$1" | tr -c 'a-zA-Z0-9' _)"; }
