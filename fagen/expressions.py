@@ -1393,7 +1393,7 @@ class Modifiers:
         left out. Each read is differentiated as an independent variable (so bias[i] + bias[j] gives 1 for each,
         not sympy's KroneckerDelta of the indices); a read's gradient goes to the element it loads (its indices
         clamped into the tensor, as the load is), where reads of one element add up. The float64 reference
-        uses these (`reference.score_input_grads`); the kernels do not compute input gradients yet. A read
+        uses these (`reference.score_input_grads`), the backward kernels those of tensor inputs (`kernel_input_grads`). A read
         whose derivative sympy cannot give in a printable form (under floor, ceil or %) is left out and listed
         in `input_grads_not_derived`; it never makes the spec invalid."""
         return self._input_grads[0]
@@ -1509,6 +1509,8 @@ class Modifiers:
                 lines.append(f"  const void* summary_{tname};")
         for n, load in enumerate(self._hoisted_loads):
             lines.append(f"  {'int' if load.is_integer else 'float'} p{n};   // {load}, read once")
+        grad_members, grad_constructor = self._input_grad_members()
+        lines += grad_members
         lines += ["",
                   f"  __device__ {name}(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)",
                   "      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {"]
@@ -1528,6 +1530,7 @@ class Modifiers:
             loader = _CPrinter("inputs", plain)
             for n, load in enumerate(self._hoisted_loads):
                 lines.append(f"    p{n} = {loader.emit(load)};")
+        lines += grad_constructor
         if not self.tensors and not self.scalars:
             lines.append("    (void)args;")
         lines += ["  }", "", _C_HELPERS.rstrip("\n")]
@@ -1600,38 +1603,67 @@ class Modifiers:
         lines.append("};")
         return "\n".join(lines) + "\n"
 
-    def _input_grad_lines(self) -> list:
-        """C++ for `input_grads`: per read n, input_grad_<n>(score, i, j) (its derivative) and, for a tensor read,
-        input_grad_<n>_offset(i, j) (the element it loads: indices clamped, times the strides), with the read's
-        slot (the tensor's index in args.mod_tensor, or -1 - the scalar's in args.mod_scalar) and whether the
-        element moves with the position (else a kernel may sum over a tile before one atomic add)."""
-        reads = self.input_grads
+    @property
+    def kernel_input_grads(self) -> tuple:
+        """The `input_grads` the backward kernels accumulate: reads of float tensor inputs, ((name, read,
+        derivative), ...). A scalar input is data (the torch ops take scalars as Python floats)."""
+        return tuple(entry for entry in self.input_grads if entry[0] not in self.scalars)
+
+    def _input_grad_members(self) -> tuple[list, list]:
+        """(member declarations, constructor lines) for `kernel_input_grads`: a gradient pointer per tensor
+        input read (args.mod_grad[its slot]) and wants_input_grads (all are set, or none is)."""
+        reads = self.kernel_input_grads
         if not reads:
-            return ["  static constexpr int INPUT_GRADS = 0;"]
+            return [], []
+        slot = {name: k for k, (name, _, _) in enumerate(self.tensors)}
+        names = list(dict.fromkeys(name for name, _, _ in reads))
+        members = ["  bool wants_input_grads;   // the backward was asked for score_mod's input gradients",
+                   *(f"  float* grad_{name};   // dL / d {name}: contiguous, {name}'s shape" for name in names)]
+        constructor = [*(f"    grad_{name} = args.mod_grad[{slot[name]}];" for name in names),
+                       f"    wants_input_grads = grad_{names[0]} != nullptr;"]
+        return members, constructor
+
+    def _input_grad_lines(self) -> list:
+        """C++ for `kernel_input_grads`: add_input_grads(ds, score, i, j, sums) adds dS' * d score_mod / d read
+        for one element (dS' = the gradient of score_mod's output; score in natural units); a read whose
+        element moves with the position (bias[h, i - j]) gets an atomic add per element, the others (slope[h]:
+        one element per block's (b, h)) a thread-local sum that flush_input_grads adds once per warp at the
+        end of the block. Indices are clamped into the tensor, as its loads are."""
+        reads = self.kernel_input_grads
+        if not reads:
+            return ["  // no float tensor input with a derivative: no input gradients",
+                    "  static constexpr int INPUT_GRADS = 0, INPUT_GRAD_SUMS = 1;",
+                    "  static constexpr bool INPUT_GRADS_READ_SCORE = false, wants_input_grads = false;",
+                    "  __device__ __forceinline__ void add_input_grads(float, float, int, int, float*) const {}",
+                    "  __device__ __forceinline__ void flush_input_grads(const float*) const {}"]
         printer = _CPrinter("score_mod", self._c_names())
-        tensor_slot = {name: k for k, (name, _, _) in enumerate(self.tensors)}
-        slots, per_position = [], []
-        body = []
-        for n, (name, read, derivative) in enumerate(reads):
-            body += [f"  // d score_mod / d {read} = {derivative}",
-                     f"  __device__ __forceinline__ float input_grad_{n}(float score, int i, int j) const {{",
-                     "    (void)score; (void)i; (void)j;", f"    return {printer.f(derivative)};", "  }"]
-            if name in tensor_slot:
-                slots.append(tensor_slot[name])
-                per_position.append(read.has(I, J))
-                clamped = [f"(long long)min(max((int)({printer.i(index)}), 0), t_{name}_size[{d}] - 1) * t_{name}_stride[{d}]"
-                           for d, index in enumerate(read.indices)]
-                body += [f"  __device__ __forceinline__ long long input_grad_{n}_offset(int i, int j) const {{",
-                         "    (void)i; (void)j;", f"    return {' + '.join(clamped)};", "  }"]
+        sizes = {name: ndim for name, _, ndim in self.tensors}
+        add, flush, summed = [], [], 0
+        for name, read, derivative in reads:
+            clamped = [f"min(max((int)({printer.i(index)}), 0), t_{name}_size[{d}] - 1)" for d, index in enumerate(read.indices)]
+            offset = clamped[0] if sizes[name] == 1 else f"(long long){clamped[0]} * t_{name}_size[1] + {clamped[1]}"
+            add.append(f"    // d score_mod / d {read} = {derivative}")
+            if read.has(I, J):
+                add.append(f"    atomicAdd(grad_{name} + {offset}, ds * ({printer.f(derivative)}));")
             else:
-                slots.append(-1 - self.scalars.index(name))
-                per_position.append(False)
-        return ["  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the",
-                "  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)",
-                f"  static constexpr int INPUT_GRADS = {len(reads)};",
-                f"  static constexpr int INPUT_GRAD_SLOT[{len(reads)}] = {{{', '.join(map(str, slots))}}};",
-                f"  static constexpr bool INPUT_GRAD_PER_POSITION[{len(reads)}] = "
-                f"{{{', '.join('true' if x else 'false' for x in per_position)}}};", *body]
+                add.append(f"    sums[{summed}] += ds * ({printer.f(derivative)});")
+                flush += ["    {",
+                          f"      float total = sums[{summed}];",
+                          "      for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, lane_mask);",
+                          f"      if ((threadIdx.x & 31) == 0 && total != 0.f) atomicAdd(grad_{name} + {offset}, total);",
+                          "    }"]
+                summed += 1
+        reads_score = any(derivative.has(SCORE) for _, _, derivative in reads)
+        return ["  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward adds",
+                "  // into args.mod_grad when asked (wants_input_grads); fagen.reference.score_input_grads is the same in float64",
+                f"  static constexpr int INPUT_GRADS = {len(reads)}, INPUT_GRAD_SUMS = {max(summed, 1)};",
+                f"  static constexpr bool INPUT_GRADS_READ_SCORE = {'true' if reads_score else 'false'};",
+                "  __device__ __forceinline__ void add_input_grads(float ds, float score, int i, int j, float* sums) const {",
+                "    (void)score; (void)i; (void)j; (void)sums;", *add, "  }",
+                "  // once per block, by every lane of each warp: the summed reads' warp totals, one atomic add each",
+                "  __device__ __forceinline__ void flush_input_grads(const float* sums) const {",
+                "    (void)sums;",
+                "    if (!wants_input_grads) return;", *flush, "  }"]
 
     # -- tile classification in Python (the same program the kernel runs) -------------------------
     def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,

@@ -388,13 +388,16 @@ def _backward_terms(q, k, v, do, spec: "Spec", kv_lengths, block_mask, inputs, s
 
 
 def score_input_grads(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=None, inputs: Optional[dict] = None,
-                      seed: int = 0, offset: int = 0, o=None, first_batch: int = 0) -> dict:
+                      seed: int = 0, offset: int = 0, o=None, first_batch: int = 0,
+                      magnitudes: Optional[dict] = None) -> dict:
     """{input name: gradient of sum(o * do)} for each float input score_mod reads with a nonzero derivative
     (`Modifiers.input_grads`): float64 arrays of the tensor's shape, floats for scalars; same arguments as
-    `attention_backward`. Each read `name[indices]` adds dS' * d score_mod / d read over the visible elements
+    `attention_backward` (`magnitudes`: receives, per input, the same sum with |P * dP| + |P * D| and the
+    derivative's absolute value: the size of the terms that cancel, a scale for judging a kernel's error where
+    the exact gradient is ~0). Each read `name[indices]` adds dS' * d score_mod / d read over the visible elements
     to the element it loads (indices clamped into the tensor, as the kernels' loads are); dS' is the gradient
-    of score_mod's output, P * (dP - D). The kernels do not compute these yet: this is the reference they will
-    be held to. Dense (B, H, N, d) batches."""
+    of score_mod's output, P * (dP - D). The backward kernels compute the tensor inputs' (`Kernel.backward(...,
+    input_grads=True)`) and are held to this. Dense (B, H, N, d) batches."""
     mods = spec.modifiers
     if mods.input_grads_not_derived:
         _, read, why = mods.input_grads_not_derived[0]
@@ -406,20 +409,27 @@ def score_input_grads(q, k, v, do, spec: "Spec", *, kv_lengths=None, block_mask=
     b, h, i, j = _index_grids(B, H, Nq, Nk, first_batch)
     values = _input_values(inputs)
     raw = spec.scale * np.einsum("bhid,bhjd->bhij", q, k)
-    grads = {}
+    grads, sizes = {}, {}
+    cancelling = np.abs(terms.P * terms.dP) + np.abs(terms.P * terms.D[..., None])
     for name, read, derivative in mods.input_grads:
         with np.errstate(all="ignore"):   # masked elements may overflow; they are dropped below
             slope = mods.float_numpy(derivative, raw, b, h, i, j, Nq, Nk, values)
         contribution = np.where(terms.visible, terms.dS * slope, 0.0)
+        term_size = np.where(terms.visible, cancelling * np.abs(slope), 0.0)
         if name in mods.scalars:
             grads[name] = grads.get(name, 0.0) + float(contribution.sum())
+            sizes[name] = sizes.get(name, 0.0) + float(term_size.sum())
             continue
         table = np.asarray(values[name])
         grad = grads.setdefault(name, np.zeros(table.shape, dtype=np.float64))
+        total = sizes.setdefault(name, np.zeros(table.shape, dtype=np.float64))
         shape = contribution.shape
         where = tuple(np.clip(np.broadcast_to(np.asarray(mods.index_numpy(index, b, h, i, j, Nq, Nk, values)), shape),
                               0, size - 1) for index, size in zip(read.indices, table.shape))
         np.add.at(grad, where, contribution)
+        np.add.at(total, where, np.broadcast_to(term_size, shape))
+    if magnitudes is not None:
+        magnitudes.update({name: float(np.linalg.norm(total)) for name, total in sizes.items()})
     return grads
 
 

@@ -60,7 +60,8 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("max_seq_q", "q", 1), ("max_seq_k", "q", 1),
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
               ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1),
-              ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1)])
+              ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1),
+              ("mod_grad", "Q", 4)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -670,6 +671,29 @@ class Kernel:
         return [(f"mod_summary{n}", (sizes[2 * n + 1 - dim] * -(-sizes[2 * n + dim] // SUMMARY_GRAIN), 2))
                 for n, dim in self.modifiers.summaries]
 
+    def _input_grad_outputs(self, grads: dict, args: Optional[LaunchArgs], inputs, like: DeviceTensor, stream) -> None:
+        """Zeroed float32 outputs, one per score_mod tensor input with a derivative (contiguous, of the input's
+        shape), into `grads` by name, and their pointers into args.mod_grad (the backward adds into them)."""
+        mods = self.modifiers
+        if mods.input_grads_not_derived:
+            name, read, why = mods.input_grads_not_derived[0]
+            raise ArgumentError(f"input_grads: no derivative of {self.spec.variant_name}'s score_mod in {read} ({why})")
+        wanted = {name for name, _, _ in mods.kernel_input_grads}
+        pointers = [0] * 4
+        for n, (name, _, _) in enumerate(mods.tensors):
+            if name not in wanted:
+                continue
+            value = (inputs or {}).get(name)
+            if not hasattr(value, "shape"):   # a list: converted by _input_tensor for the launch
+                import numpy as np
+
+                value = np.asarray(value)
+            shape = tuple(value.shape)
+            grads[name] = _allocate(like, shape, "fp32", stream, zero=True)
+            pointers[n] = as_device_tensor(name, grads[name]).pointer
+        if args is not None:
+            args["mod_grad"] = pointers
+
     @staticmethod
     def _input_tensor(name: str, value, like: DeviceTensor, dtype: str):
         """A tensor input on the device in the declared dtype ('float32' / 'int32'): device tensors of
@@ -1026,13 +1050,14 @@ class Kernel:
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         kv_lengths, block_mask, inputs, seed, offset, out, stream):
+                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, None)
+                                             max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, None,
+                                             input_grad_out)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         total_k = tensors["k"].shape[0]
@@ -1049,7 +1074,7 @@ class Kernel:
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
         self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, inputs, seed, offset,
                        tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
-                       stream, None, sequences)
+                       stream, None, sequences, input_grad_out)
         return grads
 
     # ---- forward ----
@@ -1313,8 +1338,29 @@ class Kernel:
     # ---- backward ----
     def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
                  offset: int = 0, out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None):
-        """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do."""
+                 max_seqlen_k=None, input_grads: bool = False):
+        """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do.
+
+        `input_grads`: also the gradients of the score_mod's float tensor inputs (`inputs`) that it depends
+        on, as a fourth item {name: float32 array of the input's shape} (Modifiers.kernel_input_grads). They
+        are summed with float atomics, so their last bits may differ between runs, as dQ's do."""
+        if input_grads:   # the full path (the fast path's FastCall has no slot for these outputs)
+            grad_out = {}
+            if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
+                grads = self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                                              grad_out)
+            else:
+                grads = self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                                       None, None, grad_out)
+            if not grad_out:   # a packed batch with nothing to compute: zeros
+                like = as_device_tensor("q", q)
+                if stream is not None and like.is_torch:
+                    with _caller_stream(like, stream):
+                        self._input_grad_outputs(grad_out, None, inputs, like, None)
+                else:
+                    self._input_grad_outputs(grad_out, None, inputs, like, self._stream({"q": like}, stream)[1])
+            return (*grads, grad_out)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          kv_lengths, block_mask, inputs, seed, offset, out, stream)
@@ -1352,14 +1398,15 @@ class Kernel:
         return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
     def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
-                  sequences: Optional["Sequences"]):
-        """The full backward path; `sequences` as in `_forward`."""
+                  sequences: Optional["Sequences"], input_grad_out: Optional[dict] = None):
+        """The full backward path; `sequences` as in `_forward`; `input_grad_out`: a dict that receives
+        score_mod's input gradients (see `backward`), or None."""
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
                 return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, None, signature,
-                                      sequences)
+                                      sequences, input_grad_out)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -1400,6 +1447,8 @@ class Kernel:
                 args[f"{key}_stride"] = gt.strides[:3]
         keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences,
                                    stream)
+        if input_grad_out is not None:
+            self._input_grad_outputs(input_grad_out, args, inputs, tensors["q"], stream)
         if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
             return grads
         like = tensors["q"]

@@ -220,7 +220,29 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
         for name, got, ref in zip(("dq", "dk", "dv"), grads, ref_grads):
             floor = CANCELLATION_FLOOR * magnitudes.get(name, 0.0)
             errors[name] = relative_error(_to_numpy(got), ref, floor)
+        if spec.modifiers.kernel_input_grads and not spec.modifiers.input_grads_not_derived:
+            errors.update(_input_grad_errors(kernel, (q, k, v, o, lse, do), runtime, ref_args, ref_grads, magnitudes))
     return _check_errors(spec, case, errors)
+
+
+def _input_grad_errors(kernel, tensors: tuple, runtime: dict, ref_args: dict, ref_grads: tuple,
+                       grad_magnitudes: dict) -> dict:
+    """score_mod's input gradients (`backward(..., input_grads=True)`) against reference.score_input_grads, each
+    relative to max(||ref||, CANCELLATION_FLOOR x the size of its cancelling terms); the dq, dk, dv of that
+    call against the plain call's, which asking for input gradients must not change."""
+    q, k, v, o, lse, do = tensors
+    *grads, input_grads = kernel.backward(q, k, v, o, lse, do, input_grads=True, **runtime)
+    magnitudes = {}
+    ref = reference.score_input_grads(*(_to_numpy(t) for t in (q, k, v, do)), kernel.spec, **ref_args, o=_to_numpy(o),
+                                      magnitudes=magnitudes)
+    errors = {}
+    for name, got in input_grads.items():
+        errors[f"d{name}"] = relative_error(_to_numpy(got), ref[name], CANCELLATION_FLOOR * magnitudes[name])
+    for name, got, want in zip(("dq", "dk", "dv"), grads, ref_grads):
+        errors[f"{name} (with input grads)"] = relative_error(_to_numpy(got), want,
+                                                              CANCELLATION_FLOOR * grad_magnitudes.get(name, 0.0))
+    assert set(input_grads) == {name for name, _, _ in kernel.spec.modifiers.kernel_input_grads}
+    return errors
 
 
 def _check_errors(spec: Spec, case: Case, errors: dict) -> dict:

@@ -154,6 +154,11 @@ _RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0
 _library.define(f"attention_forward(Tensor q, Tensor k, Tensor v, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
 _library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
                 f"{_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+# the same, with the gradients of score_mod's tensor inputs: one per mod_tensor slot (float32, the input's
+# shape; an empty tensor for a slot without a derivative): taken when one of those inputs requires grad
+_library.define(f"attention_backward_input_grads(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, "
+                f"str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor, "
+                + ", ".join("Tensor" for _ in range(MOD_SLOTS)) + ")")
 
 
 def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -191,8 +196,22 @@ def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=No
                                                                       max_seqlen_k, mods))
 
 
+def _backward_input_grads_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                               seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+                               max_seqlen_k=-1, *mods):
+    kernel = kernel_for(spec, q.get_device())
+    seed = seed if seed_tensor is None else seed_tensor
+    dq, dk, dv, grads = kernel.backward(q, k, v, o, lse, grad_o, input_grads=True,
+                                        **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
+                                                          cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
+    slots = [grads.get(name) for name, _, _ in kernel.modifiers.tensors]
+    slots += [None] * (MOD_SLOTS - len(slots))
+    return (dq, dk, dv, *(q.new_empty(0, dtype=torch.float32) if g is None else g for g in slots))
+
+
 _library.impl("attention_forward", _forward_cuda, "CUDA")
 _library.impl("attention_backward", _backward_cuda, "CUDA")
+_library.impl("attention_backward_input_grads", _backward_input_grads_cuda, "CUDA")
 
 
 @torch.library.register_fake("fagen::attention_forward")
@@ -213,6 +232,20 @@ def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=No
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
 
 
+@torch.library.register_fake("fagen::attention_backward_input_grads")
+def _backward_input_grads_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                               seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+                               max_seqlen_k=-1, *mods):
+    dq, dk, dv = _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
+                                cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *mods)
+    derived = _input_names(spec)[3]
+    tensor_names = _input_names(spec)[0]
+    slots = [mods[n] if n < len(tensor_names) and tensor_names[n] in derived and n < len(mods) else None
+             for n in range(MOD_SLOTS)]
+    return (dq, dk, dv, *(q.new_empty(0, dtype=torch.float32) if t is None
+                          else q.new_empty(t.shape, dtype=torch.float32) for t in slots))
+
+
 def _setup_context(ctx, inputs, output):
     q, k, v, spec, kv_lengths, block_mask, seed, offset, seed_tensor, cu_seqlens_q, cu_seqlens_k, max_q, max_k, *mods = inputs
     o, lse = output
@@ -226,14 +259,22 @@ def _setup_context(ctx, inputs, output):
 def _backward_rule(ctx, grad_o, grad_lse):
     # Gradients through the LSE output are not supported (it is returned for inspection only).
     q, k, v, o, lse, kv_lengths, block_mask, seed_tensor, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
-    dq, dk, dv = torch.ops.fagen.attention_backward(q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask,
-                                                    ctx.seed, ctx.offset, seed_tensor, cu_seqlens_q, cu_seqlens_k,
-                                                    *ctx.max_seqlens, *mod_tensors, *ctx.mod_scalars)
-    # the inputs of mask_mod / score_mod get no gradient (data, not parameters, for now): None for
-    # every argument after q, k, v
-    return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
+    arguments = (q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask, ctx.seed, ctx.offset, seed_tensor,
+                 cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, *mod_tensors, *ctx.mod_scalars)
+    # mod_tensor n is the op's input MOD_TENSOR_INPUT + n; only score_mod's inputs with a derivative can want one
+    needs = ctx.needs_input_grad
+    wanted = [n for n in range(MOD_SLOTS) if MOD_TENSOR_INPUT + n < len(needs) and needs[MOD_TENSOR_INPUT + n]]
+    if not wanted:
+        dq, dk, dv = torch.ops.fagen.attention_backward(*arguments)
+        return (dq, dk, dv) + (None,) * (ctx.input_count - 3)
+    dq, dk, dv, *mod_grads = torch.ops.fagen.attention_backward_input_grads(*arguments)
+    grads = [None] * (ctx.input_count - 3)
+    for n in wanted:
+        grads[MOD_TENSOR_INPUT + n - 3] = mod_grads[n].to(mod_tensors[n].dtype)
+    return (dq, dk, dv, *grads)
 
 
+MOD_TENSOR_INPUT = 13   # attention_forward's argument index of mod_tensor0 (after q, k, v, spec and 9 run-time ones)
 torch.library.register_autograd("fagen::attention_forward", _backward_rule, setup_context=_setup_context)
 
 
@@ -242,7 +283,7 @@ def _mod_slots(key: str, inputs: Optional[dict]) -> list:
     spec's declaration order (the ops' schema has no dict type)."""
     if not inputs:
         return []
-    tensor_names, scalar_names, _ = _input_names(key)
+    tensor_names, scalar_names, _, _ = _input_names(key)
     names = list(tensor_names + scalar_names)
     if set(inputs) != set(names):
         raise runtime.ArgumentError(f"inputs: the spec declares {names}, got {sorted(inputs)}")
@@ -254,14 +295,20 @@ def _mod_slots(key: str, inputs: Optional[dict]) -> list:
 _declared: dict = {}
 
 
-def _declared_inputs(key: str) -> tuple[tuple, tuple, tuple]:
-    """(tensor input names, scalar input names, the float inputs score_mod depends on) of the spec with this
-    key, the first two in declaration order."""
+def _declared_inputs(key: str) -> tuple[tuple, tuple, tuple, tuple]:
+    """(tensor input names, scalar input names, the float inputs score_mod depends on, those of them the
+    kernels give gradients) of the spec with this key, the first two in declaration order. An input is in
+    the third and not the fourth where it is a scalar (the ops take scalars as floats) or one of its reads
+    has no derivative sympy can render (Modifiers.input_grads_not_derived)."""
     names = _declared.get(key)
     if names is None:
         mods = spec_from_dict(json.loads(key), where="fagen.attention spec").modifiers
         differentiable = tuple(dict.fromkeys(name for name, _, _ in mods.input_grads + mods.input_grads_not_derived))
-        names = _declared[key] = (tuple(name for name, _, _ in mods.tensors), tuple(mods.scalars), differentiable)
+        blocked = {name for name, _, _ in mods.input_grads_not_derived}
+        derived = tuple(name for name in dict.fromkeys(name for name, _, _ in mods.kernel_input_grads)
+                        if name not in blocked)
+        names = _declared[key] = (tuple(name for name, _, _ in mods.tensors), tuple(mods.scalars), differentiable,
+                                  derived)
     return names
 
 
@@ -274,9 +321,12 @@ class _EagerAttention(torch.autograd.Function):
     """The same kernels as the ops, without the dispatcher round trip (eager calls only)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, runtime_kwargs):
+    def forward(ctx, q, k, v, kernel, runtime_kwargs, grad_input_names=(), *grad_inputs):
+        # grad_inputs: score_mod's tensor inputs that require grad (also in runtime_kwargs["inputs"]), passed
+        # as arguments so that autograd routes their gradients
         o, lse = kernel.forward(q, k, v, **runtime_kwargs)
-        ctx.kernel, ctx.runtime_kwargs = kernel, runtime_kwargs
+        ctx.kernel, ctx.runtime_kwargs, ctx.grad_input_names = kernel, runtime_kwargs, grad_input_names
+        ctx.grad_input_dtypes = [t.dtype for t in grad_inputs]
         # a seed tensor is saved like the inputs, so that changing it in place before the backward is
         # torch's "modified by an inplace operation" error, not a backward with another mask
         seed = runtime_kwargs.get("seed")
@@ -288,8 +338,12 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         q, k, v, o, lse, seed = ctx.saved_tensors
         kwargs = ctx.runtime_kwargs if seed is None else {**ctx.runtime_kwargs, "seed": seed}
-        dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
-        return dq, dk, dv, None, None
+        if not ctx.grad_input_names:
+            dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
+            return dq, dk, dv, None, None, None
+        dq, dk, dv, grads = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), input_grads=True, **kwargs)
+        return (dq, dk, dv, None, None, None,
+                *(grads[name].to(dtype) for name, dtype in zip(ctx.grad_input_names, ctx.grad_input_dtypes)))
 
 
 #: Eager calls take the autograd.Function above; False routes them through the ops as well.
@@ -305,17 +359,26 @@ def _as_tensor_or_none(value, name: str):
         raise runtime.ArgumentError(f"{name}: expected a tensor or a list of integers ({err})") from None
 
 
-def _refuse_input_gradients(key: str, inputs: dict) -> None:
-    """A score_mod input that requires grad, and on which score_mod depends, would get none (the kernels do
-    not compute input gradients yet): an error rather than a learned bias table that silently stops learning.
-    (An input only mask_mod reads, or whose derivative is 0, has a zero gradient: nothing is lost there.)"""
-    for name in _input_names(key)[2]:
+def _inputs_wanting_grads(key: str, inputs: dict) -> tuple:
+    """The names of score_mod's tensor inputs that require grad (in declaration order), which the backward then
+    computes gradients for. An input score_mod depends on that would get none -- a scalar given as a tensor
+    that requires grad (the ops take scalars as floats), or a read sympy could not differentiate -- is an
+    error rather than a learned parameter that silently stops learning. (An input only mask_mod reads, or
+    whose derivative is 0, has a zero gradient: nothing is lost there.)"""
+    tensor_names, _, differentiable, derived = _input_names(key)
+    wanted = []
+    for name in differentiable:
         value = inputs.get(name)
-        if isinstance(value, torch.Tensor) and value.requires_grad:
-            raise runtime.ArgumentError(
-                f"inputs: '{name}' requires grad, but fagen's kernels do not compute gradients of score_mod inputs yet "
-                f"(fagen.reference.score_input_grads does, in float64); pass {name}.detach() to use it as data, or "
-                f"call under torch.no_grad() when nothing is differentiated")
+        if not (isinstance(value, torch.Tensor) and value.requires_grad):
+            continue
+        if name not in derived:
+            why = ("it is a scalar input (data: declare it a float32 tensor of one element to learn it)"
+                   if name not in tensor_names else "a read of it has no derivative fagen can render (under floor, "
+                   "ceil or %); see the build record's input_grads_not_derived")
+            raise runtime.ArgumentError(f"inputs: '{name}' requires grad, but {why}; pass {name}.detach() to use it "
+                                        "as data")
+        wanted.append(name)
+    return tuple(name for name in tensor_names if name in wanted)
 
 
 def dropout_seed(device=None) -> torch.Tensor:
@@ -336,8 +399,10 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
     torch.compile pass a JSON string (or a Spec made outside the compiled function).
 
-    `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number. They are
-    data: a tensor that requires grad (while grad mode is on) is refused, as no gradient would reach it.
+    `inputs`: the run-time inputs a spec's mask_mod / score_mod declare, name -> tensor or number. A float
+    tensor that score_mod reads and that requires grad gets its gradient (ALiBi slopes, a bias table: the
+    backward adds dS' * d score_mod / d input, sympy's derivative, with float atomics); a scalar input is
+    data (a tensor for it that requires grad is refused, as no gradient would reach it).
 
     A fp16 / bf16 head dim that is not a multiple of 8 is computed on copies of q, k, v padded with zero
     columns to the next multiple, and o is returned as a view of its first head_dim columns, where the spec
@@ -351,8 +416,7 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
-    if inputs and torch.is_grad_enabled():
-        _refuse_input_gradients(_key_of(spec), inputs)
+    grad_inputs = _inputs_wanting_grads(_key_of(spec), inputs) if inputs and torch.is_grad_enabled() else ()
     # a head dim that is not a multiple of 8 (what q's shape says; the spec decides, see padded_spec_key);
     # a compiled Kernel given as the spec is run as it is
     if q.shape[-1] % 8 and not isinstance(spec, runtime.Kernel):
@@ -387,8 +451,9 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         if packed:
             kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k)
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            o, lse = _EagerAttention.apply(q, k, v, kernel, kwargs)
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_inputs):
+            o, lse = _EagerAttention.apply(q, k, v, kernel, kwargs, grad_inputs,
+                                           *(kwargs["inputs"][name] for name in grad_inputs))
         else:   # nothing to differentiate: no autograd node
             o, lse = kernel.forward(q, k, v, **kwargs)
     else:

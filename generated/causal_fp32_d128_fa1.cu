@@ -206,10 +206,13 @@ struct Tiles {
   }
 };
 
-// P, P_drop and dS of tile (i, j) from the tiles in shared memory (Algorithm 4, lines 11-20).
+// P, P_drop and dS of tile (i, j) from the tiles in shared memory (Algorithm 4, lines 11-20). With
+// input_grad_sums (the main kernel, not _dq, which recomputes the same dS), score_mod's input gradients
+// take each element's dS' where the backward was asked for them.
 template <typename Vis>
 __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::AttentionArgs& args, const Vis& visibility,
-                                                   long long bh, int row0, int rows_here, int col0, int cols_here) {
+                                                   long long bh, int row0, int rows_here, int col0, int cols_here,
+                                                   float* input_grad_sums) {
   using namespace fagen;
   for (int idx = threadIdx.x; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
@@ -221,7 +224,10 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
       float dp = dot_row<HEAD_DIM>(t.d_o + r * HEAD_DIM, t.v + c * PITCH);
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
-      ds = p * (dp * keep - t.delta[r]) * score_grad;
+      ds = p * (dp * keep - t.delta[r]);   // dS', the gradient of score_mod's output
+      if (Mods::INPUT_GRADS && input_grad_sums != nullptr && visibility.mods.wants_input_grads && ds != 0.f)
+        visibility.mods.add_input_grads(ds, s * SCALE, row0 + r, col0 + c, input_grad_sums);
+      ds *= score_grad;
       p *= keep;
     }
     t.p[idx] = p;
@@ -260,6 +266,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
+  // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
+  float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   float dk_acc[KV_PER_THREAD], dv_acc[KV_PER_THREAD];
 #pragma unroll
   for (int n = 0; n < KV_PER_THREAD; ++n) dk_acc[n] = dv_acc[n] = 0.f;
@@ -273,7 +281,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
     load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);
     load_row_stats(t, args, problem.row_offset, row0, rows_here);
     __syncthreads();
-    recompute_p_and_ds(t, args, visibility, bh, row0, rows_here, col0, cols_here);
+    recompute_p_and_ds(t, args, visibility, bh, row0, rows_here, col0, cols_here, input_grad_sums);
     __syncthreads();
 
     // dV_j += P_drop^T dO_i ; dK_j += tau dS^T Q_i
@@ -302,6 +310,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
     }
   }
 
+  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
   elem_t* dk = problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll
@@ -353,7 +362,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
     load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
     load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
     __syncthreads();
-    recompute_p_and_ds(t, args, visibility, bh, row0, rows_here, col0, cols_here);
+    recompute_p_and_ds(t, args, visibility, bh, row0, rows_here, col0, cols_here, nullptr);
     __syncthreads();
 #pragma unroll
     for (int n = 0; n < Q_PER_THREAD; ++n) {

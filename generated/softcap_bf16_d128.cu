@@ -69,16 +69,11 @@ struct SpecMods {
     (void)i; (void)j; (void)fi; (void)fj;
     return (1.0f / (coshf(((1.0f / s_cap) * score)) * coshf(((1.0f / s_cap) * score))));
   }
-  // score_mod's derivative in each read of a float input (Modifiers.input_grads): not used by the
-  // kernels yet (fagen.reference.score_input_grads computes these inputs' gradients)
-  static constexpr int INPUT_GRADS = 1;
-  static constexpr int INPUT_GRAD_SLOT[1] = {-1};
-  static constexpr bool INPUT_GRAD_PER_POSITION[1] = {false};
-  // d score_mod / d cap = tanh(score/cap) - score*(1 - tanh(score/cap)**2)/cap
-  __device__ __forceinline__ float input_grad_0(float score, int i, int j) const {
-    (void)score; (void)i; (void)j;
-    return ((-((1.0f / s_cap) * score * (1.0f + (-(tanhf(((1.0f / s_cap) * score)) * tanhf(((1.0f / s_cap) * score))))))) + tanhf(((1.0f / s_cap) * score)));
-  }
+  // no float tensor input with a derivative: no input gradients
+  static constexpr int INPUT_GRADS = 0, INPUT_GRAD_SUMS = 1;
+  static constexpr bool INPUT_GRADS_READ_SCORE = false, wants_input_grads = false;
+  __device__ __forceinline__ void add_input_grads(float, float, int, int, float*) const {}
+  __device__ __forceinline__ void flush_input_grads(const float*) const {}
 };
 
 }  // namespace fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b
@@ -402,6 +397,8 @@ constexpr float KEEP_SCALE = 1.000000000e+00f;
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and the modifiers also need: where ptxas then spilled, they are off.
 constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE && !Mods::HAS_MASK;
+// (the first half of the score step may read dP^T for score_mod's input gradients)
+static_assert(!(P_DURING_DP && Mods::INPUT_GRADS), "dP^T must be complete before the first half");
 constexpr bool DQ_ATOMICS_LATE = !HAS_DROPOUT;
 static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM > 64 * (GROUPS - 1) && HEAD_DIM <= 64 * GROUPS),
@@ -477,6 +474,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
+  float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -595,6 +594,33 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
     const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
+    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
+    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
+    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
+    // half. Each in a loop of its own behind a block-uniform test, so that the step's own loops are scheduled
+    // as without input gradients (a test per element inside them cost a backward that was not asked for
+    // them 10-20%, H100).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
+    if (INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+      const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                             args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
+#pragma unroll
+      for (int n = 0; n < R_TILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
+          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
+          if (row >= seq_q || key >= seq_k || !visibility.visible(row, key)) continue;
+          const float frow = (float)row, fkey = (float)key;
+          const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
+                                     -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
+          float dp = dp_acc[n][e];
+          if (HAS_DROPOUT) dp *= dropout_keep_factor(kept_here, 4 * n + e, KEEP_SCALE);
+          const float ds = p * (dp - delta_tile[r]);
+          if (ds != 0.f) visibility.mods.add_input_grads(ds, s_acc[n][e] * SCALE, row, key, input_grad_sums);
+        }
+    }
+
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     if (!interior || Mods::HAS_SCORE) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -650,6 +676,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
         dp_acc[n][e] = p * (dp - delta_tile[r]);
         if (!Mods::SCORE_GRAD_IS_ONE) dp_acc[n][e] *= score_grad[Mods::SCORE_GRAD_IS_ONE ? 0 : n][e];
       }
+    // score_mod input gradients the first half left (INPUT_GRADS_HERE false): dS^T is dS'^T there (score_grad 1);
+    // 0 where masked
+    if (Mods::INPUT_GRADS && !INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+#pragma unroll
+      for (int n = 0; n < R_TILES; ++n)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (dp_acc[n][e] != 0.f)
+            visibility.mods.add_input_grads(dp_acc[n][e], 0.f, warp_row0 + n * 8 + quad * 2 + (e % 2),
+                                            warp_col0 + group + (e / 2) * 8, input_grad_sums);
+    }
 
     // The accumulators of P_drop^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
     // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
@@ -715,6 +752,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     i = i_next;
   }
   tc::cp_async_wait<0>();
+  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.

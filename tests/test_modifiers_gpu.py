@@ -36,6 +36,15 @@ FAMILIES = [
          inputs={"doc": "int32", "cap": "scalar"}),
     # 64-byte swizzle panels (d = 96 on both wgmma passes) under a document mask's block-wide tile walk
     Spec(head_dim=96, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
+    # gradients of score_mod's tensor inputs (fagen.testing checks them with input_grads=True): a derivative
+    # that reads the score (wgmma), per-head sums on mma.sync, a per-position table on CUDA cores with the
+    # deterministic dQ pass (which must not add them a second time) and on the wide mma.sync backward
+    Spec(head_dim=64, dtype="bf16", mask="causal", score_mod="score + w[h] * tanh(score)", inputs={"w": "float32"}),
+    Spec(head_dim=64, dtype="fp16", mask="causal", score_mod="score - slope[h] * (i - j)", inputs={"slope": "float32"},
+         arch="sm_80"),
+    Spec(head_dim=40, dtype="fp32", score_mod="score + bias[h, i - j + 16]", inputs={"bias": "float32"},
+         deterministic=True),
+    Spec(head_dim=192, dtype="bf16", score_mod="score + bias[h, i - j + 32]", inputs={"bias": "float32"}),
 ]
 SPECS = LIBRARY + FAMILIES
 
@@ -71,9 +80,11 @@ def _as64(tensor):
     return tensor.detach().double().cpu().numpy()
 
 
+@pytest.mark.parametrize("learned", [False, True], ids=["data", "learned"])
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "ops"])
-def test_autograd_with_inputs_matches_reference(eager, monkeypatch):
-    """fagen.attention(..., inputs=...) through autograd, by the eager Function and by the torch ops."""
+def test_autograd_with_inputs_matches_reference(eager, learned, monkeypatch):
+    """fagen.attention(..., inputs=...) through autograd, by the eager Function and by the torch ops; with
+    learned ALiBi slopes (requires_grad), their gradient too."""
     import torch
 
     import fagen
@@ -83,17 +94,24 @@ def test_autograd_with_inputs_matches_reference(eager, monkeypatch):
     monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", eager)
     spec = LIBRARY[0]   # ALiBi
     q, k, v = (t.requires_grad_(True) for t in _qkv())
-    slope = torch.tensor([0.5 ** (n + 1) for n in range(4)], device="cuda")
+    slope = torch.tensor([0.5 ** (n + 1) for n in range(4)], device="cuda", requires_grad=learned)
     o = fagen.attention(q, k, v, spec, inputs={"slope": slope})
     do = torch.randn_like(o)
     o.backward(do)
-    values = {"slope": slope.cpu().numpy()}
-    ref_o, _ = reference.attention_forward(_as64(q), _as64(k), _as64(v), spec, inputs=values)
-    ref_grads = reference.attention_backward(_as64(q), _as64(k), _as64(v), _as64(do), spec, inputs=values,
-                                             o=_as64(o))
+    values = {"slope": _as64(slope)}
+    args = (_as64(q), _as64(k), _as64(v))
+    ref_o, _ = reference.attention_forward(*args, spec, inputs=values)
+    ref_grads = reference.attention_backward(*args, _as64(do), spec, inputs=values, o=_as64(o))
     for name, got, want in zip(("o", "dq", "dk", "dv"), (o, q.grad, k.grad, v.grad), (ref_o, *ref_grads)):
         error = np.linalg.norm(_as64(got) - want) / np.linalg.norm(want)
         assert error < 1e-2, (name, error)
+    if learned:
+        want = reference.score_input_grads(*args, _as64(do), spec, inputs=values, o=_as64(o))["slope"]
+        assert slope.grad is not None and slope.grad.shape == slope.shape and np.abs(want).max() > 1e-2
+        error = np.linalg.norm(_as64(slope.grad) - want) / np.linalg.norm(want)
+        assert error < 2e-2, error
+    else:
+        assert slope.grad is None
 
 
 def test_fast_path_reads_each_calls_inputs():

@@ -760,8 +760,11 @@ def test_score_input_gradients_match_numeric_gradients(fields, inputs):
     q, k, v = rng.standard_normal((1, 2, 4, 3)), rng.standard_normal((1, 2, 5, 3)), rng.standard_normal((1, 2, 5, 3))
     do = rng.standard_normal((1, 2, 4, 3))
     runtime = {"seed": 5, "offset": 2}
-    exact = score_input_grads(q, k, v, do, spec, inputs=inputs, **runtime)
-    assert set(exact) == set(inputs)
+    sizes = {}
+    exact = score_input_grads(q, k, v, do, spec, inputs=inputs, **runtime, magnitudes=sizes)
+    assert set(exact) == set(inputs) == set(sizes)
+    for name in inputs:   # the cancelling terms' size bounds the gradient (triangle inequality)
+        assert np.linalg.norm(exact[name]) <= sizes[name] * (1 + 1e-12) and sizes[name] > 0, name
     numeric = _numeric_input_gradients(spec, q, k, v, do, inputs, **runtime)
     for name in inputs:
         assert np.shape(exact[name]) == np.shape(inputs[name])

@@ -70,11 +70,32 @@ def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_ma
         return torch.autograd.grad(out, leaves, grad_o)
 
 
+def _reference_backward_input_grads(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+                                    seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+                                    max_seqlen_k=-1, *mod_slots):
+    """The input-gradient op in float64: dq, dk, dv and one gradient per mod_tensor slot (empty where the slot
+    has no derivative), from fagen/reference.py's score_input_grads."""
+    from fagen import reference
+
+    SEEDS_SEEN.append(("backward_input_grads", seed, seed_tensor))
+    parsed = spec_from_dict(json.loads(spec))
+    dq, dk, dv = _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
+                                     cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *mod_slots)
+    SEEDS_SEEN.pop()
+    grads = reference.score_input_grads(*(t.detach().double().numpy() for t in (q, k, v, grad_o)), parsed,
+                                        inputs=_mod_inputs(parsed, mod_slots))
+    slots = [grads.get(name) for name, _, _ in parsed.modifiers.tensors]
+    slots += [None] * (4 - len(slots))
+    return (dq, dk, dv, *(q.new_empty(0, dtype=torch.float32) if g is None else torch.from_numpy(g).float()
+                          for g in slots))
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_reference_ops():
     if not _registered:
         fagen_torch._library.impl("attention_forward", _reference_forward, "CPU")
         fagen_torch._library.impl("attention_backward", _reference_backward, "CPU")
+        fagen_torch._library.impl("attention_backward_input_grads", _reference_backward_input_grads, "CPU")
         _registered.append(True)
 
 
@@ -265,11 +286,12 @@ def test_inputs_that_require_grad_but_get_a_zero_gradient_are_accepted(monkeypat
     assert fagen.attention(q, k, v, spec, inputs={"gate": gate}).shape == q.shape
 
 
-@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-def test_modifier_inputs_that_require_grad_are_refused(compiled, monkeypatch):
-    """No gradient reaches a score_mod input, so one that asks for it is an error that says what to do, not a
-    parameter that silently stops learning; detached, or under no_grad, the same tensor is accepted."""
-    from fagen.runtime import ArgumentError
+@pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
+def test_score_mod_input_gradients_through_the_ops_autograd_and_compile(compiled, monkeypatch):
+    """A score_mod tensor input that requires grad (ALiBi's slopes) gets its gradient through the op's autograd
+    rule and torch.compile(fullgraph): the rule calls the input-gradient op only then, and the gradient is
+    the float64 reference's (score_input_grads), in the input's dtype; q, k, v's are unchanged."""
+    from fagen import reference
 
     monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
     torch._dynamo.reset()
@@ -281,14 +303,62 @@ def test_modifier_inputs_that_require_grad_are_refused(compiled, monkeypatch):
     if compiled:
         fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
     q, k, v = _inputs()
+    SEEDS_SEEN.clear()
+    o = fn(q, k, v, slope)
+    do = torch.randn_like(o)
+    grads = torch.autograd.grad(o, (q, k, v, slope), do)
+    assert [call[0] for call in SEEDS_SEEN] == ["forward", "backward_input_grads"]
+    values = {"cap": 2.0, "slope": slope.detach().numpy()}
+    as64 = lambda t: t.detach().double().numpy()  # noqa: E731
+    want = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), MOD_SPEC, inputs=values)
+    want_slope = reference.score_input_grads(as64(q), as64(k), as64(v), as64(do), MOD_SPEC, inputs=values)["slope"]
+    assert np.abs(want_slope).max() > 1e-3, "a gradient that is ~0 would not test anything"
+    for got, ref in zip(grads, (*want, want_slope)):
+        np.testing.assert_allclose(as64(got), ref, rtol=1e-5, atol=1e-5)
+    assert grads[3].dtype == slope.dtype and grads[3].shape == slope.shape
+    # detached: the plain backward op, no input gradient
+    SEEDS_SEEN.clear()
+    o = fn(q, k, v, slope.detach())
+    torch.autograd.grad(o, (q,), do)
+    assert [call[0] for call in SEEDS_SEEN] == ["forward", "backward"]
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("score, inputs, name", [
+    ("cap * tanh(score / cap) - slope[h] * (i - j)", {"slope": "float32", "cap": "scalar"}, "cap"),
+    ("score + floor(bias[h])", {"bias": "float32"}, "bias"),
+])
+def test_modifier_inputs_that_would_get_no_gradient_are_refused(compiled, score, inputs, name, monkeypatch):
+    """A score_mod input that requires grad but cannot get one -- a scalar (the ops take floats), a read under
+    floor whose derivative fagen cannot render -- is an error that says what to do, not a parameter that
+    silently stops learning; detached, or under no_grad, the same tensor is accepted."""
+    from fagen.runtime import ArgumentError
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    spec = fagen.Spec(head_dim=32, dtype="fp32", mask="causal", score_mod=score, inputs=inputs)
+    values = {"slope": torch.tensor([0.5, 0.25, 0.125]), "cap": torch.tensor(2.0),
+              "bias": torch.tensor([0.5, -1.5, 2.0])}
+    values = {key: values[key] for key in inputs}
+    values[name] = values[name].clone().requires_grad_(True)
+
+    def fn(q, k, v, value):
+        return fagen.attention(q, k, v, spec, inputs={**values, name: value})
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    q, k, v = _inputs()
     with pytest.raises(Exception) as info:
-        fn(q, k, v, slope)
-    assert "'slope' requires grad" in str(info.value) and "slope.detach()" in str(info.value)
+        fn(q, k, v, values[name])
+    assert f"'{name}' requires grad" in str(info.value) and f"{name}.detach()" in str(info.value)
     if not compiled:
         assert isinstance(info.value, ArgumentError)
-    assert fn(q, k, v, slope.detach()).shape == q.shape
-    with torch.no_grad():
-        assert fn(q, k, v, slope).shape == q.shape
+    # as data: the tensor detached (a scalar input as a number, which torch.compile keeps a constant)
+    data = values[name].detach() if inputs[name] != "scalar" else float(values[name])
+    assert fn(q, k, v, data).shape == q.shape
+    if not compiled:
+        with torch.no_grad():
+            assert fn(q, k, v, values[name]).shape == q.shape
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
@@ -369,6 +439,34 @@ def test_flex_style_callables_with_torch_functions_become_spec_text():
         [True, False, False, False], [True, False, True, False]]
     with pytest.raises(fagen.SpecError, match="torch.erf has no fagen counterpart"):
         fagen.spec.spec_from_dict({"head_dim": 64, "score_mod": lambda score: torch.erf(score)})
+
+
+def test_the_eager_path_routes_score_mod_input_gradients():
+    """The eager autograd.Function takes score_mod's tensor inputs that require grad as arguments, asks the
+    kernel's backward for input gradients only then, and hands each back in the input's dtype."""
+    seen = []
+
+    class Kernel:
+        def forward(self, q, k, v, **kwargs):
+            return q.clone(), q.new_zeros(q.shape[:3])
+
+        def backward(self, q, k, v, o, lse, do, input_grads=False, **kwargs):
+            seen.append(input_grads)
+            grads = (do.clone(), torch.zeros_like(k), torch.zeros_like(v))
+            if not input_grads:
+                return grads
+            return (*grads, {"slope": torch.arange(3, dtype=torch.float32) + 1})
+
+    q, k, v = _inputs()
+    slope = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    kwargs = {"seed": 0, "offset": 0, "inputs": {"slope": slope}}
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs, ("slope",), slope)
+    o.sum().backward()
+    assert seen == [True]
+    assert slope.grad.dtype == torch.float64 and slope.grad.tolist() == [1.0, 2.0, 3.0]
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), {"seed": 0, "offset": 0})
+    o.sum().backward()
+    assert seen == [True, False]
 
 
 def test_the_eager_path_saves_a_seed_tensor_for_the_backward():

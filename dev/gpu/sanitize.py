@@ -40,6 +40,8 @@ SPECS = [
     Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
     Spec(head_dim=128, dtype="bf16", score_mod="cap * tanh(score / cap) + bias[h, i - j]",
          inputs={"cap": "scalar", "bias": "float32"}, dropout=0.1),
+    # score_mod input gradients (fagen.testing asks for them): per-head sums of a derivative that reads the score
+    Spec(head_dim=64, dtype="bf16", mask="causal", score_mod="score + w[h] * tanh(score)", inputs={"w": "float32"}),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
