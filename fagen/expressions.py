@@ -1611,16 +1611,14 @@ class Modifiers:
 
     def _input_grad_members(self) -> tuple[list, list]:
         """(member declarations, constructor lines) for `kernel_input_grads`: a gradient pointer per tensor
-        input read (args.mod_grad[its slot]) and wants_input_grads (all are set, or none is)."""
+        input read (args.mod_grad[its slot])."""
         reads = self.kernel_input_grads
         if not reads:
             return [], []
         slot = {name: k for k, (name, _, _) in enumerate(self.tensors)}
         names = list(dict.fromkeys(name for name, _, _ in reads))
-        members = ["  bool wants_input_grads;   // the backward was asked for score_mod's input gradients",
-                   *(f"  float* grad_{name};   // dL / d {name}: contiguous, {name}'s shape" for name in names)]
-        constructor = [*(f"    grad_{name} = args.mod_grad[{slot[name]}];" for name in names),
-                       f"    wants_input_grads = grad_{names[0]} != nullptr;"]
+        members = [f"  float* grad_{name};   // dL / d {name}: contiguous, {name}'s shape" for name in names]
+        constructor = [f"    grad_{name} = args.mod_grad[{slot[name]}];" for name in names]
         return members, constructor
 
     def _input_grad_lines(self) -> list:
@@ -1633,7 +1631,7 @@ class Modifiers:
         if not reads:
             return ["  // no float tensor input with a derivative: no input gradients",
                     "  static constexpr int INPUT_GRADS = 0, INPUT_GRAD_SUMS = 1;",
-                    "  static constexpr bool INPUT_GRADS_READ_SCORE = false, wants_input_grads = false;",
+                    "  static constexpr bool INPUT_GRADS_READ_SCORE = false;",
                     "  __device__ __forceinline__ void add_input_grads(float, float, int, int, float*) const {}",
                     "  __device__ __forceinline__ void flush_input_grads(const float*) const {}"]
         printer = _CPrinter("score_mod", self._c_names())
@@ -1654,16 +1652,15 @@ class Modifiers:
                           "    }"]
                 summed += 1
         reads_score = any(derivative.has(SCORE) for _, _, derivative in reads)
-        return ["  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward adds",
-                "  // into args.mod_grad when asked (wants_input_grads); fagen.reference.score_input_grads is the same in float64",
+        return ["  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward built",
+                "  // WITH_INPUT_GRADS adds into args.mod_grad; fagen.reference.score_input_grads is the same in float64",
                 f"  static constexpr int INPUT_GRADS = {len(reads)}, INPUT_GRAD_SUMS = {max(summed, 1)};",
                 f"  static constexpr bool INPUT_GRADS_READ_SCORE = {'true' if reads_score else 'false'};",
                 "  __device__ __forceinline__ void add_input_grads(float ds, float score, int i, int j, float* sums) const {",
                 "    (void)score; (void)i; (void)j; (void)sums;", *add, "  }",
                 "  // once per block, by every lane of each warp: the summed reads' warp totals, one atomic add each",
                 "  __device__ __forceinline__ void flush_input_grads(const float* sums) const {",
-                "    (void)sums;",
-                "    if (!wants_input_grads) return;", *flush, "  }"]
+                "    (void)sums;", *flush, "  }"]
 
     # -- tile classification in Python (the same program the kernel runs) -------------------------
     def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,

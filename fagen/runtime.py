@@ -465,6 +465,8 @@ class Kernel:
                       for p in record["plans"]}
         self._cubins = cubins   # pass -> cubin
         self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
+        self._input_grad_cubin: Optional[bytes] = None      # the backward built WITH_INPUT_GRADS, on first use
+        self._input_grad_functions: dict[int, dict[str, int]] = {}
         self._lock = threading.Lock()
         # Rows of whole 16-byte chunks are copied by cp.async (they must start on 16-byte boundaries);
         # other head dims load element by element, anywhere. An even d stores output pairs as 32 bits.
@@ -487,21 +489,41 @@ class Kernel:
         with self._lock:
             functions = self._functions.get(device)
             if functions is None:
-                previous = driver.current_device()
-                if previous != device:
-                    driver.make_current(device)
-                try:
-                    modules = {p: driver.load_module(cubin) for p, cubin in self._cubins.items()}
-                finally:
-                    if previous is not None and previous != device:
-                        driver.make_current(previous)
-                functions = {}
-                for pass_name, plan in self.plans.items():
-                    module = modules[pass_name]
-                    for symbol in plan.symbols:
-                        big = not symbol.endswith(_HELPER_KERNELS)  # the others are given plan.smem_bytes
-                        functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
-                self._functions[device] = functions
+                functions = self._functions[device] = self._module_functions(device, self._cubins)
+            return functions
+
+    def _module_functions(self, device: int, cubins: dict) -> dict:
+        """symbol -> CUfunction of each pass's cubin in `cubins`, loaded in the device's primary context."""
+        previous = driver.current_device()
+        if previous != device:
+            driver.make_current(device)
+        try:
+            modules = {p: driver.load_module(cubin) for p, cubin in cubins.items()}
+        finally:
+            if previous is not None and previous != device:
+                driver.make_current(previous)
+        functions = {}
+        for pass_name, module in modules.items():
+            plan = self.plans[pass_name]
+            for symbol in plan.symbols:
+                big = not symbol.endswith(_HELPER_KERNELS)  # the others are given plan.smem_bytes
+                functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
+        return functions
+
+    def _load_input_grad_backward(self, device: int) -> dict:
+        """The backward's functions built WITH_INPUT_GRADS (fagen/render.py render_input_grad_backward):
+        rendered and compiled when first asked for (the cubin cached on disk like the others)."""
+        with self._lock:
+            functions = self._input_grad_functions.get(device)
+            if functions is None:
+                if self._input_grad_cubin is None:
+                    from fagen.compiler import cached_cubin
+                    from fagen.render import TEMPLATE_DIR, render_input_grad_backward
+
+                    source = render_input_grad_backward(self.spec, self.solution)
+                    self._input_grad_cubin = cached_cubin(source, self.target.arch, TEMPLATE_DIR)
+                functions = self._module_functions(device, {"backward": self._input_grad_cubin})
+                self._input_grad_functions[device] = functions
             return functions
 
     @property
@@ -825,8 +847,9 @@ class Kernel:
             return grouped_grid(blocks, problems, block_group(self.spec), args)
         return problem_grid(blocks, problems, args)
 
-    def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int):
-        functions = self._functions.get(device) or self._load(device)
+    def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int,
+                functions: Optional[dict] = None):
+        functions = functions or self._functions.get(device) or self._load(device)
         try:
             driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
         except driver.CudaError as err:
@@ -1475,8 +1498,9 @@ class Kernel:
             total = batch * tensors["k"].shape[1] * seq_k * self.spec.head_dim
             launches.append((main + "_kv_group_sum", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
         arguments = args.packed()   # after problem_grid set args["problems"]
+        functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
         for symbol, grid, threads, smem in launches:
-            self._launch(device, symbol, arguments, grid, threads, smem, stream)
+            self._launch(device, symbol, arguments, grid, threads, smem, stream, functions)
         self._finish(main)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)

@@ -15,7 +15,6 @@ struct SpecMods {
   int seq_q, seq_k;
   const float* t_slope; int t_slope_size[1]; long long t_slope_stride[1];
   float p0;   // slope[h], read once
-  bool wants_input_grads;   // the backward was asked for score_mod's input gradients
   float* grad_slope;   // dL / d slope: contiguous, slope's shape
 
   __device__ SpecMods(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
@@ -24,7 +23,6 @@ struct SpecMods {
     t_slope_size[0] = (int)args.mod_size[0][0]; t_slope_stride[0] = args.mod_stride[0][0];
     p0 = load_slope((int)h);
     grad_slope = args.mod_grad[0];
-    wants_input_grads = grad_slope != nullptr;
   }
 
   // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
@@ -81,8 +79,8 @@ struct SpecMods {
     (void)i; (void)j; (void)fi; (void)fj;
     return 1.0f;
   }
-  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward adds
-  // into args.mod_grad when asked (wants_input_grads); fagen.reference.score_input_grads is the same in float64
+  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward built
+  // WITH_INPUT_GRADS adds into args.mod_grad; fagen.reference.score_input_grads is the same in float64
   static constexpr int INPUT_GRADS = 1, INPUT_GRAD_SUMS = 1;
   static constexpr bool INPUT_GRADS_READ_SCORE = false;
   __device__ __forceinline__ void add_input_grads(float ds, float score, int i, int j, float* sums) const {
@@ -93,7 +91,6 @@ struct SpecMods {
   // once per block, by every lane of each warp: the summed reads' warp totals, one atomic add each
   __device__ __forceinline__ void flush_input_grads(const float* sums) const {
     (void)sums;
-    if (!wants_input_grads) return;
     {
       float total = sums[0];
       for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) total += __shfl_xor_sync(0xffffffffu, total, lane_mask);
@@ -416,6 +413,9 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d128_bf16_causal_fa2_sm90_mod99cc2996::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
+// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -623,11 +623,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
     // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
     // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Each in a loop of its own behind a block-uniform test, so that the step's own loops are scheduled
-    // as without input gradients (a test per element inside them cost a backward that was not asked for
-    // them 10-20%, H100).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
-    if (INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
+    if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 #pragma unroll
@@ -704,7 +704,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
       }
     // score_mod input gradients the first half left (INPUT_GRADS_HERE false): dS^T is dS'^T there (score_grad 1);
     // 0 where masked
-    if (Mods::INPUT_GRADS && !INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    if (Mods::INPUT_GRADS && WITH_INPUT_GRADS && !INPUT_GRADS_HERE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
@@ -778,7 +778,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     i = i_next;
   }
   tc::cp_async_wait<0>();
-  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
+  if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.

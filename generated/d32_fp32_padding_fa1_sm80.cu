@@ -178,6 +178,9 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
+// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -225,7 +228,7 @@ __device__ __forceinline__ void recompute_p_and_ds(const Tiles& t, const fagen::
       float keep = 1.f;
       if (HAS_DROPOUT) keep = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? KEEP_SCALE : 0.f;
       ds = p * (dp * keep - t.delta[r]);   // dS', the gradient of score_mod's output
-      if (Mods::INPUT_GRADS && input_grad_sums != nullptr && visibility.mods.wants_input_grads && ds != 0.f)
+      if (Mods::INPUT_GRADS && WITH_INPUT_GRADS && input_grad_sums != nullptr && ds != 0.f)
         visibility.mods.add_input_grads(ds, s * SCALE, row0 + r, col0 + c, input_grad_sums);
       ds *= score_grad;
       p *= keep;
@@ -310,7 +313,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
     }
   }
 
-  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
+  if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
   elem_t* dk = problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll

@@ -115,7 +115,7 @@ struct SpecMods {
   }
   // no float tensor input with a derivative: no input gradients
   static constexpr int INPUT_GRADS = 0, INPUT_GRAD_SUMS = 1;
-  static constexpr bool INPUT_GRADS_READ_SCORE = false, wants_input_grads = false;
+  static constexpr bool INPUT_GRADS_READ_SCORE = false;
   __device__ __forceinline__ void add_input_grads(float, float, int, int, float*) const {}
   __device__ __forceinline__ void flush_input_grads(const float*) const {}
 };
@@ -437,6 +437,9 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_causal_fa2_sm90_mod6a3a1722::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
+// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
@@ -644,11 +647,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
     // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
     // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
     // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Each in a loop of its own behind a block-uniform test, so that the step's own loops are scheduled
-    // as without input gradients (a test per element inside them cost a backward that was not asked for
-    // them 10-20%, H100).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
-    if (INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
+    if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 #pragma unroll
@@ -725,7 +728,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
       }
     // score_mod input gradients the first half left (INPUT_GRADS_HERE false): dS^T is dS'^T there (score_grad 1);
     // 0 where masked
-    if (Mods::INPUT_GRADS && !INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    if (Mods::INPUT_GRADS && WITH_INPUT_GRADS && !INPUT_GRADS_HERE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
@@ -799,7 +802,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_causal_fa2_
     i = i_next;
   }
   tc::cp_async_wait<0>();
-  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
+  if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.

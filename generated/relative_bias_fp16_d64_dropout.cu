@@ -14,7 +14,6 @@ struct SpecMods {
   long long b, h;
   int seq_q, seq_k;
   const float* t_bias; int t_bias_size[2]; long long t_bias_stride[2];
-  bool wants_input_grads;   // the backward was asked for score_mod's input gradients
   float* grad_bias;   // dL / d bias: contiguous, bias's shape
 
   __device__ SpecMods(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
@@ -23,7 +22,6 @@ struct SpecMods {
     t_bias_size[0] = (int)args.mod_size[0][0]; t_bias_stride[0] = args.mod_stride[0][0];
     t_bias_size[1] = (int)args.mod_size[0][1]; t_bias_stride[1] = args.mod_stride[0][1];
     grad_bias = args.mod_grad[0];
-    wants_input_grads = grad_bias != nullptr;
   }
 
   // Python's // and % (floor toward -inf; the remainder takes the divisor's sign); 0 for a zero divisor
@@ -80,8 +78,8 @@ struct SpecMods {
     (void)i; (void)j; (void)fi; (void)fj;
     return 1.0f;
   }
-  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward adds
-  // into args.mod_grad when asked (wants_input_grads); fagen.reference.score_input_grads is the same in float64
+  // gradients of score_mod's float tensor inputs (Modifiers.kernel_input_grads): what the backward built
+  // WITH_INPUT_GRADS adds into args.mod_grad; fagen.reference.score_input_grads is the same in float64
   static constexpr int INPUT_GRADS = 1, INPUT_GRAD_SUMS = 1;
   static constexpr bool INPUT_GRADS_READ_SCORE = false;
   __device__ __forceinline__ void add_input_grads(float ds, float score, int i, int j, float* sums) const {
@@ -92,7 +90,6 @@ struct SpecMods {
   // once per block, by every lane of each warp: the summed reads' warp totals, one atomic add each
   __device__ __forceinline__ void flush_input_grads(const float* sums) const {
     (void)sums;
-    if (!wants_input_grads) return;
   }
 };
 
@@ -410,6 +407,9 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_fp16_causal_drop0p1_fa2_sm90_moda070a2e7::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
+// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
 constexpr float KEEP_SCALE = 1.111099808e+00f;
@@ -617,11 +617,11 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_fp16_causal_drop
     // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
     // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
     // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Each in a loop of its own behind a block-uniform test, so that the step's own loops are scheduled
-    // as without input gradients (a test per element inside them cost a backward that was not asked for
-    // them 10-20%, H100).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
-    if (INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
+    if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
 #pragma unroll
@@ -698,7 +698,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_fp16_causal_drop
       }
     // score_mod input gradients the first half left (INPUT_GRADS_HERE false): dS^T is dS'^T there (score_grad 1);
     // 0 where masked
-    if (Mods::INPUT_GRADS && !INPUT_GRADS_HERE && visibility.mods.wants_input_grads) {
+    if (Mods::INPUT_GRADS && WITH_INPUT_GRADS && !INPUT_GRADS_HERE) {
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
@@ -772,7 +772,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_fp16_causal_drop
     i = i_next;
   }
   tc::cp_async_wait<0>();
-  visibility.mods.flush_input_grads(input_grad_sums);   // (every lane: a warp reduction)
+  if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
   // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.

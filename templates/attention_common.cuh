@@ -74,9 +74,9 @@ struct AttentionArgs {
   // j / page_size], row j % page_size. nullptr: k and v are (batch, head, row) tensors as above.
   const int* block_table;
   long long block_table_stride, page_size, page_count;
-  // Gradients of score_mod's float tensor inputs (the backward, when asked for): per tensor input, a zeroed
-  // contiguous float32 buffer of its shape that the backward adds dS' * d score_mod / d input into;
-  // nullptr when no gradient is wanted (the generated Mods::add_input_grads, flush_input_grads).
+  // Gradients of score_mod's float tensor inputs (the backward built WITH_INPUT_GRADS): per tensor input, a
+  // zeroed contiguous float32 buffer of its shape that it adds dS' * d score_mod / d input into (the
+  // generated Mods::add_input_grads, flush_input_grads); unread by the other builds.
   float* mod_grad[4];
 };
 
@@ -355,7 +355,7 @@ struct NoMods {
   __device__ __forceinline__ float score_grad(float, int, int, float, float) const { return 1.f; }
   // gradients of score_mod's tensor inputs: none without a score_mod (a generated struct's comments say more)
   static constexpr int INPUT_GRADS = 0, INPUT_GRAD_SUMS = 1;
-  static constexpr bool INPUT_GRADS_READ_SCORE = false, wants_input_grads = false;
+  static constexpr bool INPUT_GRADS_READ_SCORE = false;
   __device__ __forceinline__ void add_input_grads(float, float, int, int, float*) const {}
   __device__ __forceinline__ void flush_input_grads(const float*) const {}
 };

@@ -281,6 +281,30 @@ def test_static_shared_memory_is_what_the_solver_counts(compiled, variant, arch)
             assert static == counted, f"{symbols[0]}: {static} B of static shared memory for the tile walk, not {counted}"
 
 
+INPUT_GRAD_CASES = [c for c in CASES if not isinstance(c[2], Exception) and c[2].spec.modifiers.kernel_input_grads]
+
+
+@needs_nvcc
+@pytest.mark.parametrize("variant, arch", [(c[0], c[1]) for c in INPUT_GRAD_CASES],
+                         ids=[f"{c[0]}-{c[1]}" for c in INPUT_GRAD_CASES])
+def test_input_gradient_backward_compiles_without_spills(variant, arch):
+    """The backward built WITH_INPUT_GRADS (compiled on demand at run time) of each example whose score_mod reads
+    a float tensor: the same kernel symbols as the usual build, none spilling."""
+    from fagen.render import render_input_grad_backward
+
+    prepared = next(c[2] for c in INPUT_GRAD_CASES if (c[0], c[1]) == (variant, arch))
+    source = render_input_grad_backward(prepared.spec, prepared.solution)
+    assert "constexpr bool WITH_INPUT_GRADS = true;" in source
+    assert "constexpr bool WITH_INPUT_GRADS = false;" in prepared.rendered.pass_texts["backward"]
+    result = compile_cubin(source, arch, TEMPLATE_DIR)
+    symbols = prepared.rendered.kernels["backward"]
+    assert set(symbols) <= set(result.resources), f"missing {set(symbols) - set(result.resources)}"
+    for symbol in symbols:
+        report = result.resources[symbol]
+        assert (report["spill_stores"], report["spill_loads"]) == (0, 0), \
+            f"{symbol} spills {report['spill_stores']} B at {report['registers']} registers"
+
+
 @needs_nvcc
 @pytest.mark.parametrize("fields", [
     # the CUDA-core decode at two warps (64 threads) loads rows of d > 64 fp32 words: fewer threads than words
