@@ -225,8 +225,9 @@ class Spec(BaseModel):
             raise ValueError("the decode pass reads a padded KV cache: use layout padded (with mask padding for "
                              "per-sequence lengths)")
         if self.mask_mod is not None or self.score_mod is not None or self.inputs:
-            if "decode" in self.passes:
-                raise ValueError("the decode pass does not take mask_mod / score_mod yet: leave decode out of passes")
+            if "decode" in self.passes and self.mask_mod is not None:
+                raise ValueError("the decode pass does not take mask_mod yet (score_mod it does): leave decode out of "
+                                 "passes")
             from fagen.expressions import ExpressionError
             try:
                 # rendered at this spec's softmax scale, which the kernels' form of score_mod divides constants by

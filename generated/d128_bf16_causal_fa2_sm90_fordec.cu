@@ -287,6 +287,8 @@ constexpr int S_TILES = WARP_KEYS / 8;              // n-tiles of S (8 keys each
 constexpr int O_TILES = HEAD_DIM / 8;               // n-tiles of O (8 dims each)
 constexpr float SCALE_LOG2 = 1.275174308e-01f;
 constexpr int MASK = fagen::MASK_CAUSAL;
+using Mods = fagen::NoMods;                  // the spec's score_mod (fagen::NoMods without; no mask_mod here)
+static_assert(!Mods::HAS_MASK, "the decode pass takes no mask_mod");
 constexpr int WINDOW = 0;
 constexpr int GRAIN = 1;
 constexpr bool HAS_DROPOUT = false;
@@ -419,6 +421,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
         b * args.q_stride[0] + row_head(h_kv, group, r) * args.q_stride[1] +
         (long long)row_position(group, r) * args.q_stride[2] + e] : from_float<elem_t>(0.f);
   }
+  // score_mod: this thread's two rows (frag_row, frag_row + 8) are each a query head and position of their own
+  const Mods mods_low(args, b, row_head(h_kv, group, frag_row), seq_q, (int)args.seq_k);
+  const Mods mods_high(args, b, row_head(h_kv, group, frag_row + 8), seq_q, (int)args.seq_k);
   auto visible_tile = [&](int col0) {
     return visibility.tile_has_visible(0, seq_q, col0, min(BLOCK_C, key_end - col0));
   };
@@ -482,6 +487,15 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
         tc::mma_16x8x16<elem_t>(s_acc[2 * pair + 1], q_frag[kk], kf[2], kf[3]);
       }
 
+    if (Mods::HAS_SCORE) {   // S = score_mod(S), in raw units (the kernels' form: raw_score)
+#pragma unroll
+      for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = row_position(group, frag_row + (e / 2) * 8), key = warp_col0 + t * 8 + quad * 2 + (e % 2);
+          s_acc[t][e] = (e / 2 ? mods_high : mods_low).raw_score(s_acc[t][e], i, key, (float)i, (float)key);
+        }
+    }
     // mask: only keys that cross a mask edge or the end of this split pay for the per-element test
     // (rows past `rows` hold zeros of Q: finite, and never stored)
     if (!(warp_col0 + WARP_KEYS <= key_end && visibility.tile_all_visible(0, seq_q, warp_col0, WARP_KEYS))) {

@@ -1,6 +1,6 @@
 """GPU tests of the decode pass (templates/decode_splitkv.cu.j2): forward calls with few query rows
 (group x Nq <= 16) take the split-KV kernel, and must give the forward's answer (float64 reference),
-for every mask it takes, grouped and plain KV heads, long and short caches, every dtype.
+for every mask it takes, grouped and plain KV heads, long and short caches, every dtype, with a score_mod.
 
 Run on a GPU machine: python -m pytest -m gpu tests/test_decode_gpu.py
 """
@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fagen.spec import Spec
-from fagen.testing import Case
+from fagen.testing import Case, input_fields
 
 pytestmark = pytest.mark.gpu
 
@@ -18,7 +18,14 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", passes=["forward", "dec
          Spec(head_dim=256, dtype="bf16", mask="sliding_window", window=300, passes=["forward", "decode"]),
          Spec(head_dim=96, dtype="fp32", mask="padding", passes=["forward", "decode"]),
          Spec(head_dim=40, dtype="fp16", mask="causal", passes=["forward", "backward", "decode"]),   # padded to 48
-         Spec(head_dim=104, dtype="bf16", mask="sliding_window", window=700, passes=["forward", "backward", "decode"])]
+         Spec(head_dim=104, dtype="bf16", mask="sliding_window", window=700, passes=["forward", "backward", "decode"]),
+         # score_mod per row (each row its own query head and position): on the tensor-core decode and the CUDA-core one
+         Spec(head_dim=128, dtype="bf16", mask="causal", score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"},
+              passes=["forward", "decode"]),
+         Spec(head_dim=64, dtype="fp16", mask="padding", score_mod="score - slope[h] * (i - j)",
+              inputs={"slope": "float32"}, passes=["forward", "decode"], arch="sm_80"),
+         Spec(head_dim=64, dtype="fp32", score_mod="score + bias[h, j // 64] * 0.5", inputs={"bias": "float32"},
+              passes=["forward", "decode"])]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -39,9 +46,13 @@ def decode_cases(draw, spec: Spec) -> Case:
     kv_lengths = None
     if spec.mask == "padding":
         kv_lengths = tuple(draw(st.lists(st.integers(0, seq_k), min_size=batch, max_size=batch)))
+    inputs = {}
+    if spec.modifiers.tensors or spec.modifiers.scalars:   # score_mod's inputs, as the property tests draw them
+        scalars = [draw(st.sampled_from([1.0, 2.5, 30.0])) for _ in spec.modifiers.scalars]
+        inputs = input_fields(spec, batch, kv_heads * group, seq_q, seq_k, draw(st.integers(0, 2**31 - 1)), scalars)
     return Case(batch, kv_heads * group, seq_q, seq_k, draw(st.sampled_from(["bhnd", "bnhd"])),
                 draw(st.integers(0, 2**31 - 1)), draw(st.integers(0, 2**64 - 1)), draw(st.integers(0, 2**32 - 1)),
-                kv_lengths, None, kv_heads)
+                kv_lengths, None, kv_heads, **inputs)
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.canonical_name)

@@ -330,6 +330,14 @@ def test_bad_modifiers_get_one_line_errors(fields, words):
         assert word in message, message
 
 
+def test_decode_takes_score_mod_but_not_mask_mod():
+    spec = Spec(head_dim=64, score_mod="score - slope[h] * (i - j)", inputs={"slope": "float32"},
+                passes=["forward", "decode"])
+    assert "decode" in spec.passes
+    with pytest.raises(ValueError, match="decode pass does not take mask_mod"):
+        Spec(head_dim=64, mask_mod="j <= i", score_mod="score * 2", passes=["forward", "decode"])
+
+
 def test_schema_accepts_inputs_as_a_mapping():
     document = {"head_dim": 64, "score_mod": "score + bias[h, i - j]", "inputs": {"bias": "float32"}}
     jsonschema.validate(document, json_schema())
