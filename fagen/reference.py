@@ -544,6 +544,39 @@ def packed_backward(q, k, v, do, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv
     return dq, dk, dv
 
 
+def packed_score_input_grads(q, k, v, do, cu_seqlens_q, cu_seqlens_k, spec: "Spec", *, kv_lengths=None,
+                             block_mask=None, inputs: Optional[dict] = None, seed: int = 0, offset: int = 0, o=None,
+                             magnitudes: Optional[dict] = None) -> dict:
+    """`score_input_grads` of `packed_forward`: per sequence (b its index, as the kernels' Mods see it), added up,
+    since every sequence's reads land in the same inputs. An input with a derivative gets an entry even when no
+    sequence has queries and keys (zeros). `magnitudes`: per input, the sum over sequences of score_input_grads'
+    magnitudes (a bound on the size of the terms that cancel)."""
+    mods = spec.modifiers
+    if mods.input_grads_not_derived:
+        _, read, why = mods.input_grads_not_derived[0]
+        raise ValueError(f"score_input_grads: no derivative of score_mod in {read} ({why})")
+    values = dict(inputs or {})
+    grads = {name: 0.0 if name in mods.scalars else np.zeros(np.shape(values[name]))
+             for name in dict.fromkeys(name for name, _, _ in mods.input_grads)}
+    sizes = dict.fromkeys(grads, 0.0)
+    q, k, v, do = (np.asarray(x, dtype=np.float64) for x in (q, k, v, do))
+    for b, rows, keys in _packed_sequences(cu_seqlens_q, cu_seqlens_k, q.shape[0], k.shape[0]):
+        nq, nk = rows.stop - rows.start, keys.stop - keys.start
+        if nq == 0 or nk == 0:
+            continue
+        as_batch = [x[None].transpose(0, 2, 1, 3) for x in (q[rows], k[keys], v[keys], do[rows])]
+        o_b = None if o is None else np.asarray(o, dtype=np.float64)[rows][None].transpose(0, 2, 1, 3)
+        part_sizes = {}
+        part = score_input_grads(*as_batch, spec, seed=seed, offset=offset, first_batch=b, o=o_b, inputs=inputs,
+                                 magnitudes=part_sizes, **_sequence_runtime(kv_lengths, block_mask, spec, b, nq, nk))
+        for name, grad in part.items():
+            grads[name] = grads[name] + grad
+            sizes[name] += part_sizes[name]
+    if magnitudes is not None:
+        magnitudes.update(sizes)
+    return grads
+
+
 # ---- 4. tiled emulations ---------------------------------------------------------------------
 def _check_tiles(block_r, block_c) -> tuple[int, int]:
     block_r, block_c = operator.index(block_r), operator.index(block_c)

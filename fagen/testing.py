@@ -292,6 +292,15 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
         for name, got, ref in zip(("dq", "dk", "dv"), fresh, ref_grads):
             errors[f"{name} (new)"] = relative_error(_to_numpy(got), ref,
                                                      CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
+        if spec.modifiers.kernel_input_grads and not spec.modifiers.input_grads_not_derived:
+            *_, input_grads = kernel.backward(q, k, v, o_new, lse_new, do, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                              input_grads=True, **runtime)
+            sizes = {}
+            ref = reference.packed_score_input_grads(qn, kn, vn, _to_numpy(do), cu_q, cu_k, spec, **ref_args,
+                                                     o=_to_numpy(o_new), magnitudes=sizes)
+            assert set(input_grads) == {name for name, _, _ in spec.modifiers.kernel_input_grads}
+            for name, got in input_grads.items():
+                errors[f"d{name}"] = relative_error(_to_numpy(got), ref[name], CANCELLATION_FLOOR * sizes[name])
     return _check_errors(spec, case, errors)
 
 

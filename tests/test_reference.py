@@ -772,6 +772,32 @@ def test_score_input_gradients_match_numeric_gradients(fields, inputs):
         np.testing.assert_allclose(exact[name], numeric[name], rtol=1e-5, atol=1e-7, err_msg=name)
 
 
+def test_packed_score_input_gradients_add_up_each_sequences():
+    """packed_score_input_grads of equal-length sequences packed back to back is score_input_grads of the dense
+    batch (sequence b reads the inputs at b, as batch entry b does); empty sequences add nothing."""
+    from fagen.reference import packed_score_input_grads, score_input_grads
+
+    spec = Spec(head_dim=4, dtype="fp32", mask="causal", score_mod="score - slope[h] * (i - j) + w[b, h] * tanh(score)",
+                inputs={"slope": "float32", "w": "float32"})
+    rng = np.random.default_rng(8)
+    B, H, N = 3, 2, 5
+    q, k, v, do = (rng.standard_normal((B, H, N, 4)) for _ in range(4))
+    inputs = {"slope": np.array([0.5, -0.25]), "w": rng.standard_normal((B, H))}
+    dense = score_input_grads(q, k, v, do, spec, inputs=inputs)
+    packed = lambda x: x.transpose(0, 2, 1, 3).reshape(B * N, H, 4)  # noqa: E731
+    cu = np.arange(B + 1, dtype=np.int32) * N
+    sizes = {}
+    got = packed_score_input_grads(*(packed(x) for x in (q, k, v, do)), cu, cu, spec, inputs=inputs, magnitudes=sizes)
+    assert set(got) == set(dense) == set(sizes) == {"slope", "w"}
+    for name in dense:
+        assert np.abs(dense[name]).max() > 1e-3
+        np.testing.assert_allclose(got[name], dense[name], rtol=1e-10, atol=1e-12)
+        assert sizes[name] >= np.linalg.norm(got[name])
+    empty = packed_score_input_grads(*(packed(x) for x in (q, k, v, do)), np.zeros(B + 1, dtype=np.int32), cu, spec,
+                                     inputs=inputs)
+    assert all(not np.any(empty[name]) for name in empty) and empty["w"].shape == (B, H)
+
+
 def test_score_input_gradients_leave_out_int_inputs_and_masks():
     """An int32 input (document ids, read by mask_mod and as an index) gets no gradient; the float table it
     indexes does, every entry from the reads that land on it."""
