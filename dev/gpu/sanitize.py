@@ -47,22 +47,28 @@ CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, 
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
 DECODE = dict(CASE, heads=8, kv_heads=2, seq_q=2, seq_k=3001)   # 4 x 2 rows per block: the split-KV kernel
 
-ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]   # variant-name substrings, e.g. d59,d111
-for spec in (s for s in SPECS if not ONLY or any(w in s.variant_name for w in ONLY)):
-    extra = {}
-    if spec.mask == "padding":
-        extra["kv_lengths"] = (133, 70)
-    if spec.mask == "block_sparse":
-        extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
-    # mask_mod / score_mod inputs as the property tests draw them, at sizes covering every case below
-    extra.update(input_fields(spec, 4, 4, 150, 133, seed=5, scalars=[2.5] * len(spec.modifiers.scalars)))
-    cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
-    cases += [dict(CASE, heads=1)] if spec.head_dim % 2 else []   # bnhd, one head: an odd row stride
-    if spec.layout == "packed":
-        cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
-    cases += [DECODE] if "decode" in spec.passes else []
-    for case in cases:
-        errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
-        print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
-              flush=True)
-print("sanitize run complete", file=sys.stderr)
+
+def main():
+    ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]   # variant-name substrings, e.g. d59,d111
+    for spec in (s for s in SPECS if not ONLY or any(w in s.variant_name for w in ONLY)):
+        extra = {}
+        if spec.mask == "padding":
+            extra["kv_lengths"] = (133, 70)
+        if spec.mask == "block_sparse":
+            extra["block_mask"] = ((1, 0, 1), (0, 1, 1), (1, 1, 0))
+        # mask_mod / score_mod inputs as the property tests draw them, at sizes covering every case below
+        extra.update(input_fields(spec, 4, 4, 150, 133, seed=5, scalars=[2.5] * len(spec.modifiers.scalars)))
+        cases = [CASE] + ([GROUPED] if spec.mask in ("none", "causal") else [])
+        cases += [dict(CASE, heads=1)] if spec.head_dim % 2 else []   # bnhd, one head: an odd row stride
+        if spec.layout == "packed":
+            cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
+        cases += [DECODE] if "decode" in spec.passes else []
+        for case in cases:
+            errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
+            print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
+                  flush=True)
+    print("sanitize run complete", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
