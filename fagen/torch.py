@@ -28,7 +28,7 @@ from typing import Optional
 
 import torch
 
-from fagen import runtime
+from fagen import pad_rows, runtime
 from fagen.spec import Spec, SpecError, spec_from_dict
 
 SEED_LIMIT = 2**63   # the ops' int arguments are int64
@@ -346,6 +346,36 @@ class _EagerAttention(torch.autograd.Function):
                 *(grads[name].to(dtype) for name, dtype in zip(ctx.grad_input_names, ctx.grad_input_dtypes)))
 
 
+class _PaddedRows(torch.autograd.Function):
+    """q, k, v with zero columns up to `padded_dim` (fagen/pad_rows.py); their gradients are the first
+    `head_dim` columns of the padded tensors' (views: nothing is copied)."""
+
+    @staticmethod
+    def forward(ctx, head_dim, padded_dim, *tensors):
+        ctx.head_dim = head_dim
+        return tuple(pad_rows.pad(tensors, padded_dim))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None, *(None if g is None else g[..., :ctx.head_dim] for g in grads))
+
+
+class _FirstColumns(torch.autograd.Function):
+    """The first `head_dim` columns of the padded output (a view); the backward pads dO with the same kernel,
+    where slicing's own backward would fill a zero tensor and copy dO in element by element."""
+
+    @staticmethod
+    def forward(ctx, o, head_dim):
+        ctx.padded_dim = o.shape[-1]
+        return o[..., :head_dim]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if not pad_rows.can_pad(grad, ctx.padded_dim):
+            grad = grad.contiguous()   # e.g. the expanded (stride 0) gradient of a sum
+        return pad_rows.pad([grad], ctx.padded_dim)[0], None
+
+
 #: Eager calls take the autograd.Function above; False routes them through the ops as well.
 EAGER_FAST_PATH = True
 
@@ -427,11 +457,20 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         if not q.shape[-1] == k.shape[-1] == v.shape[-1] == head_dim:
             raise runtime.ArgumentError(f"q, k, v: last dims {q.shape[-1]}, {k.shape[-1]}, {v.shape[-1]}; the spec's "
                                         f"head_dim is {head_dim}")
-        q, k, v = (torch.nn.functional.pad(t, (0, padded_dim - head_dim)) for t in (q, k, v))
+        # eager: q, k, v padded by one launch of fagen's own kernel (templates/pad_rows.cu) and dO by another in
+        # the backward; traced (torch.compile): F.pad, which the compiler fuses itself
+        by_kernel = (EAGER_FAST_PATH and type(q) is torch.Tensor and not torch.compiler.is_compiling()
+                     and q.device == k.device == v.device and all(pad_rows.can_pad(t, padded_dim) for t in (q, k, v)))
+        if by_kernel:
+            q, k, v = _PaddedRows.apply(head_dim, padded_dim, q, k, v)
+        else:
+            q, k, v = (torch.nn.functional.pad(t, (0, padded_dim - head_dim)) for t in (q, k, v))
         out = attention(q, k, v, padded_key, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset,
                         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, inputs=inputs)
-        return (out[0][..., :head_dim], out[1]) if return_lse else out[..., :head_dim]
+        o = out[0] if return_lse else out
+        o = _FirstColumns.apply(o, head_dim) if by_kernel else o[..., :head_dim]
+        return (o, out[1]) if return_lse else o
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
         seed_tensor, seed = seed, 0

@@ -127,7 +127,7 @@ def test_every_kernel_is_defined_in_the_source(fields):
         assert names[0] == kernel_name(spec, pass_name, solution.plans[pass_name])
         for symbol in names:
             assert C_IDENTIFIER.fullmatch(symbol)
-            assert re.search(rf'extern "C" __global__ void __launch_bounds__\(\d+\) {symbol}\(', rendered.text), \
+            assert re.search(rf'extern "C" __global__ void __launch_bounds__\(\d+(, \d+)?\) {symbol}\(', rendered.text), \
                 f"{symbol} is not defined as an extern \"C\" kernel"
 
 
