@@ -175,6 +175,10 @@ KNOWN_SPILLS = {
     # this one and the sm_80 backward of block_sparse_dropout_fp16_d128_fa1 became spill-free
     ("window_bf16_d32_fa1", "sm_80", "backward"): "56 / 56 B at 255 registers",
     ("d128_fp16_slidingwindow256_fa2_sm90", "sm_80", "backward"): "64 / 68 B at 255 registers",
+    # examples/model_shapes.yaml (2026-11-24): the same backward_fa2_mma edge, causal at d = 128 (Br = 64) and at
+    # d = 59 computed as 64 (Br = 128); both spill-free on sm_90 (backward_wgmma)
+    ("llama3_8b_gqa_causal_bf16", "sm_80", "backward"): "44 / 56 B at 255 registers",
+    ("odd_head_dim_59_causal_bf16", "sm_80", "backward"): "20 / 24 B at 255 registers",
     # score_mod (examples/modifiers.yaml): forward_fa2_mma at d = 128 still spills with the solver's 24-register
     # reservation (Br=128, Bc=32). Soft-capping's sm_90 backward spilled 32 B at 255 registers until
     # backward_wgmma's dQ split was reworked for d = 96, none after, and 8 B since tau is folded into the
