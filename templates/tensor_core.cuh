@@ -70,9 +70,11 @@ __device__ __forceinline__ void accumulators_to_a(unsigned (&a)[4], const float 
   a[3] = pack_pair<T>(hi[2], hi[3]);
 }
 
-// 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled.
+// 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled. The L2::128B
+// hint has L2 fetch a miss's whole 128-byte line: the tiles are read in whole rows, and the decode kernel,
+// which only streams K/V, read it 3% faster so (H200, BENCHMARKS.md "Decoding").
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
+  asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_16(void* dst, const void* src, bool valid) {
   cp_async_16(shared_address(dst), src, valid);
