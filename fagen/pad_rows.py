@@ -64,47 +64,95 @@ def can_pad(tensor, padded_width: int) -> bool:
             and tensor.numel() // max(tensor.shape[-1], 1) * (padded_width // CHUNK) <= _CHUNK_LIMIT)
 
 
-def pad(tensors, padded_width: int) -> list:
-    """Contiguous copies of `tensors` (torch, fp16 / bf16, 3 or 4 dims, the same last dim, one device) with
-    zero columns up to `padded_width`, in one launch on the current stream."""
-    import torch
+class PadPlan:
+    """One launch's arguments for tensors of given shapes, strides, dtype and device, all but the pointers
+    worked out once: a call of a seen signature allocates, fills in pointers and launches (at a launch-bound
+    shape the checks and packing cost more host time than attention's own call)."""
 
-    tensors = list(tensors)
-    if not 0 < len(tensors) <= OPERANDS:
-        raise ArgumentError(f"pad_rows.pad takes 1 to {OPERANDS} tensors, got {len(tensors)}")
-    width = tensors[0].shape[-1]
-    device = tensors[0].get_device()
-    for t in tensors:
-        if t.shape[-1] != width or t.get_device() != device or not can_pad(t, padded_width):
-            raise ArgumentError(f"pad_rows.pad: a {tuple(t.shape)} {t.dtype} tensor on {t.device} with strides "
-                                f"{t.stride()} cannot be padded to {padded_width} columns by the kernel (it takes "
-                                f"CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride and one last dim)")
-    padded = [torch.empty(*t.shape[:-1], padded_width, dtype=t.dtype, device=t.device) for t in tensors]
-    values = []
-    most_chunks = 0
-    for i in range(OPERANDS):
-        if i < len(tensors):
-            t, p = tensors[i], padded[i]
-            outer = (1,) * (4 - t.dim()) + tuple(t.shape[:-1])
-            strides = (0,) * (4 - t.dim()) + tuple(t.stride()[:-1])
-            rows = outer[0] * outer[1] * outer[2]
-            most_chunks = max(most_chunks, rows * (padded_width // CHUNK))
-            values += [t.data_ptr(), p.data_ptr(), outer[1], outer[2], *strides, rows]
-        else:
-            values += [0, 0, 1, 1, 0, 0, 0, 0]
-    values += [width, padded_width, len(tensors)]
-    if most_chunks:
+    __slots__ = ("values", "pointer_slots", "shapes", "dtype", "device", "grid", "function")
+
+    def __init__(self, tensors, padded_width: int):
+        import torch
+
+        device = tensors[0].get_device()
+        self.values, self.pointer_slots, self.shapes = [], [], []
+        most_chunks = 0
+        for i in range(OPERANDS):
+            if i < len(tensors):
+                t = tensors[i]
+                outer = (1,) * (4 - t.dim()) + tuple(t.shape[:-1])
+                strides = (0,) * (4 - t.dim()) + tuple(t.stride()[:-1])
+                rows = outer[0] * outer[1] * outer[2]
+                most_chunks = max(most_chunks, rows * (padded_width // CHUNK))
+                self.pointer_slots.append(len(self.values))
+                self.values += [0, 0, outer[1], outer[2], *strides, rows]
+                self.shapes.append((*t.shape[:-1], padded_width))
+            else:
+                self.values += [0, 0, 1, 1, 0, 0, 0, 0]
+        self.values += [tensors[0].shape[-1], padded_width, len(tensors)]
+        self.dtype, self.device = tensors[0].dtype, torch.device("cuda", device)
+        self.grid = (min(-(-most_chunks // _THREADS), 65535 * 4), len(tensors), 1) if most_chunks else None
+        self.function = _function(device) if most_chunks else None
+
+    def run(self, tensors) -> list:
+        import torch
+
+        padded = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
+        if self.grid is None:
+            return padded
+        values = self.values.copy()
+        for slot, t, p in zip(self.pointer_slots, tensors, padded):
+            values[slot], values[slot + 1] = t.data_ptr(), p.data_ptr()
         arguments = driver.LaunchArguments(_ARGS.size)
         _ARGS.pack_into(arguments.buffer, 0, *values)
-        blocks = min(-(-most_chunks // _THREADS), 65535 * 4)
-        stream = torch.cuda.current_stream(tensors[0].device).cuda_stream
-        function = _function(device)
+        device = self.device.index
+        stream = _current_stream(device)
         try:
-            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, _SYMBOL)
+            driver.launch(self.function, self.grid, _THREADS, 0, stream, arguments, _SYMBOL)
         except driver.CudaError as err:
             if err.code != driver.ERROR_INVALID_CONTEXT:
                 raise
             driver.make_current(device)   # a thread that never touched CUDA: give it the primary context
-            driver.launch(function, (blocks, len(tensors), 1), _THREADS, 0, stream, arguments, _SYMBOL)
+            driver.launch(self.function, self.grid, _THREADS, 0, stream, arguments, _SYMBOL)
         Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
-    return padded
+        return padded
+
+
+_plans: dict[tuple, "PadPlan | None"] = {}
+_PLANS_KEPT = 256   # signatures remembered (a long-running process with ever-new shapes must not grow)
+
+
+def _current_stream(device: int) -> int:
+    import torch
+
+    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
+
+
+def plan_for(tensors, padded_width: int) -> "PadPlan | None":
+    """The launch plan that pads these tensors (1 to 3 of them, one last dim, one device) to `padded_width`
+    columns, or None where the kernel cannot take them (see can_pad)."""
+    key = (padded_width, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
+    plan = _plans.get(key, False)
+    if plan is False:
+        width = tensors[0].shape[-1]
+        ok = (0 < len(tensors) <= OPERANDS and all(t.shape[-1] == width and t.device == tensors[0].device
+                                                    and can_pad(t, padded_width) for t in tensors))
+        plan = PadPlan(tensors, padded_width) if ok else None
+        if len(_plans) >= _PLANS_KEPT:
+            _plans.clear()
+        _plans[key] = plan
+    return plan
+
+
+def pad(tensors, padded_width: int) -> list:
+    """Contiguous copies of `tensors` (torch, fp16 / bf16, 3 or 4 dims, the same last dim, one device) with
+    zero columns up to `padded_width`, in one launch on the current stream."""
+    tensors = list(tensors)
+    plan = plan_for(tensors, padded_width)
+    if plan is None:
+        described = ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device} strides {t.stride()}" for t in tensors)
+        raise ArgumentError(f"pad_rows.pad: {described} cannot be padded to {padded_width} columns by the kernel "
+                            f"(it takes 1 to {OPERANDS} CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride "
+                            f"and one last dim)")
+    return plan.run(tensors)

@@ -347,13 +347,13 @@ class _EagerAttention(torch.autograd.Function):
 
 
 class _PaddedRows(torch.autograd.Function):
-    """q, k, v with zero columns up to `padded_dim` (fagen/pad_rows.py); their gradients are the first
+    """q, k, v with zero columns up to the plan's width (fagen/pad_rows.py); their gradients are the first
     `head_dim` columns of the padded tensors' (views: nothing is copied)."""
 
     @staticmethod
-    def forward(ctx, head_dim, padded_dim, *tensors):
+    def forward(ctx, head_dim, plan, *tensors):
         ctx.head_dim = head_dim
-        return tuple(pad_rows.pad(tensors, padded_dim))
+        return tuple(plan.run(tensors))
 
     @staticmethod
     def backward(ctx, *grads):
@@ -371,9 +371,11 @@ class _FirstColumns(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        if not pad_rows.can_pad(grad, ctx.padded_dim):
+        plan = pad_rows.plan_for((grad,), ctx.padded_dim)
+        if plan is None:
             grad = grad.contiguous()   # e.g. the expanded (stride 0) gradient of a sum
-        return pad_rows.pad([grad], ctx.padded_dim)[0], None
+            plan = pad_rows.plan_for((grad,), ctx.padded_dim)
+        return plan.run((grad,))[0], None
 
 
 #: Eager calls take the autograd.Function above; False routes them through the ops as well.
@@ -459,17 +461,20 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
                                         f"head_dim is {head_dim}")
         # eager: q, k, v padded by one launch of fagen's own kernel (templates/pad_rows.cu) and dO by another in
         # the backward; traced (torch.compile): F.pad, which the compiler fuses itself
-        by_kernel = (EAGER_FAST_PATH and type(q) is torch.Tensor and not torch.compiler.is_compiling()
-                     and q.device == k.device == v.device and all(pad_rows.can_pad(t, padded_dim) for t in (q, k, v)))
-        if by_kernel:
-            q, k, v = _PaddedRows.apply(head_dim, padded_dim, q, k, v)
-        else:
+        plan = (pad_rows.plan_for((q, k, v), padded_dim) if EAGER_FAST_PATH and type(q) is torch.Tensor
+                and not torch.compiler.is_compiling() else None)
+        differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if plan is None:
             q, k, v = (torch.nn.functional.pad(t, (0, padded_dim - head_dim)) for t in (q, k, v))
+        elif differentiable:
+            q, k, v = _PaddedRows.apply(head_dim, plan, q, k, v)
+        else:   # nothing to differentiate: no autograd nodes (host time counts at launch-bound shapes)
+            q, k, v = plan.run((q, k, v))
         out = attention(q, k, v, padded_key, kv_lengths=kv_lengths, block_mask=block_mask, seed=seed, offset=offset,
                         return_lse=return_lse, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                         max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, inputs=inputs)
         o = out[0] if return_lse else out
-        o = _FirstColumns.apply(o, head_dim) if by_kernel else o[..., :head_dim]
+        o = _FirstColumns.apply(o, head_dim) if plan is not None and differentiable else o[..., :head_dim]
         return (o, out[1]) if return_lse else o
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
