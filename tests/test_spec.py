@@ -245,7 +245,7 @@ def test_schema_is_a_valid_json_schema():
 
 def test_examples_exist_and_cover_the_spec():
     specs = [spec for path in EXAMPLES for spec in load_specs(path)]
-    assert 12 <= len(specs) <= 24
+    assert 12 <= len(specs) <= 28   # every example compiles twice in CI (sm_80, sm_90): keep the list short
     assert {s.mask for s in specs} == set(MASKS)
     assert {s.dtype for s in specs} == set(DTYPES)
     assert {s.loop_order for s in specs} == set(LOOP_ORDERS)
