@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import struct
 import threading
+import warnings
 
 from fagen import cuda_driver as driver
-from fagen.compiler import cached_cubin
+from fagen.compiler import CompileError, cached_cubin
 from fagen.runtime import ArgumentError, Kernel, device_target
 from fagen.sources import TEMPLATE_DIR
 
@@ -25,7 +26,9 @@ CHUNK = 8
 #: At most this many tensors per launch (the kernel's Args::operand).
 OPERANDS = 3
 _THREADS = 256
-_CHUNK_LIMIT = 2 ** 31 - 1   # the kernel indexes chunks in 32 bits
+_GRID_LIMIT = 65535 * 4
+# the kernel indexes chunks in 32 bits, and its grid-stride loop steps once past the last: keep both below 2^31
+_CHUNK_LIMIT = 2 ** 31 - 1 - _GRID_LIMIT * _THREADS
 # fagen_pad::Args: per operand source, padded, extent[2], stride[3], rows; then width, padded_width, count
 _ARGS = struct.Struct("<" + "QQqqqqqq" * OPERANDS + "qqq")
 _SYMBOL = "fagen_pad_rows"
@@ -91,13 +94,15 @@ class PadPlan:
                 self.values += [0, 0, 1, 1, 0, 0, 0, 0]
         self.values += [tensors[0].shape[-1], padded_width, len(tensors)]
         self.dtype, self.device = tensors[0].dtype, torch.device("cuda", device)
-        self.grid = (min(-(-most_chunks // _THREADS), 65535 * 4), len(tensors), 1) if most_chunks else None
+        self.grid = (min(-(-most_chunks // _THREADS), _GRID_LIMIT), len(tensors), 1) if most_chunks else None
         self.function = _function(device) if most_chunks else None
 
-    def run(self, tensors) -> list:
+    def run(self, tensors, out=None) -> list:
+        """The padded copies, new (or written into `out`: contiguous tensors of the padded shapes)."""
         import torch
 
-        padded = [torch.empty(shape, dtype=self.dtype, device=self.device) for shape in self.shapes]
+        padded = out if out is not None else [torch.empty(shape, dtype=self.dtype, device=self.device)
+                                              for shape in self.shapes]
         if self.grid is None:
             return padded
         values = self.values.copy()
@@ -106,15 +111,15 @@ class PadPlan:
         arguments = driver.LaunchArguments(_ARGS.size)
         _ARGS.pack_into(arguments.buffer, 0, *values)
         device = self.device.index
-        stream = _current_stream(device)
+        previous = driver.current_device()
+        if previous != device:   # tensors on another GPU than the thread's current one (or no context yet)
+            driver.make_current(device)
         try:
-            driver.launch(self.function, self.grid, _THREADS, 0, stream, arguments, _SYMBOL)
-        except driver.CudaError as err:
-            if err.code != driver.ERROR_INVALID_CONTEXT:
-                raise
-            driver.make_current(device)   # a thread that never touched CUDA: give it the primary context
-            driver.launch(self.function, self.grid, _THREADS, 0, stream, arguments, _SYMBOL)
-        Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
+            driver.launch(self.function, self.grid, _THREADS, 0, _current_stream(device), arguments, _SYMBOL)
+            Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
+        finally:
+            if previous is not None and previous != device:
+                driver.make_current(previous)
         return padded
 
 
@@ -135,10 +140,17 @@ def plan_for(tensors, padded_width: int) -> "PadPlan | None":
     key = (padded_width, *[(t.shape, t.stride(), t.dtype, t.device) for t in tensors])
     plan = _plans.get(key, False)
     if plan is False:
-        width = tensors[0].shape[-1]
-        ok = (0 < len(tensors) <= OPERANDS and all(t.shape[-1] == width and t.device == tensors[0].device
-                                                    and can_pad(t, padded_width) for t in tensors))
-        plan = PadPlan(tensors, padded_width) if ok else None
+        first = tensors[0]
+        ok = (0 < len(tensors) <= OPERANDS
+              and all(t.shape[-1] == first.shape[-1] and t.dtype == first.dtype and t.device == first.device
+                      and can_pad(t, padded_width) for t in tensors))
+        plan = None
+        if ok:
+            try:
+                plan = PadPlan(tensors, padded_width)
+            except (CompileError, driver.CudaError) as err:   # the caller's F.pad route still works
+                warnings.warn(f"fagen: the head-dim padding kernel is unavailable ({err}); padding with F.pad",
+                              RuntimeWarning, stacklevel=2)
         if len(_plans) >= _PLANS_KEPT:
             _plans.clear()
         _plans[key] = plan
@@ -153,6 +165,6 @@ def pad(tensors, padded_width: int) -> list:
     if plan is None:
         described = ", ".join(f"{tuple(t.shape)} {t.dtype} on {t.device} strides {t.stride()}" for t in tensors)
         raise ArgumentError(f"pad_rows.pad: {described} cannot be padded to {padded_width} columns by the kernel "
-                            f"(it takes 1 to {OPERANDS} CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride "
-                            f"and one last dim)")
+                            f"(it takes 1 to {OPERANDS} CUDA fp16/bf16 tensors of 3 or 4 dims, a unit last stride, "
+                            f"one last dim, dtype and device)")
     return plan.run(tensors)

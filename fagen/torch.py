@@ -370,11 +370,14 @@ class _FirstColumns(torch.autograd.Function):
         return o[..., :head_dim]
 
     @staticmethod
+    @torch.autograd.function.once_differentiable   # the padding kernel records no graph of its own
     def backward(ctx, grad):
         plan = pad_rows.plan_for((grad,), ctx.padded_dim)
         if plan is None:
             grad = grad.contiguous()   # e.g. the expanded (stride 0) gradient of a sum
             plan = pad_rows.plan_for((grad,), ctx.padded_dim)
+        if plan is None:   # the kernel unavailable (warned): what slicing's own backward does
+            return torch.nn.functional.pad(grad, (0, ctx.padded_dim - grad.shape[-1])), None
         return plan.run((grad,))[0], None
 
 
@@ -461,8 +464,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
                                         f"head_dim is {head_dim}")
         # eager: q, k, v padded by one launch of fagen's own kernel (templates/pad_rows.cu) and dO by another in
         # the backward; traced (torch.compile): F.pad, which the compiler fuses itself
-        plan = (pad_rows.plan_for((q, k, v), padded_dim) if EAGER_FAST_PATH and type(q) is torch.Tensor
-                and not torch.compiler.is_compiling() else None)
+        plan = (pad_rows.plan_for((q, k, v), padded_dim) if EAGER_FAST_PATH and not torch.compiler.is_compiling()
+                and type(q) is type(k) is type(v) is torch.Tensor else None)
         differentiable = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
         if plan is None:
             q, k, v = (torch.nn.functional.pad(t, (0, padded_dim - head_dim)) for t in (q, k, v))

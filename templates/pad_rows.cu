@@ -26,6 +26,9 @@ struct Args {
     long long count;             // how many of operand[] are in use
 };
 
+// fagen/pad_rows.py packs Args as 27 eight-byte fields (struct.Struct "<" + "QQqqqqqq" * 3 + "qqq")
+static_assert(sizeof(Operand) == 64 && sizeof(Args) == 216, "Args must match fagen/pad_rows.py's _ARGS");
+
 }  // namespace fagen_pad
 
 extern "C" __global__ void __launch_bounds__(256) fagen_pad_rows(const fagen_pad::Args args) {
@@ -34,7 +37,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_pad_rows(const fagen_pad
     const Operand& t = args.operand[blockIdx.y];
     const int width = static_cast<int>(args.width);
     const int chunks_per_row = static_cast<int>(args.padded_width / CHUNK);
-    // the host keeps rows * chunks_per_row below 2^31, so 32-bit indices and divisions suffice
+    // the host keeps rows * chunks_per_row + the grid's stride below 2^31, so 32-bit indices and divisions
+    // suffice (the loop's last step cannot wrap)
     const int chunks = static_cast<int>(t.rows) * chunks_per_row;
     const int extent1 = static_cast<int>(t.extent[0]), extent2 = static_cast<int>(t.extent[1]);
     for (int chunk = blockIdx.x * blockDim.x + threadIdx.x; chunk < chunks; chunk += gridDim.x * blockDim.x) {

@@ -20,5 +20,7 @@ def test_pad_kernel_compiles_without_spills(arch):
 
 def test_launch_struct_matches_the_kernels_args():
     pad_rows = pytest.importorskip("fagen.pad_rows")
-    assert pad_rows._ARGS.size == (pad_rows.OPERANDS * 8 + 3) * 8
+    assert pad_rows._ARGS.size == (pad_rows.OPERANDS * 8 + 3) * 8 == 216   # templates/pad_rows.cu static_asserts 216
+    # the grid-stride loop's last step stays below 2^31 (the kernel's 32-bit chunk index)
+    assert pad_rows._CHUNK_LIMIT + pad_rows._GRID_LIMIT * pad_rows._THREADS <= 2 ** 31 - 1
     assert pad_rows.CHUNK * 2 == 16   # one 16-byte store of 2-byte elements per thread

@@ -1,17 +1,20 @@
 """The head-dim padding kernel (fagen/pad_rows.py) against F.pad, on layouts the torch adapter passes it:
 contiguous (B, H, N, d), (B, N, H, d) seen as (B, H, N, d), packed (total, H, d), a stride-0 (expanded)
-gradient made contiguous, odd and even widths, fp16 and bf16. The outputs come from PyTorch's caching
-allocator, so NaN is written into the memory they will reuse first: an element the kernel did not write
-stays NaN and fails the comparison."""
+gradient made contiguous, odd and even widths, fp16 and bf16; and fagen.attention's padded route against its
+F.pad route (EAGER_FAST_PATH off) without gradients, with some inputs differentiable and with the LSE. The
+kernel's checks write into NaN-filled outputs, so an element it did not write (a padding column included) is
+NaN and fails the comparison."""
 import pytest
 
 pytestmark = pytest.mark.gpu
 
 
-def _poison_allocator(torch, nbytes: int):
-    """Fill a block the size of what comes next with NaN and free it: the next allocations reuse it."""
-    block = torch.full((nbytes // 2 + 4096,), float("nan"), dtype=torch.float16, device="cuda")
-    del block
+def _poisoned_pad(torch, pad_rows, tensors, padded: int) -> list:
+    """pad(tensors) written into NaN-filled outputs of the padded shapes."""
+    out = [torch.full((*t.shape[:-1], padded), float("nan"), dtype=t.dtype, device=t.device) for t in tensors]
+    result = pad_rows.plan_for(tensors, padded).run(tensors, out=out)
+    assert all(r is o for r, o in zip(result, out))
+    return result
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -28,9 +31,7 @@ def test_pad_matches_f_pad(dtype, width, padded, layout):
     if layout == "bnhd":
         tensors = [t.transpose(1, 2) for t in tensors]
     tensors[1] = tensors[1][..., :40, :] if layout != "packed" else tensors[1][:90]   # k, v: other lengths
-    torch.cuda.synchronize()
-    _poison_allocator(torch, sum(t.numel() for t in tensors) // width * padded * 2)
-    padded_tensors = pad_rows.pad(tensors, padded)
+    padded_tensors = _poisoned_pad(torch, pad_rows, tensors, padded)
     for t, p in zip(tensors, padded_tensors):
         assert p.is_contiguous() and p.shape == (*t.shape[:-1], padded)
         want = torch.nn.functional.pad(t, (0, padded - width))
@@ -79,3 +80,46 @@ def test_head_dim_59_gradients_with_an_expanded_output_gradient():
     for name, fast, ops in zip("qkv", grads[True], grads[False]):
         assert fast.shape == base[0].shape and not fast.isnan().any(), name
         assert ((fast.double() - ops.double()).norm() / ops.double().norm()).item() < 5e-3, name
+
+
+def test_padded_route_matches_the_f_pad_route_without_grads_with_some_and_with_the_lse():
+    """Under no_grad the padded tensors come from the plan directly (no autograd nodes); with only q
+    differentiable the kernel route gives q's gradient alone; return_lse passes the LSE through."""
+    import torch
+    import fagen
+    import fagen.torch as fagen_torch
+
+    spec = fagen.Spec(head_dim=59, dtype="bf16", mask="causal")
+    base = [torch.randn(2, 3, 200, 59, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+    results = {}
+    for eager in (True, False):
+        fagen_torch.EAGER_FAST_PATH = eager
+        try:
+            with torch.no_grad():
+                o_plain = fagen.attention(*base, spec)
+            q = base[0].clone().requires_grad_()
+            o, lse = fagen.attention(q, base[1], base[2], spec, return_lse=True)
+            (o.float() * torch.linspace(-1, 1, 59, device="cuda")).sum().backward()
+            results[eager] = (o_plain, o, lse, q.grad)
+        finally:
+            fagen_torch.EAGER_FAST_PATH = True
+    (plain, o, lse, dq), (plain_ref, o_ref, lse_ref, dq_ref) = results[True], results[False]
+    assert plain.shape == o.shape == base[0].shape and lse.shape == base[0].shape[:-1]
+    assert torch.equal(plain, plain_ref) and torch.equal(o, o_ref) and torch.equal(lse, lse_ref)
+    assert not dq.isnan().any()
+    assert ((dq.double() - dq_ref.double()).norm() / dq_ref.double().norm()).item() < 5e-3
+
+
+def test_mixed_dtypes_are_refused_not_reinterpreted():
+    import torch
+    import fagen
+    from fagen import pad_rows
+    from fagen.runtime import ArgumentError
+
+    q = torch.randn(1, 2, 64, 59, device="cuda", dtype=torch.bfloat16)
+    k, v = (torch.randn(1, 2, 64, 59, device="cuda", dtype=torch.float16) for _ in range(2))
+    assert pad_rows.plan_for((q, k, v), 64) is None
+    with pytest.raises(ArgumentError, match="cannot be padded"):
+        pad_rows.pad([q, k, v], 64)
+    with pytest.raises(ArgumentError):   # fagen.attention: the spec's dtype check, as before the kernel route
+        fagen.attention(q, k, v, fagen.Spec(head_dim=59, dtype="bf16", mask="causal"))

@@ -67,6 +67,17 @@ def main():
             errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
             print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
                   flush=True)
+    # the torch adapter's head-dim padding kernel (fagen/pad_rows.py) on the layouts it is given, odd widths
+    import torch
+    from fagen import pad_rows
+
+    for shape, width, padded in (((2, 3, 77, 59), 59, 64), ((2, 77, 3, 111), 111, 112), ((131, 3, 3), 3, 8)):
+        tensors = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
+        if len(shape) == 4 and width == 111:
+            tensors = [t.transpose(1, 2) for t in tensors]   # (B, N, H, d) seen as (B, H, N, d)
+        result = pad_rows.pad(tensors, padded)
+        assert all(torch.equal(r, torch.nn.functional.pad(t, (0, padded - width))) for t, r in zip(tensors, result))
+        print("pad_rows", shape, padded, "ok", flush=True)
     print("sanitize run complete", file=sys.stderr)
 
 
