@@ -12,6 +12,7 @@ modules are shared with it.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 from typing import Optional
@@ -121,6 +122,19 @@ def make_current(device_index: int) -> None:
 
 
 _primary_contexts: dict[int, int] = {}
+
+
+@contextlib.contextmanager
+def on_device(device_index: int):
+    """The device's primary context current for the block, the thread's previous one (if any) after it."""
+    previous = current_device()
+    if previous != device_index:
+        make_current(device_index)
+    try:
+        yield
+    finally:
+        if previous is not None and previous != device_index:
+            make_current(previous)
 
 
 def device_attributes(device_index: int) -> dict:

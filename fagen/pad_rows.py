@@ -17,7 +17,7 @@ import warnings
 
 from fagen import cuda_driver as driver
 from fagen.compiler import CompileError, cached_cubin
-from fagen.runtime import ArgumentError, Kernel, device_target
+from fagen.runtime import ArgumentError, Kernel, _torch_types, device_target
 from fagen.sources import TEMPLATE_DIR
 
 #: Elements of a padded row written per thread (one 16-byte store of 2-byte elements); padded widths are
@@ -46,14 +46,8 @@ def _function(device: int) -> int:
             if function is None:
                 source = (TEMPLATE_DIR / "pad_rows.cu").read_text()
                 cubin = cached_cubin(source, device_target(device).arch, TEMPLATE_DIR)
-                previous = driver.current_device()
-                if previous != device:
-                    driver.make_current(device)
-                try:
+                with driver.on_device(device):
                     function = _functions[device] = driver.get_function(driver.load_module(cubin), _SYMBOL)
-                finally:
-                    if previous is not None and previous != device:
-                        driver.make_current(previous)
     return function
 
 
@@ -111,27 +105,15 @@ class PadPlan:
         arguments = driver.LaunchArguments(_ARGS.size)
         _ARGS.pack_into(arguments.buffer, 0, *values)
         device = self.device.index
-        previous = driver.current_device()
-        if previous != device:   # tensors on another GPU than the thread's current one (or no context yet)
-            driver.make_current(device)
-        try:
-            driver.launch(self.function, self.grid, _THREADS, 0, _current_stream(device), arguments, _SYMBOL)
+        # the tensors' GPU may not be the thread's current one (or the thread may have no context yet)
+        with driver.on_device(device):
+            driver.launch(self.function, self.grid, _THREADS, 0, _torch_types()["stream"](device), arguments, _SYMBOL)
             Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
-        finally:
-            if previous is not None and previous != device:
-                driver.make_current(previous)
         return padded
 
 
 _plans: dict[tuple, "PadPlan | None"] = {}
 _PLANS_KEPT = 256   # signatures remembered (a long-running process with ever-new shapes must not grow)
-
-
-def _current_stream(device: int) -> int:
-    import torch
-
-    raw = getattr(torch._C, "_cuda_getCurrentRawStream", None)
-    return raw(device) if raw else torch.cuda.current_stream(device).cuda_stream
 
 
 def plan_for(tensors, padded_width: int) -> "PadPlan | None":

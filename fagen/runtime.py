@@ -494,14 +494,8 @@ class Kernel:
 
     def _module_functions(self, device: int, cubins: dict) -> dict:
         """symbol -> CUfunction of each pass's cubin in `cubins`, loaded in the device's primary context."""
-        previous = driver.current_device()
-        if previous != device:
-            driver.make_current(device)
-        try:
+        with driver.on_device(device):
             modules = {p: driver.load_module(cubin) for p, cubin in cubins.items()}
-        finally:
-            if previous is not None and previous != device:
-                driver.make_current(previous)
         functions = {}
         for pass_name, module in modules.items():
             plan = self.plans[pass_name]
