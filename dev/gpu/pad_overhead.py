@@ -8,34 +8,22 @@ import cProfile
 import os
 import pstats
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
 import torch
 
 import fagen
+from dev.gpu.runtime_probe import per_call_us
 
 CALLS = 500
-
-
-def per_call_us(fn) -> float:
-    for _ in range(20):
-        fn()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(CALLS):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - start) / CALLS * 1e6
-
 
 for d in (64, 59):
     spec = fagen.Spec(head_dim=d, dtype="bf16", mask="causal")
     q, k, v = (torch.randn(1, 8, 128, d, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     with torch.no_grad():
-        forward = per_call_us(lambda: fagen.attention(q, k, v, spec))
-    both = per_call_us(lambda: torch.autograd.grad(fagen.attention(q, k, v, spec).sum(), (q, k, v)))
+        forward = per_call_us(lambda: fagen.attention(q, k, v, spec), CALLS)
+    both = per_call_us(lambda: torch.autograd.grad(fagen.attention(q, k, v, spec).sum(), (q, k, v)), CALLS)
     print(f"d={d}: forward {forward:.1f} us per call, forward + backward {both:.1f} us", flush=True)
 
 spec = fagen.Spec(head_dim=59, dtype="bf16", mask="causal")
