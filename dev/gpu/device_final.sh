@@ -11,12 +11,7 @@ precompile(t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + d.SPECS + d.PAGED_SPECS +
 save_cache
 [ "${1:-all}" = bench ] && SKIP_TESTS=1
 if [ -z "${SKIP_TESTS:-}" ]; then
-echo "== pytest -m gpu"
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -6
-for tool in memcheck racecheck; do
-  echo "== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
-done
+gpu_suite
 fi
 [ "${1:-all}" = tests ] && exit 0
 echo "== bench"

@@ -12,12 +12,7 @@ echo "== pytest modifiers"
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_modifiers_gpu.py 2>&1 | tail -30
 for step in "$@"; do
   if [ "$step" = all ]; then
-    echo "== pytest -m gpu (all)"
-    timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -8
-    for tool in memcheck racecheck; do
-      echo "== compute-sanitizer --tool $tool"
-      compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
-    done
+    gpu_suite
   fi
   if [ "$step" = bench ]; then
     echo "== bench modifiers"

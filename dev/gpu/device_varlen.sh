@@ -9,11 +9,6 @@ save_cache
 echo "== pytest varlen"
 timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_varlen_gpu.py 2>&1 | tail -25
 [ "${1:-}" = all ] || exit 0
-echo "== pytest -m gpu (all)"
-timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -6
-for tool in memcheck racecheck; do
-  echo "== compute-sanitizer --tool $tool"
-  compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
-done
+gpu_suite
 echo "== bench varlen"
 timeout 200 python3 -m fagen.bench varlen --json "$OUT/varlen.json" 2>&1 | tail -8
