@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d256_bf16_causal_
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
           s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, frow0 + (e / 2) * 8, fcol0 + (t * 8 + e % 2));
-          if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
+          if (!interior && !visibility.visible_if(col < seq_k, row, col)) s_acc[t][e] = -INFINITY;
         }
     }
 #pragma unroll
@@ -495,7 +495,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
         for (int e = 0; e < 4; ++e) {
           const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
           const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (row >= seq_q || key >= seq_k || !visibility.visible(row, key)) continue;
+          if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) continue;
           const float frow = (float)row, fkey = (float)key;
           const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
                                      -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
@@ -517,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
           const float frow = frow0 + (n * 8 + e % 2), fkey = fkey0 + (e / 2) * 8;
           if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
           s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
-          if (!interior && (row >= seq_q || key >= seq_k || !visibility.visible(row, key))) {
+          if (!interior && !visibility.visible_if(row < seq_q && key < seq_k, row, key)) {
             s_acc[n][e] = -INFINITY;
             // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN
             if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = 0.f;

@@ -160,7 +160,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
         for (int e = 0; e < 4; ++e) {
           const int row = warp_row0 + group + (e / 2) * 8, col = col0 + t * 8 + quad * 2 + (e % 2);
           s_acc[t][e] = visibility.modified_score(s_acc[t][e], row, col, frow0 + (e / 2) * 8, fcol0 + (t * 8 + e % 2));
-          if (!interior && (col >= seq_k || !visibility.visible(row, col))) s_acc[t][e] = -INFINITY;
+          if (!interior && !visibility.visible_if(col < seq_k, row, col)) s_acc[t][e] = -INFINITY;
         }
     }
 #pragma unroll

@@ -432,9 +432,19 @@ struct Visibility {
     }
   }
 
-  __device__ __forceinline__ bool visible(int row, int col) const {
-    if (col >= key_count) return false;
-    if (Mods::HAS_MASK && !mods.visible(row, col)) return false;
+  __device__ __forceinline__ bool visible(int row, int col) const { return visible_if(true, row, col); }
+
+  // visible(row, col) for a caller that also needs `exists` (the row and key are in range). The
+  // mask_mod is evaluated whatever `exists` says (its loads are clamped into its inputs): with no
+  // branch in front of its loads, the compiler shares them between a thread's elements of the same
+  // row or key (doc[b, i] == doc[b, j] on a 64 x 64 wgmma tile: 18 loads per thread, not 64). The
+  // mask kinds' own tests stay behind the branch: a block-sparse layout has no entry past the ends.
+  __device__ __forceinline__ bool visible_if(bool exists, int row, int col) const {
+    if (Mods::HAS_MASK) {
+      if (!(exists & (col < key_count) & mods.visible(row, col))) return false;
+    } else if (!exists || col >= key_count) {
+      return false;
+    }
     if (MASK == MASK_CAUSAL) return col <= row + shift;
     if (MASK == MASK_SLIDING_WINDOW) {
       const int distance = row + shift - col;
@@ -597,7 +607,7 @@ __device__ __forceinline__ void masked_scores(float* s_tile, const T* q_tile, co
                                               int row0, int rows_here, int col0, int cols_here, float scale_log2) {
   for (int idx = threadIdx.x; idx < BLOCK_R * BLOCK_C; idx += THREADS) {
     const int r = idx / BLOCK_C, c = idx % BLOCK_C;
-    const bool keep = r < rows_here && c < cols_here && visibility.visible(row0 + r, col0 + c);
+    const bool keep = visibility.visible_if((r < rows_here) & (c < cols_here), row0 + r, col0 + c);
     s_tile[idx] = keep ? visibility.modified_score(dot_row<HEAD_DIM>(q_tile + r * HEAD_DIM, k_tile + c * K_PITCH),
                                                    row0 + r, col0 + c) * scale_log2 : -INFINITY;
   }
