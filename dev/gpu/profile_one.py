@@ -6,6 +6,7 @@
 import argparse
 
 import torch
+import yaml
 
 from fagen import runtime, solver
 from fagen.bench import timing
@@ -23,10 +24,13 @@ def main() -> None:
     parser.add_argument("--family", default="")
     parser.add_argument("--block-c", type=int, default=0)
     parser.add_argument("--block-r", type=int, default=0)
+    parser.add_argument("--spec", default="", help="more spec fields as inline YAML, e.g. "
+                        "\"{score_mod: 'score + slope[h]', inputs: {slope: float32}}\"")
     args = parser.parse_args()
     runtime.ensure_context()
     target = from_device()
-    spec = Spec(head_dim=args.head_dim, dtype=args.dtype, mask=args.mask, arch=target.arch)
+    extra = yaml.safe_load(args.spec) if args.spec else {}
+    spec = Spec(**{"head_dim": args.head_dim, "dtype": args.dtype, "mask": args.mask, "arch": target.arch, **extra})
     solution = solver.solve(spec, target)
     chosen = [c for c in solution.candidates[args.pass_name]
               if (not args.family or c.family == args.family) and (not args.block_c or c.block_c == args.block_c)
@@ -35,12 +39,12 @@ def main() -> None:
     kernel = runtime.Kernel(spec, target, solver.with_plan(solution, args.pass_name, chosen))
     batch, heads = timing.shape_for(spec, args.seqlen, 16384, 2048)
     inputs = timing.make_inputs(spec, batch, heads, args.seqlen)
-    o, lse = kernel.forward(inputs.q, inputs.k, inputs.v)
+    o, lse = kernel.forward(inputs.q, inputs.k, inputs.v, **inputs.runtime_args)
     for _ in range(3):
         if args.pass_name == "forward":
-            kernel.forward(inputs.q, inputs.k, inputs.v)
+            kernel.forward(inputs.q, inputs.k, inputs.v, **inputs.runtime_args)
         else:
-            kernel.backward(inputs.q, inputs.k, inputs.v, o, lse, inputs.do)
+            kernel.backward(inputs.q, inputs.k, inputs.v, o, lse, inputs.do, **inputs.runtime_args)
     torch.cuda.synchronize()
 
 
