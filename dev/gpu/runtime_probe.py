@@ -13,6 +13,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -90,8 +91,10 @@ if sys.argv[2] == "cold":   # where a cold compile's time goes (these imports ar
     compiler._compile_at_run_time = timed("nvcc_s_summed_over_passes", compiler._compile_at_run_time)
 kernel = runtime.compile(fagen.Spec(**json.loads(sys.argv[1])), device=0)
 done = time.perf_counter()
+import importlib.util, os, pydantic
 print("PROBE", json.dumps({"seconds": done - start, "import_ms": (imported - start) * 1e3, "stages": stages,
-                           "sympy": "sympy" in sys.modules}))
+                           "sympy": "sympy" in sys.modules, "dont_write_bytecode": sys.flags.dont_write_bytecode,
+                           "pydantic_bytecode": os.path.exists(importlib.util.cache_from_source(pydantic.__file__))}))
 """
 
 
@@ -112,6 +115,17 @@ def load_rows() -> dict:
         out["new_process_load_ms"] = min(p["seconds"] for p in new) * 1e3
         out["new_process_import_fagen_ms"] = min(p["import_ms"] for p in new)
         out["new_process_imported_sympy"] = any(p["sympy"] for p in new)
+        out["new_process_had_bytecode"] = new[-1]["pydantic_bytecode"]
+        out["new_process_dont_write_bytecode"] = new[-1]["dont_write_bytecode"]
+        # As `pip install` leaves an environment: bytecode compiled for fagen and the packages it imports
+        # (the device machine's wheels are installed with --no-compile, and PYTHONDONTWRITEBYTECODE may be
+        # set, which makes every new process compile pydantic's and fagen's sources again).
+        import compileall, pydantic
+        for package in (Path(fagen.__file__).parent, Path(pydantic.__file__).parent.parent):
+            compileall.compile_dir(str(package), quiet=2, workers=0)
+        compiled = [probe() for _ in range(3)]
+        out["new_process_load_ms_bytecode"] = min(p["seconds"] for p in compiled) * 1e3
+        out["new_process_import_fagen_ms_bytecode"] = min(p["import_ms"] for p in compiled)
         saved = os.environ.get("FAGEN_CACHE_DIR")
         os.environ["FAGEN_CACHE_DIR"] = cache
         try:
@@ -155,12 +169,14 @@ def real_shape_rows() -> list[dict]:
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--json")
+    parser.add_argument("--only", nargs="+", choices=("overhead", "load", "autograd"),
+                        default=("overhead", "load", "autograd"), help="which parts to run (default: all)")
     args = parser.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
-    result["overhead"] = overhead_rows()
-    result["load"] = load_rows()
-    result["fwd_bwd_autograd"] = real_shape_rows()
+    result["overhead"] = overhead_rows() if "overhead" in args.only else []
+    result["load"] = load_rows() if "load" in args.only else {}
+    result["fwd_bwd_autograd"] = real_shape_rows() if "autograd" in args.only else []
     for row in result["overhead"]:
         print(f"{row['what']:28s} forward {row['forward_us']:8.1f} us   fwd+bwd "
               f"{row['fwd_bwd_us'] if row['fwd_bwd_us'] is None else round(row['fwd_bwd_us'], 1)} us")
