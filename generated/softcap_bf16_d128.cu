@@ -631,23 +631,30 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     }
 
     float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
-    if (!interior || Mods::HAS_SCORE) {
+    // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
+    auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
 #pragma unroll
       for (int n = 0; n < R_TILES; ++n)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          const float frow = frow0 + (n * 8 + e % 2), fkey = fkey0 + (e / 2) * 8;
-          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
-          s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
-          if (!interior && !visibility.visible_if(row < seq_q && key < seq_k, row, key)) {
-            s_acc[n][e] = -INFINITY;
-            // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN
-            if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = 0.f;
-          }
+        for (int e = 0; e < 4; ++e)
+          fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
+             fkey0 + (e / 2) * 8);
+    };
+    // two passes, so that an interior tile runs none of the mask's per-element work (see forward_wgmma)
+    if (Mods::HAS_SCORE)
+      each_score([&](int n, int e, int row, int key, float frow, float fkey) {
+        if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = visibility.score_gradient(s_acc[n][e], row, key, frow, fkey, SCALE);
+        s_acc[n][e] = visibility.modified_score(s_acc[n][e], row, key, frow, fkey);
+      });
+    if (!interior)
+      each_score([&](int n, int e, int row, int key, float, float) {
+        if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) {
+          s_acc[n][e] = -INFINITY;
+          // P = 0 there, but a derivative that is inf or NaN at that score would turn 0 * it into NaN
+          if (!Mods::SCORE_GRAD_IS_ONE) score_grad[n][e] = 0.f;
         }
-    }
+      });
 
     // dropout: bit 4 n + e of `kept` is element e of n-tile n's decision (one Philox call per 8 elements where the
     // template's DROPOUT_SHUFFLED, else per 4; warp_row0 and warp_col0 are multiples of 16, as the patches need)

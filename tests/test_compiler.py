@@ -296,10 +296,28 @@ def test_static_shared_memory_is_what_the_solver_counts(compiled, variant, arch)
 
 INPUT_GRAD_CASES = [c for c in CASES if not isinstance(c[2], Exception) and c[2].spec.modifiers.kernel_input_grads]
 
+# As KNOWN_SPILLS, for the builds WITH_INPUT_GRADS (compiled on demand when a backward asks for input gradients).
+KNOWN_INPUT_GRAD_SPILLS = {
+    # backward_fa2_mma (sm_80) with the bias table's per-element atomics and dropout, since the score_mod and the
+    # mask became two passes over the tile (2026-11-24; on sm_90 the split made the score_mod backwards 4-6%
+    # faster: ALiBi 7609 -> 7142 us at N = 8192, H200). Not timed on sm_80 (no such GPU here).
+    ("relative_bias_fp16_d64_dropout", "sm_80"): "32 / 36 B at 255 registers",
+}
+
+
+def _input_grad_params():
+    return [pytest.param(c[0], c[1], id=f"{c[0]}-{c[1]}", marks=[pytest.mark.xfail(strict=True, reason=(
+                f"ptxas spills today ({KNOWN_INPUT_GRAD_SPILLS[c[0], c[1]]}); remove this entry from "
+                "KNOWN_INPUT_GRAD_SPILLS once the template no longer spills"))] if (c[0], c[1]) in KNOWN_INPUT_GRAD_SPILLS else [])
+            for c in INPUT_GRAD_CASES]
+
+
+def test_known_input_grad_spills_name_real_cases():
+    assert set(KNOWN_INPUT_GRAD_SPILLS) <= {(c[0], c[1]) for c in INPUT_GRAD_CASES}
+
 
 @needs_nvcc
-@pytest.mark.parametrize("variant, arch", [(c[0], c[1]) for c in INPUT_GRAD_CASES],
-                         ids=[f"{c[0]}-{c[1]}" for c in INPUT_GRAD_CASES])
+@pytest.mark.parametrize("variant, arch", _input_grad_params())
 def test_input_gradient_backward_compiles_without_spills(variant, arch):
     """The backward built WITH_INPUT_GRADS (compiled on demand at run time) of each example whose score_mod reads
     a float tensor: the same kernel symbols as the usual build, none spilling."""
