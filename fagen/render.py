@@ -117,6 +117,12 @@ WARPGROUP_PRODUCTS = {
         # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or 64 dims (the last one's end at d)
         ("dq_product", lambda spec, plan: plan.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
     ),
+    # d > 128: the warpgroups split S^T by queries and dK, dV, dQ by dims; P_drop^T, dS^T from shared memory
+    "backward_wgmma_wide.cu.j2": (
+        ("scores_product", lambda spec, plan: plan.block_r // (plan.warps // 4), False, 0, 0),    # S^T, dP^T
+        ("key_grad_product", lambda spec, plan: plan.head_dim // (plan.warps // 4), False, 0, 1),  # dV, dK
+        ("dq_product", lambda spec, plan: plan.head_dim // (plan.warps // 4), False, 1, 1),        # dQ
+    ),
 }
 
 

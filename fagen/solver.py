@@ -172,6 +172,25 @@ FAMILIES: tuple[Family, ...] = (
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
                    "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * w or (r == 64 and 16 * w - 32 <= hd <= 16 * w)),)),
+    # Hopper warpgroup MMA for head dims whose dK, dV do not fit one warpgroup's registers (d > 128): the 64 keys
+    # of a block shared by the warpgroups, which split S^T, dP^T by queries and dK, dV, dQ by dims (whole swizzle
+    # panels each: d a multiple of 64); P_drop^T and dS^T through shared memory (Bc x Br each, swizzled) as the A
+    # operand of dV, dK; dQ's atomics from the registers. K_j, V_j, two stages of Q_i, dO_i as in backward_wgmma.
+    Family("backward_wgmma_wide", "backward_wgmma_wide.cu.j2", ("backward",),
+           smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024,
+           # dK, dV (64 keys x d/G each over a warpgroup's 128 lanes, G = W/4 warpgroups) + the larger of S^T,
+           # dP^T (64 keys x Br/G each) and the dQ tile (Br x d/G), which do not live at once, + 40 of state
+           registers=2 * Bc * d / (32 * W) + sp.Max(2 * Bc * Br / (32 * W), Br * d / (32 * W)) + 40,
+           # S^T, dP^T: K_j, V_j per warpgroup and Q, dO once; dV, dK: P^T, dS^T per warpgroup and Q, dO once;
+           # dQ: dS per warpgroup and K_j once
+           smem_reads=E * (W / 4 * (2 * Bc * d + 2 * Bc * Br + Br * Bc) + 2 * Br * d + 2 * Br * d + Bc * d) / (Br * Bc),
+           warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True, tile_walk=True,
+           dropout_registers=4, packed_registers=4, modifier_registers=4,
+           dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
+           archs=("sm_90",), preference=0,
+           rules=(("head dims above 128 (at 128 and below backward_wgmma holds dK, dV in one warpgroup)",
+                   lambda r, c, hd, w: hd > 128),
+                  ("Br = 64: 32 queries of S^T per warpgroup", lambda r, c, hd, w: r == 64),)),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).

@@ -546,27 +546,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
     // ptxas registers and spills).
     constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
                                       (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
-    if (INPUT_GRADS_HERE) {
-      const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
-                                                             args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
-#pragma unroll
-      for (int n = 0; n < R_TILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
-          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) continue;
-          const float frow = (float)row, fkey = (float)key;
-          const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
-                                     -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
-          float dp = dp_acc[n][e];
-          if (HAS_DROPOUT) dp *= dropout_keep_factor(kept_here, 4 * n + e, KEEP_SCALE);
-          const float ds = p * (dp - delta_tile[r]);
-          if (ds != 0.f) visibility.mods.add_input_grads(ds, s_acc[n][e] * SCALE, row, key, input_grad_sums);
-        }
-    }
-
-    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -577,6 +556,22 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
           fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
              fkey0 + (e / 2) * 8);
     };
+    if (INPUT_GRADS_HERE) {
+      const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                             args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
+      each_score([&](int n, int e, int row, int key, float frow, float fkey) {
+        if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) return;
+        const int r = row - row0;
+        const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
+                                   -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
+        float dp = dp_acc[n][e];
+        if (HAS_DROPOUT) dp *= dropout_keep_factor(kept_here, 4 * n + e, KEEP_SCALE);
+        const float ds = p * (dp - delta_tile[r]);
+        if (ds != 0.f) visibility.mods.add_input_grads(ds, s_acc[n][e] * SCALE, row, key, input_grad_sums);
+      });
+    }
+
+    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     // two passes, so that an interior tile runs none of the mask's per-element work (see forward_wgmma)
     if (Mods::HAS_SCORE)
       each_score([&](int n, int e, int row, int key, float frow, float fkey) {

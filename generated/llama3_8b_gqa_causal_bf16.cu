@@ -394,6 +394,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   const unsigned dq_stage = ds_tile + DS_BYTES + 2 * 2 * 4 * BLOCK_R + warp * DQ_STAGE_BYTES;   // 16-byte aligned
+  // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
   exit_if_spare_grouped(args);
   const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
   const long long bh = problem.bh;
@@ -401,7 +402,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const int col0 = blockIdx.y * BLOCK_C;
   if (PACKED && col0 >= seq_k) return;  // packed: the grid is sized for the longest sequence
   const int cols_here = min(BLOCK_C, seq_k - col0);
-  const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
   const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
@@ -420,8 +420,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
@@ -431,11 +431,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   };
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
+  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
+  const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
 
   float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // rows group, group + 8 of the warp's keys
   float s_acc[R_TILES][4], dp_acc[R_TILES][4];
@@ -537,27 +538,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     // ptxas registers and spills).
     constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
                                       (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
-    if (INPUT_GRADS_HERE) {
-      const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
-                                                             args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
-#pragma unroll
-      for (int n = 0; n < R_TILES; ++n)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = warp_row0 - row0 + n * 8 + quad * 2 + (e % 2);
-          const int row = warp_row0 + n * 8 + quad * 2 + (e % 2), key = warp_col0 + group + (e / 2) * 8;
-          if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) continue;
-          const float frow = (float)row, fkey = (float)key;
-          const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
-                                     -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
-          float dp = dp_acc[n][e];
-          if (HAS_DROPOUT) dp *= dropout_keep_factor(kept_here, 4 * n + e, KEEP_SCALE);
-          const float ds = p * (dp - delta_tile[r]);
-          if (ds != 0.f) visibility.mods.add_input_grads(ds, s_acc[n][e] * SCALE, row, key, input_grad_sums);
-        }
-    }
-
-    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -568,6 +548,22 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
           fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
              fkey0 + (e / 2) * 8);
     };
+    if (INPUT_GRADS_HERE) {
+      const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
+                                                             args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;
+      each_score([&](int n, int e, int row, int key, float frow, float fkey) {
+        if (!visibility.visible_if(row < seq_q && key < seq_k, row, key)) return;
+        const int r = row - row0;
+        const float p = exp2f(fmaf(visibility.modified_score(s_acc[n][e], row, key, frow, fkey), SCALE_LOG2,
+                                   -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
+        float dp = dp_acc[n][e];
+        if (HAS_DROPOUT) dp *= dropout_keep_factor(kept_here, 4 * n + e, KEEP_SCALE);
+        const float ds = p * (dp - delta_tile[r]);
+        if (ds != 0.f) visibility.mods.add_input_grads(ds, s_acc[n][e] * SCALE, row, key, input_grad_sums);
+      });
+    }
+
+    float score_grad[Mods::SCORE_GRAD_IS_ONE ? 1 : R_TILES][4];
     // two passes, so that an interior tile runs none of the mask's per-element work (see forward_wgmma)
     if (Mods::HAS_SCORE)
       each_score([&](int n, int e, int row, int key, float frow, float fkey) {

@@ -31,11 +31,13 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
 //   Otherwise (d = 32, 96, 160, 224): 64-byte swizzle. Panels of 32 columns, 8-row atoms of 512 B; chunk c
 //     of row r sits at c ^ ((r / 2) % 4).
 // Both are the hardware's rule (address bits 7.. XOR-ed into bits 4..) written per row; 64-byte panels let
-// a head dim that is an odd number of 32-column halves run on wgmma without padding it to 64.
-template <int COLUMNS>
+// a head dim that is an odd number of 32-column halves run on wgmma without padding it to 64. A template may ask
+// for 64-byte panels at any multiple of 32 (PANEL_BYTES): backward_wgmma_wide, whose warpgroups read d = 192 in
+// halves of 96 columns, each of which must start on a panel.
+template <int COLUMNS, int PANEL_BYTES = COLUMNS % 64 == 0 ? 128 : 64>
 struct Swizzle {
-  static_assert(COLUMNS % 32 == 0, "whole 64-byte swizzle panels");
-  static constexpr int ROW_BYTES = COLUMNS % 64 == 0 ? 128 : 64;   // bytes per row within a panel
+  static_assert((PANEL_BYTES == 128 || PANEL_BYTES == 64) && COLUMNS % (PANEL_BYTES / 2) == 0, "whole swizzle panels");
+  static constexpr int ROW_BYTES = PANEL_BYTES;                    // bytes per row within a panel
   static constexpr int PANEL_COLUMNS = ROW_BYTES / 2;
   static constexpr int CHUNKS = ROW_BYTES / 16;                    // 16-byte chunks per panel row
   static constexpr int ATOM_BYTES = 8 * ROW_BYTES;                 // the pattern repeats every 8 rows
@@ -70,14 +72,15 @@ struct Swizzle {
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a swizzled shared tile; rows at or past
 // valid_rows are zero-filled so that they add nothing to any product. Each thread copies one fixed
 // 16-byte column chunk of every (THREADS / chunks-per-row)-th row: when that row step is a multiple of 8
-// the swizzle phase never changes, so every copy after the first is a constant offset away.
-template <int ROWS, int HEAD_DIM, int THREADS, typename T>
+// the swizzle phase never changes, so every copy after the first is a constant offset away. PANEL_BYTES: the
+// tile's Swizzle (its default, or what the template's Layout asks for).
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
 __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T* slice, long long row_stride, int row0, int valid_rows,
                                                          int valid_cols = HEAD_DIM) {
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-  using Layout = Swizzle<HEAD_DIM>;
+  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
   if (valid_cols % PER_CHUNK != 0) {   // rows not whole 16-byte chunks: 4-byte copies (or elements) into the same places
     tc::load_rows_by_words<ROWS, HEAD_DIM, THREADS>(
         [=](int r, int c) { return tile + Layout::offset(ROWS, r, c / PER_CHUNK) + unsigned(c % PER_CHUNK * sizeof(T)); },

@@ -146,13 +146,17 @@ def kernel_cases() -> list:
         for pass_name, symbols in prepared.rendered.kernels.items():
             for symbol in symbols:
                 kernel_role = role(pass_name, symbols[0], symbol)
-                marks = []
-                if (variant, arch, kernel_role) in KNOWN_SPILLS:
-                    marks.append(pytest.mark.xfail(strict=True, reason=(
-                        f"ptxas spills today ({KNOWN_SPILLS[variant, arch, kernel_role]}); remove this entry "
-                        "from KNOWN_SPILLS once the template no longer spills")))
-                params.append(pytest.param(variant, arch, symbol, id=f"{variant}-{arch}-{kernel_role}", marks=marks))
+                params.append(pytest.param(variant, arch, symbol, id=f"{variant}-{arch}-{kernel_role}",
+                                           marks=known_spill_marks(KNOWN_SPILLS, "KNOWN_SPILLS", (variant, arch, kernel_role))))
     return params
+
+
+def known_spill_marks(table: dict, table_name: str, key: tuple) -> list:
+    """A strict xfail for a kernel `table` lists as spilling today: its entry must go when the spill does."""
+    if key not in table:
+        return []
+    return [pytest.mark.xfail(strict=True, reason=(f"ptxas spills today ({table[key]}); remove this entry from "
+                                                   f"{table_name} once the template no longer spills"))]
 
 
 # Kernels that ptxas (nvcc 13.0) reports spilling today, as spill stores / loads in bytes. These are
@@ -306,9 +310,8 @@ KNOWN_INPUT_GRAD_SPILLS = {
 
 
 def _input_grad_params():
-    return [pytest.param(c[0], c[1], id=f"{c[0]}-{c[1]}", marks=[pytest.mark.xfail(strict=True, reason=(
-                f"ptxas spills today ({KNOWN_INPUT_GRAD_SPILLS[c[0], c[1]]}); remove this entry from "
-                "KNOWN_INPUT_GRAD_SPILLS once the template no longer spills"))] if (c[0], c[1]) in KNOWN_INPUT_GRAD_SPILLS else [])
+    return [pytest.param(c[0], c[1], id=f"{c[0]}-{c[1]}",
+                         marks=known_spill_marks(KNOWN_INPUT_GRAD_SPILLS, "KNOWN_INPUT_GRAD_SPILLS", (c[0], c[1])))
             for c in INPUT_GRAD_CASES]
 
 

@@ -24,8 +24,11 @@ SPECS = [
     # 64-byte swizzle panels (d an odd number of 32-column halves) on warpgroup MMA, with dropout
     Spec(head_dim=96, dtype="bf16", mask="causal", dropout=0.1),
     Spec(head_dim=32, dtype="fp16", mask="sliding_window", window=40),
-    # the wide mma.sync backward (P^T, dS^T shared between warps), with dropout, and its sm_80 plan (Br = 32)
+    # the wide backwards (P^T, dS^T shared between warps through shared memory): on warpgroup MMA with dropout
+    # (d = 256) and 64-byte panels (d = 192); on mma.sync at d = 160 and in its sm_80 plan (Br = 32)
     Spec(head_dim=256, dtype="bf16", mask="causal", dropout=0.1),
+    Spec(head_dim=192, dtype="bf16", mask="sliding_window", window=40),
+    Spec(head_dim=160, dtype="fp16", mask="causal"),
     Spec(head_dim=192, dtype="fp16", mask="none", arch="sm_80"),
     # head dims padded inside the tensor-core kernels: cp.async with zero columns (40); 4-byte cp.async with a
     # 2-byte last column where rows are 4-byte aligned, element loads where not (59, heads = 1 below); 4-byte
