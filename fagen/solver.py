@@ -293,8 +293,11 @@ class Plan:
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
         # Not for an odd d: its rows load element by element (not 4-byte aligned), which costs more on wgmma's
         # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync). Not
-        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144).
-        weighed = family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0 and self.head_dim <= 128
+        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144), but for the wide backward:
+        # H200, bf16, causal, 4 x 16 x 4096, backward_wgmma_wide at 192 4.5 ms against backward_fa2_mma_wide at
+        # 160 5.5 ms, at 256 5.2 ms against 7.5 ms at 256 (so d = 129-160 run as 192, d = 193-224 as 256).
+        weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
+                   and (self.head_dim <= 128 or family.name == "backward_wgmma_wide"))
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         if family.occupancy_first:
             return (head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,

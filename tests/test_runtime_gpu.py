@@ -49,9 +49,11 @@ SPECS = _specs() + [  # head dims that are not multiples of 16
     Spec(head_dim=72, dtype="bf16", mask="causal", arch="sm_80")]
 GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
     Spec(head_dim=64, dtype="fp16", mask="causal", dropout=0.1, deterministic=True),
-    # backward_fa2_mma_wide (d >= 160): Br = 64 on sm_90, Br = 32 where an sm_80 plan runs; an odd d padded to 256
+    # d > 128: backward_wgmma_wide on sm_90 (d = 160 padded to 192, 192 in 64-byte panels, 256; an odd d padded to
+    # 256), backward_fa2_mma_wide where an sm_80 plan runs (Br = 32 at d = 256) and at an odd d up to 160 on sm_90
     Spec(head_dim=256, dtype="bf16", mask="none"),
     Spec(head_dim=160, dtype="fp16", mask="causal"),
+    Spec(head_dim=145, dtype="bf16", mask="causal"),
     Spec(head_dim=192, dtype="bf16", mask="sliding_window", window=100, dropout=0.1),
     Spec(head_dim=256, dtype="bf16", mask="causal", arch="sm_80"),
     Spec(head_dim=250, dtype="fp16", mask="padding"),

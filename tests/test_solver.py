@@ -421,8 +421,8 @@ def test_every_head_dim_has_a_tensor_core_backward(arch):
     """Issue 13: fp16/bf16 backward on tensor cores at every d from 1 to 256, with and without dropout (d > 128
     on the wide families, whose warps split dK, dV by dims; the CUDA-core backward took 68 s to compile
     at d = 256 and ran at 0.03x SDPA-flash): on sm_90 backward_wgmma_wide where d pads to 192 or 256 (its
-    warpgroups' halves of d are whole swizzle panels), backward_fa2_mma_wide at d = 129-160 and 193-224 (less
-    padding).
+    warpgroups' halves of d are whole swizzle panels, and an even d pads up to a third more columns to get there:
+    d = 129-160 as 192, 193-224 as 256), backward_fa2_mma_wide at odd d = 129-160 and 193-224 (less padding).
     Where a family's least padded d fits none of its tile plans, a
     larger multiple is tried: on sm_80 d = 193-224 run as 256 (the wide template at 224 has Br = 32 only,
     whose dQ tiles do not split over 8 warps), and with dropout d = 97-112 as 128 on backward_fa2_mma."""
@@ -430,7 +430,7 @@ def test_every_head_dim_has_a_tensor_core_backward(arch):
         for dtype, mask, dropout in (("bf16", "causal", 0.0), ("fp16", "none", 0.1)):
             plan = solve(Spec(head_dim=head_dim, dtype=dtype, mask=mask, dropout=dropout, arch=arch)).plans["backward"]
             assert plan.tensor_cores, (head_dim, dtype, dropout, plan.family)
-            wgmma_wide = arch == "sm_90" and (160 < head_dim <= 192 or head_dim > 224)
+            wgmma_wide = arch == "sm_90" and head_dim > 128 and (head_dim % 2 == 0 or 160 < head_dim <= 192 or head_dim > 224)
             assert (plan.family == "backward_wgmma_wide") == wgmma_wide, (head_dim, plan.family)
             assert (plan.family == "backward_fa2_mma_wide") == (head_dim > 128 and not wgmma_wide), (head_dim, plan.family)
             padded = solver.padded_head_dim(solver.family_named(plan.family), head_dim)
@@ -441,7 +441,9 @@ def test_every_head_dim_has_a_tensor_core_backward(arch):
 def test_more_padding_only_where_less_fits_no_plan():
     """The least padded d wins whenever it has a plan: the larger multiples are tried only after it fits none."""
     plan = solve(Spec(head_dim=200, dtype="bf16", mask="causal", arch="sm_90")).plans["backward"]
-    assert (plan.family, plan.head_dim) == ("backward_fa2_mma_wide", 224)   # less padding than wgmma_wide's 256
+    assert (plan.family, plan.head_dim) == ("backward_wgmma_wide", 256)   # weighed against mma.sync's 224 (PREFERRED_PADDING)
+    plan = solve(Spec(head_dim=201, dtype="bf16", mask="causal", arch="sm_90")).plans["backward"]
+    assert (plan.family, plan.head_dim) == ("backward_fa2_mma_wide", 224)   # an odd d: the least padding
     plan = solve(Spec(head_dim=200, dtype="bf16", mask="causal", arch="sm_80")).plans["backward"]
     assert (plan.family, plan.head_dim, plan.block_r) == ("backward_fa2_mma_wide", 256, 32)
     wide = solver.family_named("backward_fa2_mma_wide")
@@ -451,10 +453,11 @@ def test_more_padding_only_where_less_fits_no_plan():
 
 @pytest.mark.parametrize("head_dim, keys_per_warp", [(160, 16), (192, 32), (256, 32)])
 def test_wide_backward_plans_at_large_head_dims(head_dim, keys_per_warp):
-    """Br x Bc = 64 x 64 over 8 warps on sm_90 (Br = 32 on sm_80, whose blocks have less shared memory);
+    """Br x Bc = 64 x 64 over 8 warps on sm_80 (Br = 32 where its blocks have too little shared memory; sm_90 runs
+    these d on backward_wgmma_wide);
     the template's dK, dV take 32 keys per warp where d / (W / (Bc / 32)) is a multiple of 16, else 16."""
     for arch, block_r in (("sm_90", 64), ("sm_80", 64 if head_dim == 160 else 32)):
-        if arch == "sm_90" and head_dim != 160:   # backward_wgmma_wide takes those (its own test below)
+        if arch == "sm_90":   # backward_wgmma_wide takes those (its own test below)
             continue
         plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", arch=arch)).plans["backward"]
         assert (plan.family, plan.block_r, plan.block_c, plan.warps) == ("backward_fa2_mma_wide", block_r, 64, 8)
@@ -463,7 +466,7 @@ def test_wide_backward_plans_at_large_head_dims(head_dim, keys_per_warp):
         assert 16 * kv_m == keys_per_warp
 
 
-@pytest.mark.parametrize("head_dim, panel_bytes", [(192, 64), (176, 64), (256, 128), (255, 128)])
+@pytest.mark.parametrize("head_dim, panel_bytes", [(192, 64), (176, 64), (160, 64), (256, 128), (255, 128), (224, 128)])
 def test_warpgroup_wide_backward_at_head_dims_of_whole_panels(head_dim, panel_bytes):
     """sm_90, d > 160: backward_wgmma_wide, Br x Bc = 64 x 64 over two warpgroups, each taking d/2 dims of dK, dV,
     dQ that start on a swizzle panel (d = 192: halves of 96 in 64-byte panels); within the block's shared memory and

@@ -1,7 +1,7 @@
 """A/B timing of the padded forward / backward kernels of two fagen trees on one GPU, e.g. before and
 after a template change (bf16, batch 4, N = 4096, d 64 and 128, causal and not; median of 30 calls; with
 AB_DROPOUT=1 also d 64 and 128 with dropout 0.1, causal and not; with AB_WINDOW=1 d 128 and 64 with a sliding
-window of 1024 at batch 2, N = 8192):
+window of 1024 at batch 2, N = 8192; with AB_WIDE=1 only d = 160, 192, 256 causal and d = 256 at N = 3000):
 
     git archive <commit> | tar x -C ab_old        # the tree to compare with (a throw-away copy)
     FAGEN_CACHE_DIR=/tmp/cache-old python3 dev/gpu/ab_time.py $PWD/ab_old old
@@ -26,6 +26,7 @@ out=[]
 CASES=[(d,h,mask,0.0,None,4,4096) for d,h in ((64,32),(128,16)) for mask in ("causal","none")]
 if os.environ.get("AB_DROPOUT"): CASES+=[(d,h,mask,0.1,None,4,4096) for d,h in ((64,32),(128,16)) for mask in ("causal","none")]
 if os.environ.get("AB_WINDOW"): CASES+=[(128,16,"sliding_window",0.0,1024,2,8192), (64,16,"sliding_window",0.0,1024,2,8192)]
+if os.environ.get("AB_WIDE"): CASES=[(d,16,"causal",0.0,None,4,4096) for d in (160,192,256)] + [(256,16,"none",0.0,None,2,3000)]
 for d,h,mask,p,window,batch,n in CASES:
     k=runtime.compile(Spec(head_dim=d,dtype="bf16",mask=mask,dropout=p,window=window))
     g=torch.Generator(device="cuda").manual_seed(0)
