@@ -455,15 +455,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
     const int i_next = next_visible(i + 1);
-    if (i_next < row_blocks) {
-      load_q_block(i_next, stage ^ 1);   // prefetch the next visible row block into the other stage
-      tc::cp_async_commit();
-      tc::cp_async_wait<1>();
-    } else {
-      tc::cp_async_wait<0>();
-    }
+    // One barrier a step: past it, this stage's Q_i, dO_i have landed, and every warpgroup is done with the previous
+    // step (its products waited for): the other stage and P^T, dS^T are free, and the next visible row block starts
+    // loading into that stage while this one computes.
+    tc::cp_async_wait<0>();
     wg::fence_async_proxy();
     __syncthreads();
+    if (i_next < row_blocks) {
+      load_q_block(i_next, stage ^ 1);
+      tc::cp_async_commit();
+    }
     const float* lse_tile = lse_tiles + stage * BLOCK_R;
     const float* delta_tile = delta_tiles + stage * BLOCK_R;
     const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
@@ -639,7 +640,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     wg::wait<0>();   // dV, dK
     wg::fence_registers(dv_acc);
     wg::fence_registers(dk_acc);
-    __syncthreads();  // every warpgroup's products are done with this stage and with P^T, dS^T before either is refilled
     stage ^= 1;
     i = i_next;
   }
