@@ -89,6 +89,7 @@ class Family:
     preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
+    weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -187,7 +188,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True, tile_walk=True,
            dropout_registers=4, packed_registers=4, modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
-           archs=("sm_90",), preference=0,
+           archs=("sm_90",), preference=0, weighed_padding_up_to=256,
            rules=(("head dims above 128 (at 128 and below backward_wgmma holds dK, dV in one warpgroup)",
                    lambda r, c, hd, w: hd > 128),
                   ("Br = 64: 32 queries of S^T per warpgroup", lambda r, c, hd, w: r == 64),)),
@@ -293,11 +294,12 @@ class Plan:
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
         # Not for an odd d: its rows load element by element (not 4-byte aligned), which costs more on wgmma's
         # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync). Not
-        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144), but for the wide backward:
-        # H200, bf16, causal, 4 x 16 x 4096, backward_wgmma_wide at 192 4.5 ms against backward_fa2_mma_wide at
-        # 160 5.5 ms, at 256 5.2 ms against 7.5 ms at 256 (so d = 129-160 run as 192, d = 193-224 as 256).
+        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144), but for the wide backward
+        # (its weighed_padding_up_to): H200, bf16, causal, 4 x 16 x 4096, backward_wgmma_wide at 192 4.5 ms against
+        # backward_fa2_mma_wide at 160 5.5 ms, at 256 5.2 ms against 7.5 ms at 256 (so d = 129-160 run as 192,
+        # d = 193-224 as 256).
         weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
-                   and (self.head_dim <= 128 or family.name == "backward_wgmma_wide"))
+                   and self.head_dim <= family.weighed_padding_up_to)
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         if family.occupancy_first:
             return (head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,

@@ -661,10 +661,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     stage ^= 1;
     i = i_next;
   }
+  // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----
   tc::cp_async_wait<0>();
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
-  // dK_j = tau dK_g, dV_j = dV_g over the warpgroup's dims: each lane writes its two adjacent dims as one 32-bit store
+  // dK_j = tau dK_g, dV_j = dV_g (the warp's dims from dim0): each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);

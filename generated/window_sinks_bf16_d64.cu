@@ -561,6 +561,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
   const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
+  constexpr int dim0 = 0;                                          // the warp's dK, dV: every dim
 
   float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // rows group, group + 8 of the warp's keys
   float s_acc[R_TILES][4], dp_acc[R_TILES][4];
@@ -806,10 +807,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     stage ^= 1;
     i = i_next;
   }
+  // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----
   tc::cp_async_wait<0>();
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
-  // dK_j = tau dK_g, dV_j = dV_g: each lane writes its two adjacent dims as one 32-bit store
+  // dK_j = tau dK_g, dV_j = dV_g (the warp's dims from dim0): each lane writes its two adjacent dims as one 32-bit store
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
@@ -820,7 +822,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     if (key >= seq_k) continue;
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
-      const int dim = n * 8 + quad * 2;
+      const int dim = dim0 + n * 8 + quad * 2;
       tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
                                        dk_acc[n][2 * half + 1] * SCALE);
       tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
