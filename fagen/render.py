@@ -111,6 +111,11 @@ WARPGROUP_PRODUCTS = {
         ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
         ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),     # O += P~ V, V read transposed
     ),
+    # the warp-specialized forward's consumers issue the same products
+    "forward_wgmma_ws.cu.j2": (
+        ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),
+        ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),
+    ),
     "backward_wgmma.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
         ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q

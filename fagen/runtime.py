@@ -313,7 +313,7 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
 #: 128 / 64; BENCHMARKS.md "Causal blocks in groups of problems") against one problem at a time: causal with
 #: 16, forward -5%, backward -1.5..-2%. Without a mask every block has the same work, and groups of 4 timed
 #: the same as none (+-1%): 1, the grid's own order.
-GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "backward_wgmma.cu.j2", "backward_wgmma_wide.cu.j2")
+GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2", "backward_wgmma_wide.cu.j2")
 
 
 def block_group(spec: Spec) -> int:
@@ -1021,6 +1021,43 @@ class Kernel:
                 raise ArgumentError(f"out {name}: expected {dtype} of shape {shape}, got {t.dtype} {t.shape}")
         return out
 
+    @staticmethod
+    def _clear_sequence_rows(outputs: tuple, sequences: Sequences, offsets: int) -> None:
+        """When no kernel runs (every sequence empty of queries or keys) but the caller gave the outputs, the
+        rows inside the sequences still get their values (o, dq, dk, dv 0; lse -inf): `outputs` holds
+        (tensor, axis, value), rows along `axis` counted by the offsets sequences.keep[offsets]
+        (0: cu_seqlens_q, 1: cu_seqlens_k). Torch tensors take a masked fill on the device (no read-back);
+        other arrays read the two end offsets back, a synchronisation only this degenerate call pays."""
+        cu = sequences.keep[offsets]
+        for tensor, axis, value in outputs:
+            t = as_device_tensor("out", tensor)
+            rows = t.shape[axis]
+            if t.is_torch:
+                import torch
+
+                index = torch.arange(rows, device=t.owner.device)
+                inside = (index >= cu[0]) & (index < cu[-1])
+                shape = [1] * len(t.shape)
+                shape[axis] = rows
+                t.owner.masked_fill_(inside.view(shape), value)
+                continue
+            import numpy as np
+
+            first, last = (int(x) for x in np.asarray(cu.get() if hasattr(cu, "get") else cu)[[0, -1]])
+            itemsize = 2 if t.dtype in ("fp16", "bf16") else 4
+            if list(t.strides) != [int(np.prod(t.shape[n + 1:])) for n in range(len(t.shape))]:
+                raise ArgumentError("out: a batch whose sequences all lack queries or keys needs contiguous outputs "
+                                    "(their rows inside the sequences are written without a kernel)")
+            # (total, heads, d): one range of rows; (heads, total): one range per head
+            inner = int(np.prod(t.shape[axis + 1:]))
+            for outer in range(int(np.prod(t.shape[:axis]))):
+                start = t.pointer + ((outer * rows + first) * inner) * itemsize
+                count = (last - first) * inner
+                if value == 0:
+                    driver.memset_d8(start, 0, count * itemsize, t.stream or 0)
+                else:
+                    driver.memset_d32(start, struct.unpack("<I", struct.pack("<f", value))[0], count, t.stream or 0)
+
     def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
                           block_mask, inputs, seed, offset):
         """The fast-path key of a packed call, or None: only torch tensors with offsets already on the
@@ -1058,6 +1095,8 @@ class Kernel:
                                       out, launch_stream,
                                       {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
                                       else {"o": 0, "lse": -math.inf})
+        if out is not None and not sequences.has_work:
+            self._clear_sequence_rows(((o, 0, 0.0), (lse, 1, -math.inf)), sequences, 0)
         if total_q == 0 or tensors["k"].shape[0] == 0:
             return o, lse
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v")]
@@ -1086,6 +1125,9 @@ class Kernel:
                                      out, launch_stream, {"dq": None if sequences.covers_q and sequences.has_work else 0,
                                                           "dk": None if sequences.covers_k and sequences.has_work else 0,
                                                           "dv": None if sequences.covers_k and sequences.has_work else 0})
+        if out is not None and not sequences.has_work:
+            self._clear_sequence_rows(((grads[0], 0, 0.0),), sequences, 0)
+            self._clear_sequence_rows(((grads[1], 0, 0.0), (grads[2], 0, 0.0)), sequences, 1)
         if total_q == 0 or total_k == 0:
             return grads
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]

@@ -90,6 +90,7 @@ class Family:
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
+    takes_mask_mod: bool = True      # False: the template's tile walk cannot follow a mask_mod
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -131,6 +132,28 @@ FAMILIES: tuple[Family, ...] = (
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
            preference=0, occupancy_first=True),
+    # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
+    # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
+    # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
+    # (setmaxnreg: 56 and 224 per thread). Ranked ahead of forward_wgmma (preference -1) at d = 128 only, where
+    # it was timed faster (H200, bf16, dev/gpu/plan_time.py, forward_wgmma's plan against this one, us): causal
+    # N = 8192 2571-2589 -> 2042-2184, none N = 4096 1276 -> 948, causal 16 x 16 x 1024 236 -> 196, causal with
+    # dropout 863 -> 757, sliding window 1024 at 8192 890 -> 734. Elsewhere it was slower or mixed (causal, 4 x 16
+    # x 4096 unless noted): d = 32 612 -> 728, d = 96 576 -> 719, d = 160 1070 -> 1103, d = 192 1307 -> 1393,
+    # d = 256 1170 -> 1758; d = 64 415 -> 395-400 but 141 -> 145-152 at 16 x 16 x 1024.
+    Family("forward_wgmma_ws", "forward_wgmma_ws.cu.j2", ("forward",),
+           smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024 + 72,   # + the mbarriers
+           registers=sp.Integer(168),   # every thread of the block at launch: 64 K registers over 384 threads
+           smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
+           warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
+           dropout_registers=0, packed_registers=0, modifier_registers=0,
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
+           preference=-1, occupancy_first=True, takes_mask_mod=False, tag="_ws",
+           rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
+                  # O and S accumulators, P~ in pairs, 32 of state: the consumers' 224 registers
+                  ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
+                   lambda r, c, hd, w: r * hd / (32 * (w - 4)) + 3 * r * c / (64 * (w - 4)) + 32 <= 224),
+                  ("d = 128 (timed faster there only)", lambda r, c, hd, w: hd == 128))),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
@@ -506,6 +529,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
         broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
+    if spec.mask_mod and not family.takes_mask_mod:
+        broken.append("no mask_mod (the template's tile walk cannot follow one)")
     for description, holds in family.rules:
         if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):
             broken.append(description)

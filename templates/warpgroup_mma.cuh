@@ -115,6 +115,45 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 // fences after its copies land and before the barrier that publishes them.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// ---- a warp-specialized block's stages: mbarriers (8 bytes of shared memory each, by shared address) ----
+// A stage is "full" once the producer's copies into it landed and "empty" once every consumer is done
+// reading it; each side waits on the other's barrier with the phase parity it expects, so the warpgroups
+// of one block no longer meet at a block-wide barrier every step.
+__device__ __forceinline__ void barrier_init(unsigned barrier, unsigned arrivals) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" :: "r"(barrier), "r"(arrivals) : "memory");
+}
+__device__ __forceinline__ void barrier_arrive(unsigned barrier) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(barrier) : "memory");
+}
+// this thread's arrival, made when all of its cp.async copies issued so far have landed (the barrier's
+// count includes it: .noinc)
+__device__ __forceinline__ void barrier_arrive_when_copied(unsigned barrier) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
+}
+__device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
+  unsigned done;
+  do {
+    asm volatile("{\n.reg .pred p;\nmbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
+  } while (!done);
+}
+// Registers per thread of the calling warpgroup from here on (a multiple of 8): the producer gives its
+// share to the consumers, whose accumulators need more than an even split of the block's registers.
+template <int REGISTERS> __device__ __forceinline__ void release_registers() {
+  asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+template <int REGISTERS> __device__ __forceinline__ void claim_registers() {
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" :: "n"(REGISTERS));
+}
+// Named barrier ID (1..15; 0 is __syncthreads') over THREADS threads: sync waits, arrive only counts. Both
+// immediates: with a barrier number in a register, ptxas serialised the wgmmas around an arrive.
+template <int ID, int THREADS> __device__ __forceinline__ void named_barrier_sync() {
+  asm volatile("bar.sync %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory");
+}
+template <int ID, int THREADS> __device__ __forceinline__ void named_barrier_arrive() {
+  asm volatile("bar.arrive %0, %1;\n" :: "n"(ID), "n"(THREADS) : "memory");
+}
+
 // target[0..3] += value where `when`: one 16-byte fp32 reduction (sm_90), predicated rather than branched around.
 __device__ __forceinline__ void add_four_if(float* target, float4 value, bool when) {
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n@p red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n}\n"

@@ -186,6 +186,46 @@ def test_arrays_without_torch_take_the_packed_path():
     assert np.allclose(lse.get()[:, :201], ref_lse[:, :201], atol=1e-3)
 
 
+@pytest.mark.parametrize("arrays", ["torch", "pycuda"])
+def test_outputs_given_for_a_batch_without_work_get_their_sequence_rows(arrays):
+    """Every sequence empty of queries (or of keys): no kernel runs, yet outputs the caller passes in get the
+    rows inside the sequences written (dk, dv 0 for keys no query sees; o 0 and lse -inf for queries without
+    keys), and the rows outside every sequence stay the caller's (hypothesis found dk left as it was)."""
+    import pycuda.gpuarray as gpuarray
+    import torch
+
+    from fagen import runtime
+
+    spec = Spec(head_dim=32, dtype="fp16", mask="causal", layout="packed")
+    kernel = runtime.compile(spec)
+    runtime.ensure_context()
+    rng = np.random.default_rng(7)
+    q, do = (rng.standard_normal((3, 2, 32)).astype(np.float16) for _ in range(2))
+    k, v = (rng.standard_normal((4, 2, 32)).astype(np.float16) for _ in range(2))
+    if arrays == "torch":
+        move, read = (lambda x: torch.from_numpy(x).cuda()), (lambda x: x.cpu().numpy())
+        poison = lambda shape, dtype=np.float16: torch.full(shape, float("nan"), device="cuda",  # noqa: E731
+                                                            dtype=torch.float16 if dtype == np.float16 else torch.float32)
+    else:
+        move, read = gpuarray.to_gpu, (lambda x: x.get())
+        poison = lambda shape, dtype=np.float16: gpuarray.to_gpu(np.full(shape, np.nan, dtype))  # noqa: E731
+    q_, k_, v_, do_ = (move(x) for x in (q, k, v, do))
+    # no queries at all; keys 0 .. 2 in sequences, key 3 outside every sequence
+    grads = (poison((3, 2, 32)), poison((4, 2, 32)), poison((4, 2, 32)))
+    o, lse = kernel.forward(q_, k_, v_, cu_seqlens_q=[0, 0, 0], cu_seqlens_k=[0, 2, 3])
+    kernel.backward(q_, k_, v_, o, lse, do_, out=grads, cu_seqlens_q=[0, 0, 0], cu_seqlens_k=[0, 2, 3])
+    dq, dk, dv = (read(g).astype(np.float64) for g in grads)
+    assert np.isnan(dq).all()                      # no query row lies inside a sequence: all the caller's
+    for grad in (dk, dv):
+        assert not grad[:3].any() and np.isnan(grad[3:]).all()
+    # queries 1 .. 2 in sequences without keys, query 0 outside every sequence
+    out = (poison((3, 2, 32)), poison((2, 3), np.float32))
+    kernel.forward(q_, k_, v_, out=out, cu_seqlens_q=[1, 2, 3], cu_seqlens_k=[0, 0, 0])
+    o, lse = (read(t).astype(np.float64) for t in out)
+    assert not o[1:].any() and np.isnan(o[:1]).all()
+    assert np.isneginf(lse[:, 1:]).all() and np.isnan(lse[:, :1]).all()
+
+
 def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monkeypatch):
     """A packed call whose signature was seen before (shapes, strides, max_seqlen; offsets on the GPU)
     skips the checks and launches at once; the offsets' contents are read by the kernel on every call."""

@@ -33,12 +33,21 @@ def parse_plan(text: str):
 
 
 def kernel_with(spec: Spec, family, pass_name, block_r, block_c, warps, resident):
-    solution = solver.solve(spec, target_for(spec.arch))
-    plan = next(p for p in solution.candidates[pass_name] if (p.block_r, p.block_c, p.warps) == (block_r, block_c, warps)
-                and (family is None or p.family == family))
+    """The kernel of `spec` with this plan in place of the solver's. A plan outside the solver's candidates
+    (a warp count or tile the family does not list, a broken constraint) is evaluated all the same, its
+    broken constraints printed: the timing says whether the solver should offer it."""
+    target = target_for(spec.arch)
+    solution = solver.solve(spec, target)
+    plan = next((p for p in solution.candidates[pass_name] if (p.block_r, p.block_c, p.warps) == (block_r, block_c, warps)
+                 and (family is None or p.family == family)), None)
+    if plan is None:
+        chosen = solver.family_named(family or solution.plans[pass_name].family)
+        plan, broken = solver.evaluate(chosen, spec, target, pass_name, block_r, block_c, warps,
+                                       solution.plans[pass_name].head_dim)
+        print(f"  {chosen.name} {block_r},{block_c},{warps}: not a candidate; breaks {broken or 'nothing'}")
     plan = dataclasses.replace(plan, resident_warps=resident)
     solution = dataclasses.replace(solution, plans={**solution.plans, pass_name: plan})
-    return runtime.Kernel(spec, target_for(spec.arch), solution), plan
+    return runtime.Kernel(spec, target, solution), plan
 
 
 def main() -> None:
@@ -49,8 +58,15 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--compile-only", action="store_true",
+                        help="build (and cache) every plan's kernel, time nothing: run several at once before timing")
     args = parser.parse_args()
     spec = Spec(**yaml.safe_load(args.spec))
+    if args.compile_only:
+        runtime.compile(spec)
+        for text in args.plans:
+            kernel_with(spec, *parse_plan(text))
+        return
     inputs = make_inputs(spec, args.batch, args.heads, args.seq)
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.do
     base = runtime.compile(spec)
@@ -66,11 +82,7 @@ def main() -> None:
     with unchecked_launches():
         for text in args.plans:
             family, pass_name, *numbers = parse_plan(text)
-            try:
-                kernel, plan = kernel_with(spec, family, pass_name, *numbers)
-            except StopIteration:
-                print(f"  {text}: not among the solver's candidates")
-                continue
+            kernel, plan = kernel_with(spec, family, pass_name, *numbers)
             o, lse = kernel.forward(q, k, v, **inputs.runtime_args)
             if pass_name == "forward":
                 error = relative_error(o, o_ref)

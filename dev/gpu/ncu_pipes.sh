@@ -1,0 +1,6 @@
+# Device call: ncu pipe utilisation and stall reasons of a few forward plans (dev/gpu/profile_one.py).
+source dev/gpu/device_prelude.sh
+M=sm__inst_executed_pipe_xu.avg.pct_of_peak_sustained_active,sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_fma.avg.pct_of_peak_sustained_active,sm__inst_executed_pipe_alu.avg.pct_of_peak_sustained_active,sm__inst_executed.avg.per_cycle_active,smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio,smsp__average_warps_issue_stalled_wait_per_issue_active.ratio,smsp__average_warps_issue_stalled_math_pipe_throttle_per_issue_active.ratio,smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_short_scoreboard_per_issue_active.ratio,smsp__average_warps_issue_stalled_mio_throttle_per_issue_active.ratio,smsp__inst_executed.sum,gpu__time_duration.sum
+P="ncu --clock-control none --launch-skip 2 --launch-count 1 -k regex:fagen_fwd --metrics $M python3 dev/gpu/profile_one.py --pass forward --seqlen 4096"
+for a in "--head-dim 64 --mask causal --block-r 128 --block-c 64" "--head-dim 64 --mask causal --block-r 64 --block-c 128" "--head-dim 64 --mask none --block-r 128 --block-c 64" "--head-dim 128 --mask causal"; do
+  echo "=== $a"; $P $a 2>&1 | grep -E "^\s+(sm__|smsp__|gpu__)" ; done
