@@ -265,8 +265,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const unsigned long long q_desc = Layout::k_major(q_tile + consumer * 64 * Layout::ROW_BYTES);
   auto k_desc = [&](int s) { return Layout::k_major(k_tiles) + s * (KV_BYTES >> 4); };
   auto v_desc = [&](int s) { return Layout::mn_major(v_tiles, BLOCK_C) + s * (KV_BYTES >> 4); };
-  auto issue_scores = [&](int s) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
-    const unsigned long long k_tile = k_desc(s);
+  auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
+    const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);
     wg::fence();
 #pragma unroll
@@ -274,11 +274,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       s_product(s_acc, q_desc + Layout::k_major_step(BLOCK_R, kk), k_tile + Layout::k_major_step(BLOCK_C, kk), kk > 0);
     wg::commit();
   };
-  auto issue_output = [&](int s) {  // O_g += dropout(P~) V_j, P~ from registers
-    const unsigned long long v_tile = v_desc(s);
+  auto issue_output = [&](int i) {  // O_g += dropout(P~) V_j, P~ from registers
+    const unsigned long long v_tile = v_desc(i);
     wg::fence_registers(o_acc);
     wg::fence_registers(p_frag);
     wg::fence();
+    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
 #pragma unroll
     for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
     wg::commit();
