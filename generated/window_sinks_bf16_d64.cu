@@ -521,7 +521,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_bf16_none_fa2_sm
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
-    for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
+    // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
+#pragma unroll
+    for (int n = 0; n < (2 * BLOCK_R + THREADS - 1) / THREADS; ++n) {
+      const int r = tid + n * THREADS;
+      if (2 * BLOCK_R % THREADS != 0 && r >= 2 * BLOCK_R) break;
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
       float* dst = (r < BLOCK_R ? lse_tiles : delta_tiles) + stage * BLOCK_R + row;
