@@ -102,41 +102,6 @@ __device__ __noinline__ void load_rows_by_elements(SharedAt shared_at, const T* 
   }
 }
 
-// Rows [row0, row0 + ROWS) of a slice in 16-byte copies to shared_at(r, chunk) (the tile's layout); rows at or
-// past valid_rows and chunks at or past valid_cols are zero-filled. Where a row's chunks divide the threads and
-// the layout repeats every LAYOUT_PERIOD rows (1: padded rows; 8: a swizzle) within the thread's row step, each
-// thread keeps one chunk column, its copies SHARED_ROW_BYTES x the row step apart, and steps one source pointer
-// down the rows: 6 instructions a copy where ptxas, given the address of each copy from its index, recomputed it
-// in full (about 15; the H200's d = 64 forward and the wgmma backwards were 4-8% faster this way). The padded
-// tiles of the mma.sync templates (async_load_rows below) keep their own copy-by-index loop: at 255 registers on
-// sm_80, any change to it moved ptxas's spills into forwards that had none, and no sm_80 GPU was at hand to time it.
-template <int ROWS, int CHUNKS_PER_ROW, int THREADS, int SHARED_ROW_BYTES, int LAYOUT_PERIOD, typename T, typename SharedAt>
-__device__ __forceinline__ void copy_rows_16(SharedAt shared_at, const T* slice, long long row_stride, int row0, int valid_rows,
-                                             int valid_cols) {
-  constexpr int PER_CHUNK = 16 / sizeof(T);
-  constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROW_STEP % LAYOUT_PERIOD == 0 && ROWS % ROW_STEP == 0) {
-    const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
-    const unsigned dst = shared_at(r0, c);
-    const T* src = slice + (long long)(row0 + r0) * row_stride + c * PER_CHUNK;
-    const long long src_step = ROW_STEP * row_stride;
-    const int rows_left = valid_rows - r0;
-    const bool cols_here = c * PER_CHUNK < valid_cols;
-#pragma unroll
-    for (int n = 0; n < ROWS / ROW_STEP; ++n) {
-      const bool valid = rows_left > n * ROW_STEP && cols_here;
-      cp_async_16(dst + n * ROW_STEP * SHARED_ROW_BYTES, src, valid);   // invalid: 0 bytes read, 16 zero-filled
-      src += src_step;
-    }
-  } else {
-    for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
-      const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
-      const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
-      cp_async_16(shared_at(r, c), slice + (valid ? (long long)(row0 + r) * row_stride + c * PER_CHUNK : 0), valid);
-    }
-  }
-}
-
 // Rows whose data is not whole 16-byte chunks (a head dim that is not a multiple of 16 bytes' elements: the
 // rows are not 16-byte aligned in global memory), for both tile layouts below; shared_at(r, c) is the shared
 // address of column c of tile row r. Where every row of the slice starts on a 4-byte boundary (the slice

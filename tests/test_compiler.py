@@ -307,7 +307,7 @@ KNOWN_INPUT_GRAD_SPILLS = {
     # faster: ALiBi 7609 -> 7142 us at N = 8192, H200). Not timed on sm_80 (no such GPU here).
     ("relative_bias_fp16_d64_dropout", "sm_80"): "32 / 36 B at 255 registers",
     # backward_wgmma's build with ALiBi's slope gradients, since the row loads step one source pointer per thread
-    # (tc::copy_rows_16, 2026-11-24: the usual backwards 2.5-6% faster on the H200, and no spill in them); ptxas
+    # (wg::async_load_rows_swizzled, 2026-11-24: the usual backwards 2.5-6% faster on the H200, and no spill in them); ptxas
     # keeps the pointer steps live through the loop at 255 registers
     ("alibi_bf16_d128", "sm_90"): "8 / 8 B at 255 registers",
 }
