@@ -338,6 +338,16 @@ def grouped_grid(blocks: int, problems: int, group: int, args) -> tuple:
 FAST_CALLS_KEPT = 256
 
 
+def backward_scratch(rows: int, head_dim: int, deterministic: bool) -> tuple[int, int]:
+    """The backward's fp32 scratch, one allocation: D_i (`rows` values, (batch, heads, seq_q)), then, unless
+    the plan is deterministic, dq_accum (rows x head_dim, which the _delta kernel clears) from a 256-byte
+    boundary. Returns (elements, dq_accum's offset in elements; 0 when there is none)."""
+    if deterministic:
+        return rows, 0
+    offset = -(-rows // 64) * 64
+    return offset + rows * head_dim, offset
+
+
 class FastCall:
     """A call signature seen before (shapes, strides, dtypes, devices of every tensor): the packed
     argument struct with everything but the pointers, seed and offset filled in, and the launches.
@@ -474,6 +484,8 @@ class Kernel:
         self._pair_stores = spec.head_dim % 2 == 0
         self._fast_forward: dict[tuple, FastCall] = {}
         self._fast_backward: dict[tuple, FastCall] = {}
+        # the torch autograd path's backwards by their forward's signature (see backward_after)
+        self._fast_backward_after: dict[tuple, tuple] = {}
         self._modifiers = None
         self._load(_default_device() if device is None else device)
 
@@ -1191,6 +1203,49 @@ class Kernel:
                 return self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset)
         return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
 
+    # ---- the autograd path: a backward keyed by its forward ----
+    def forward_keyed(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
+                      offset: int = 0, **packed):
+        """(o, lse, key): `forward` for an autograd node, with the key that `backward_after` takes for its
+        backward (None where this call did not take the fast path; packed calls have none)."""
+        if packed or self.spec.loop_order == "fa1" or "forward" not in self.plans:
+            return (*self.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs, seed=seed,
+                                  offset=offset, **packed), None)
+        signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
+        call = self._fast_forward.get(signature) if signature is not None else None
+        if call is not None:
+            return (*self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset), signature)
+        return (*self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, None, None, signature, None),
+                signature)
+
+    def backward_after(self, forward_key, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None,
+                       seed: int = 0, offset: int = 0):
+        """`backward` of the forward call that returned (o, lse, forward_key) from `forward_keyed`, with the
+        same q, k, v and run-time arguments, and do of o's shape, dtype and device (what autograd hands a
+        node). Its fast path is keyed by the forward's signature and do's strides, so the full signature
+        is not recomputed: autograd runs backwards on its own thread, where this Python runs about 3x
+        slower than on the caller's (host time per call, issue 10)."""
+        entry = self._fast_backward_after.get(forward_key)
+        if entry is not None:
+            call, do_stride, check_pointers = entry
+            # strides were checked when the entry was made (the forward key fixes q, k, v's, and do's is
+            # compared): only the pointers can have moved off a 16-byte boundary
+            if do.stride() == do_stride and not (check_pointers and (q.data_ptr() | k.data_ptr() | v.data_ptr()
+                                                                      | do.data_ptr()) % 16):
+                return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
+                                                offset)
+        grads = self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs,
+                              seed=seed, offset=offset)
+        signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask,
+                                    inputs, seed, offset) if "backward" in self.plans else None
+        call = self._fast_backward.get(signature) if signature is not None else None
+        if call is not None:
+            if len(self._fast_backward_after) >= FAST_CALLS_KEPT:
+                self._fast_backward_after.clear()
+            self._fast_backward_after[forward_key] = (call, do.stride(),
+                                                      self._chunked_rows and self.plans["backward"].stages > 1)
+        return grads
+
     def _fast_forward_call(self, call: FastCall, q, k, v, kv_lengths, block_mask, inputs, seed, offset, paged=()):
         """A remembered forward: outputs and workspaces allocated, the pointers written in, launched."""
         import torch
@@ -1429,32 +1484,36 @@ class Kernel:
                                         inputs, seed, offset)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
-                import torch
-
-                device = q.get_device()
-                grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-                delta = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
-                pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
-                            grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
-                if k.shape[1] != q.shape[1]:   # grouped KV heads: per-query-head dK, dV, then summed
-                    expanded = (*q.shape[:2], k.shape[2], k.shape[3])
-                    # held (not just their pointers taken) until the launches are queued: a tensor freed
-                    # at once would hand the second workspace the first one's memory
-                    workspaces = [torch.empty(expanded, dtype=k.dtype, device=k.device) for _ in range(2)]
-                    pointers += [w.data_ptr() for w in workspaces]
-                pointers.append(delta.data_ptr())
-                if not self.spec.deterministic:
-                    dq_accum = torch.zeros((*q.shape[:3], self.plans["backward"].head_dim), dtype=torch.float32,
-                                           device=q.device)
-                    pointers.append(dq_accum.data_ptr())
-                # mask_mod inputs' run-time summaries, held until the launches are queued
-                summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
-                pointers += [s.data_ptr() for s in summaries]
-                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-                call.launch(device, _TORCH["stream"](device), (*pointers, *extra, *_seed_values(seed, offset)))
-                self._finish(call.main)
-                return grads
+                return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset)
         return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
+
+    def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset):
+        """A remembered backward: gradients and workspaces allocated, the pointers written in, launched."""
+        import torch
+
+        device = q.get_device()
+        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
+                    grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
+        if k.shape[1] != q.shape[1]:   # grouped KV heads: per-query-head dK, dV, then summed
+            expanded = (*q.shape[:2], k.shape[2], k.shape[3])
+            # held (not just their pointers taken) until the launches are queued: a tensor freed
+            # at once would hand the second workspace the first one's memory
+            workspaces = [torch.empty(expanded, dtype=k.dtype, device=k.device) for _ in range(2)]
+            pointers += [w.data_ptr() for w in workspaces]
+        size, dq_accum_at = backward_scratch(q.shape[0] * q.shape[1] * q.shape[2],
+                                             self.plans["backward"].head_dim, self.spec.deterministic)
+        scratch = torch.empty(size, dtype=torch.float32, device=q.device)
+        pointers.append(scratch.data_ptr())
+        if dq_accum_at:
+            pointers.append(pointers[-1] + 4 * dq_accum_at)
+        # mask_mod inputs' run-time summaries, held until the launches are queued
+        summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
+        pointers += [s.data_ptr() for s in summaries]
+        _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
+        call.launch(device, _TORCH["stream"](device), (*pointers, *extra, *_seed_values(seed, offset)))
+        self._finish(call.main)
+        return grads
 
     def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
                   sequences: Optional["Sequences"], input_grad_out: Optional[dict] = None):
@@ -1510,16 +1569,14 @@ class Kernel:
             self._input_grad_outputs(input_grad_out, args, inputs, tensors["q"], stream)
         if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
             return grads
-        like = tensors["q"]
-        delta = _allocate(like, (batch, heads, seq_q), "fp32", stream)
-        keep.append(delta)
-        args["delta"] = as_device_tensor("delta", delta).pointer
-        if not self.spec.deterministic:
-            dq_accum = _allocate(like, (batch, heads, seq_q, plan.head_dim), "fp32", stream, zero=True)
-            keep.append(dq_accum)
-            args["dq_accum"] = as_device_tensor("dq_accum", dq_accum).pointer
         main = plan.symbols[0]
         rows = batch * heads * seq_q
+        size, dq_accum_at = backward_scratch(rows, plan.head_dim, self.spec.deterministic)
+        scratch = _allocate(tensors["q"], (size,), "fp32", stream)
+        keep.append(scratch)
+        args["delta"] = base = as_device_tensor("scratch", scratch).pointer
+        if dq_accum_at:
+            args["dq_accum"] = base + 4 * dq_accum_at
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
         key_blocks = math.ceil(problems[3] / plan.block_c)
         grid = self._blocks_grid(plan, key_blocks, problems[0] * heads, args)

@@ -324,7 +324,7 @@ class _EagerAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, kernel, runtime_kwargs, grad_input_names=(), *grad_inputs):
         # grad_inputs: score_mod's tensor inputs that require grad (also in runtime_kwargs["inputs"]), passed
         # as arguments so that autograd routes their gradients
-        o, lse = kernel.forward(q, k, v, **runtime_kwargs)
+        o, lse, ctx.forward_key = kernel.forward_keyed(q, k, v, **runtime_kwargs)
         ctx.kernel, ctx.runtime_kwargs, ctx.grad_input_names = kernel, runtime_kwargs, grad_input_names
         ctx.grad_input_dtypes = [t.dtype for t in grad_inputs]
         # a seed tensor is saved like the inputs, so that changing it in place before the backward is
@@ -332,14 +332,21 @@ class _EagerAttention(torch.autograd.Function):
         seed = runtime_kwargs.get("seed")
         ctx.save_for_backward(q, k, v, o, lse, seed if isinstance(seed, torch.Tensor) else None)
         ctx.mark_non_differentiable(lse)
+        # lse takes no gradient: no zero tensor made (and filled on the GPU) for it at every backward
+        ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
+        if grad_o is None:   # (not materialized: o did not reach the loss)
+            return (None,) * (6 + len(ctx.grad_input_dtypes))
         q, k, v, o, lse, seed = ctx.saved_tensors
         kwargs = ctx.runtime_kwargs if seed is None else {**ctx.runtime_kwargs, "seed": seed}
         if not ctx.grad_input_names:
-            dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
+            if ctx.forward_key is not None:   # (the cheap route on autograd's thread: see Kernel.backward_after)
+                dq, dk, dv = ctx.kernel.backward_after(ctx.forward_key, q, k, v, o, lse, _grad(grad_o), **kwargs)
+            else:
+                dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
             return dq, dk, dv, None, None, None
         dq, dk, dv, grads = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), input_grads=True, **kwargs)
         return (dq, dk, dv, None, None, None,

@@ -739,7 +739,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d59_bf16_causal_fa2_
 
 // ---- fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w8_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
 // The small kernels every backward template launches around its main kernel.
-// D_i = rowsum(dO_i o O_i), one warp per row; also where dq_accum starts from zero (host memset).
+// D_i = rowsum(dO_i o O_i), one warp per row. The same warp clears the row's dq_accum (when the plan
+// has one: the main kernel adds into it with atomics), which saves the host a memset launch per call.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w8_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w8_config;
   using namespace fagen;
@@ -753,6 +754,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d59_bf16_causal_fa2_
   for (int e = lane; e < DATA_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
   acc = warp_sum(acc);
   if (lane == 0) args.delta[row] = acc;
+  if (args.dq_accum != nullptr)
+    for (int e = lane; e < HEAD_DIM; e += 32) args.dq_accum[row * HEAD_DIM + e] = 0.f;
 }
 
 // dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.

@@ -20,7 +20,7 @@ struct AttentionArgs {
   void* dq;
   void* dk;
   void* dv;
-  float* dq_accum;       // fp32 (batch, heads, seq_q, head_dim), zeroed by the host; atomics target
+  float* dq_accum;       // fp32 (batch, heads, seq_q, head_dim), cleared by the _delta kernel; atomics target
   float* delta;          // D_i = rowsum(dO_i * O_i), (batch, heads, seq_q)
   float* o_accum;        // fa1: O in HBM between (i, j) steps, fp32 (batch, heads, seq_q, head_dim)
   float* row_max;        // fa1: m in HBM, log2 domain

@@ -163,3 +163,15 @@ def test_a_paged_cache_with_packed_arguments_is_refused_before_anything_runs():
         kernel = SimpleNamespace(spec=spec)
         with pytest.raises(ArgumentError, match="without cu_seqlens"):
             Kernel.forward(kernel, None, None, None, block_table=[[0]], **packed)
+
+
+def test_backward_scratch_holds_delta_then_an_aligned_dq_accum():
+    """One fp32 allocation per backward: D_i first, dq_accum from the next 256-byte boundary (its rows are
+    cleared by the _delta kernel and written with vector atomics); deterministic plans have no dq_accum."""
+    from fagen.runtime import backward_scratch
+
+    for rows, head_dim in ((1, 64), (63, 64), (64, 128), (65, 256), (3 * 257, 40)):
+        size, at = backward_scratch(rows, head_dim, deterministic=False)
+        assert at >= rows and at * 4 % 256 == 0, (rows, at)
+        assert size == at + rows * head_dim
+    assert backward_scratch(100, 64, deterministic=True) == (100, 0)

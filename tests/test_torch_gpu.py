@@ -499,3 +499,40 @@ def test_fast_path_never_reuses_the_strides_of_an_aligned_copy():
         o, _ = kernel.forward(q, k, v)
         error = rel(o, reference(q, k, v, True, 64 ** -0.5))
         assert error < 1e-2, f"trial {trial}: relative error {error:.3g}"
+
+
+def test_autograd_backward_keyed_by_its_forward_follows_new_grad_layouts():
+    """fagen.attention's backward takes Kernel.backward_after's route, keyed by the forward's signature
+    and dO's strides, from the second call on. A dO with other strides, or one whose pointer is off a
+    16-byte boundary (cp.async's), must not reuse that entry: each call's gradients match float64's."""
+    import fagen
+    import fagen.torch as fagen_torch
+
+    torch = _torch()
+    spec = fagen.Spec(head_dim=64, dtype="bf16", mask="causal")
+    kernel = fagen_torch.kernel_for(fagen_torch.spec_key(spec), 0)
+    batch, heads, n, d = 2, 3, 200, 64
+    q, k, v = _inputs(batch, heads, n, d)
+    leaves64 = [t.double().requires_grad_() for t in (q, k, v)]
+    out64 = reference(*leaves64, True, d ** -0.5)
+    base = torch.randn(batch * heads * n * d + 8, device="cuda", dtype=torch.bfloat16)
+    grads_out = {
+        "dense": lambda: torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16),
+        "dense again": lambda: torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16),
+        "8-byte aligned": lambda: base[4:4 + batch * heads * n * d].view(batch, heads, n, d).normal_(),
+        "heads-interleaved": lambda: torch.randn(batch, n, heads, d, device="cuda", dtype=torch.bfloat16).transpose(1, 2),
+        "dense, last": lambda: torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16),
+    }
+    entries = []
+    for name, make in grads_out.items():
+        grad = make()
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        got = torch.autograd.grad(fagen.attention(*leaves, spec), leaves, grad)
+        want = torch.autograd.grad(out64, leaves64, grad.double(), retain_graph=True)
+        for label, g, w in zip(("dq", "dk", "dv"), got, want):
+            assert rel(g, w) < 2e-2, f"{name}: {label} relative error {rel(g, w):.3g}"
+        entries.append(dict(kernel._fast_backward_after))
+    assert entries[0], "the first backward left an entry keyed by its forward"
+    assert entries[1] == entries[0], "the second dense call reused it"
+    strides = {entry[1] for entry in entries[3].values()}
+    assert (n * heads * d, d, heads * d, 1) in strides, "other dO strides: a new entry, not the dense one"
