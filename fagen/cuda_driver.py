@@ -196,6 +196,29 @@ def launch(function: int, grid: tuple, threads: int, smem: int, stream: int, arg
                               f"failed: {error_text(code)}")
 
 
+class PreparedLaunch:
+    """One launch of a remembered call (fagen.runtime.FastCall): cuLaunchKernel's arguments but the stream
+    and parameters, converted to ctypes values once, so a call converts only the stream (about a
+    microsecond less per launch than `launch`, which converts eleven Python ints)."""
+
+    __slots__ = ("arguments", "describe", "symbol")
+
+    def __init__(self, function: int, grid: tuple, threads: int, smem: int, symbol: str):
+        _load()
+        u = ctypes.c_uint
+        self.arguments = (ctypes.c_void_p(function), u(grid[0]), u(grid[1]), u(grid[2]), u(threads), u(1), u(1),
+                          u(smem))
+        self.describe = f"{symbol} (grid {grid}, {threads} threads, {smem} B shared memory)"
+        self.symbol = symbol
+
+    def __call__(self, stream: int, params) -> int:
+        """The launch's CUresult (0: queued)."""
+        return _lib.cuLaunchKernel(*self.arguments, ctypes.c_void_p(stream), params, None)
+
+    def failed(self, code: int) -> CudaError:
+        return CudaError(code, f"launching {self.describe} failed: {error_text(code)}")
+
+
 def memset_d32(pointer: int, value: int, count: int, stream: int) -> None:
     check(_load().cuMemsetD32Async(pointer, value, count, stream), "clearing a workspace (cuMemsetD32Async)")
 

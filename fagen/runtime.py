@@ -354,7 +354,7 @@ class FastCall:
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "lock", "workspaces", "main")
+    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main")
 
     def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = ()):
         import ctypes
@@ -363,6 +363,7 @@ class FastCall:
         self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
         self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset", "seed_pointer"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
+        self.prepared = [driver.PreparedLaunch(*launch) for launch in launches]
         self.lock = threading.Lock()  # cuLaunchKernel copies the struct; the lock covers fill + launch
         # shapes of fp32 scratch tensors allocated per call: their pointers follow o, lse (forward) or
         # delta, dq_accum (backward)
@@ -372,18 +373,18 @@ class FastCall:
                          launches[0][4])
 
     def launch(self, device: int, stream: int, values: tuple) -> None:
+        params = self.params
         with self.lock:
             array = self.values
             for slot, value in zip(self.slots, values):
                 array[slot] = value
-            for function, grid, threads, smem, symbol in self.launches:
-                try:
-                    driver.launch(function, grid, threads, smem, stream, self, symbol)
-                except driver.CudaError as err:
-                    if err.code != driver.ERROR_INVALID_CONTEXT:
-                        raise
+            for launch in self.prepared:
+                code = launch(stream, params)
+                if code == driver.ERROR_INVALID_CONTEXT:
                     driver.make_current(device)   # a thread that never touched CUDA before
-                    driver.launch(function, grid, threads, smem, stream, self, symbol)
+                    code = launch(stream, params)
+                if code:
+                    raise launch.failed(code)
 
 
 def decode_splits(base_blocks: int, key_tiles: int, sm_count: int, blocks_per_sm: int, limit: int = 256) -> int:

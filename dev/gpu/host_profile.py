@@ -89,6 +89,7 @@ def pieces(q, k, v, grad) -> None:
         "driver.launch (fwd kernel)": lambda: driver.launch(function, grid, threads, smem, stream, call, symbol),
         "cuLaunchKernel, ctypes values": lambda: lib.cuLaunchKernel(*pre),
         "cuLaunchKernel, no argtypes": lambda: raw(*pre),
+        "PreparedLaunch (fwd kernel)": lambda: call.prepared[0](stream, call.params),
         "FastCall.launch (fwd)": lambda: call.launch(0, stream, (q.data_ptr(), k.data_ptr(), v.data_ptr(),
                                                                  o.data_ptr(), lse.data_ptr(), 0, 0, 0)),
         "kernel.forward (fast path)": lambda: kernel.forward(q, k, v),
