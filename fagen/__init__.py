@@ -17,9 +17,14 @@ __all__ = ["Spec", "SpecError", "load_specs", "compile", "attention", "__version
 
 
 def __getattr__(name: str) -> Any:
-    # Lazy, so that `import fagen` never imports pycuda or torch.
+    # Lazy, so that `import fagen` never imports pycuda or torch. Kept in the module's namespace once found:
+    # this hook runs on every lookup that misses it, and torch.compile's guards look `fagen.attention` up
+    # at every call of a compiled function (an import_module per call, about 3 us).
     if name == "compile":
-        return import_module(f"{__name__}.runtime").compile
-    if name == "attention":
-        return import_module(f"{__name__}.torch").attention
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+        value = import_module(f"{__name__}.runtime").compile
+    elif name == "attention":
+        value = import_module(f"{__name__}.torch").attention
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value

@@ -804,7 +804,8 @@ class Kernel:
     def _rows_aligned(self, pointer: int, strides, alignment: int = 16) -> bool:
         """Does every row start on an `alignment`-byte boundary (pointer and the three outer strides)?"""
         items = max(1, alignment // ELEMENT_BYTES[self.spec.dtype])
-        return pointer % alignment == 0 and all(stride % items == 0 for stride in strides[:3])
+        # (no generator: the fast path's signature asks this for every tensor of every call)
+        return not (pointer % alignment or strides[0] % items or strides[1] % items or strides[2] % items)
 
     def _aligned(self, tensor: DeviceTensor, alignment: int):
         """The tensor itself if every row starts on an `alignment`-byte boundary; else an aligned copy
@@ -896,8 +897,9 @@ class Kernel:
         if self._chunked_rows and (self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans)):
             # exactly where the full path would copy a tensor to align it (_aligned): a call remembered
             # from that copy would launch with the copy's strides on the caller's pointer
-            if not all(self._rows_aligned(t.data_ptr(), t.stride()) for t in aligned):
-                return None
+            for t in aligned:
+                if not self._rows_aligned(t.data_ptr(), t.stride()):
+                    return None
         device = parts[0][3]
         if not _fast_seed(seed, offset, tensor_type, torch_types["int64"], device):
             return None

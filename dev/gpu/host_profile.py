@@ -29,7 +29,7 @@ class _Null(torch.autograd.Function):
         return torch.empty_like(grad), torch.empty_like(grad), torch.empty_like(grad)
 
 
-def profile(fn, calls: int, top: int, title: str) -> None:
+def profile(fn, calls: int, top: int, title: str, sort: str = "tottime") -> None:
     for _ in range(200):
         fn()
     torch.cuda.synchronize()
@@ -40,9 +40,9 @@ def profile(fn, calls: int, top: int, title: str) -> None:
     torch.cuda.synchronize()
     profiler.disable()
     text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(top)
+    pstats.Stats(profiler, stream=text).sort_stats(sort).print_stats(top)
     print(f"==== cProfile: {title} ({calls} calls; per-call us = tottime / {calls} * 1e6)")
-    print(text.getvalue()[-6000:])
+    print(text.getvalue()[-9000:])
 
 
 def per_op_us(fn, calls: int = 20000) -> float:
@@ -255,8 +255,18 @@ def main() -> None:
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--pieces-only", action="store_true")
     parser.add_argument("--ladder-only", action="store_true")
+    parser.add_argument("--compiled-only", action="store_true", help="cProfile the compiled forwards only")
     args = parser.parse_args()
     q, k, v, grad = (torch.randn(OVERHEAD_SHAPE, dtype=torch.bfloat16, device="cuda") for _ in range(4))
+    forwards = {"fagen": lambda q, k, v: fagen.attention(q, k, v, OVERHEAD_SPEC),
+                "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                "null": lambda q, k, v: _Null.apply(q, k, v)}
+    if args.compiled_only:
+        for name in ("sdpa", "fagen"):
+            fn = torch.compile(forwards[name], fullgraph=True)
+            print(f"{name} compiled forward: {_per_call_us(_call(fn, q, k, v, grad, 'forward'), args.calls, 5):.1f} us")
+            profile(_call(fn, q, k, v, grad, "forward"), args.calls, args.top, f"{name} fwd compiled", "cumulative")
+        return
     print("==== backward on autograd's worker thread")
     worker_thread_costs(q, k, v, grad)
     print("==== fwd + bwd ladder")
@@ -267,9 +277,6 @@ def main() -> None:
     pieces(q, k, v, grad)
     if args.pieces_only:
         return
-    forwards = {"fagen": lambda q, k, v: fagen.attention(q, k, v, OVERHEAD_SPEC),
-                "sdpa": lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-                "null": lambda q, k, v: _Null.apply(q, k, v)}
     compiled = {name: torch.compile(fn, fullgraph=True) for name, fn in forwards.items() if name != "null"}
     for rounds in range(2):
         for mode in ("forward", "forward+backward"):
