@@ -483,6 +483,11 @@ class Kernel:
         # other head dims load element by element, anywhere. An even d stores output pairs as 32 bits.
         self._chunked_rows = spec.head_dim * ELEMENT_BYTES[spec.dtype] % 16 == 0
         self._pair_stores = spec.head_dim % 2 == 0
+        # The passes whose full path copies a tensor to align its rows (_aligned): a call remembered from that
+        # copy would launch with the copy's strides on the caller's pointer, so the fast path checks rows there.
+        self._checks_rows = {name: self._chunked_rows and (plan.stages > 1
+                                                            or (name == "forward" and "decode" in self.plans))
+                             for name, plan in self.plans.items()}
         self._fast_forward: dict[tuple, FastCall] = {}
         self._fast_backward: dict[tuple, FastCall] = {}
         # the torch autograd path's backwards by their forward's signature (see backward_after)
@@ -894,9 +899,7 @@ class Kernel:
             if type(t) is not tensor_type:
                 return None
             parts.append((t.shape, t.stride(), t.dtype, t.get_device()))
-        if self._chunked_rows and (self.plans[pass_name].stages > 1 or (pass_name == "forward" and "decode" in self.plans)):
-            # exactly where the full path would copy a tensor to align it (_aligned): a call remembered
-            # from that copy would launch with the copy's strides on the caller's pointer
+        if self._checks_rows.get(pass_name, False):   # (a missing pass: the full path says so)
             for t in aligned:
                 if not self._rows_aligned(t.data_ptr(), t.stride()):
                     return None
@@ -1198,28 +1201,30 @@ class Kernel:
                     return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, signature)
+        return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream)[:2]
+
+    def _padded_forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream) -> tuple:
+        """(o, lse, the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
             signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
-                return self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset)
-        return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
+                return (*self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset),
+                        signature)
+        return (*self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None),
+                signature)
 
     # ---- the autograd path: a backward keyed by its forward ----
     def forward_keyed(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
-                      offset: int = 0, **packed):
+                      offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse, key): `forward` for an autograd node, with the key that `backward_after` takes for its
-        backward (None where this call did not take the fast path; packed calls have none)."""
-        if packed or self.spec.loop_order == "fa1" or "forward" not in self.plans:
+        backward (the call's fast-path signature: None where it has none; packed calls have none)."""
+        if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return (*self.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs, seed=seed,
-                                  offset=offset, **packed), None)
-        signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
-        call = self._fast_forward.get(signature) if signature is not None else None
-        if call is not None:
-            return (*self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset), signature)
-        return (*self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, None, None, signature, None),
-                signature)
+                                  offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k), None)
+        return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, None, None)
 
     def backward_after(self, forward_key, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None,
                        seed: int = 0, offset: int = 0):
@@ -1230,23 +1235,20 @@ class Kernel:
         slower than on the caller's (host time per call, issue 10)."""
         entry = self._fast_backward_after.get(forward_key)
         if entry is not None:
-            call, do_stride, check_pointers = entry
+            call, do_stride = entry
             # strides were checked when the entry was made (the forward key fixes q, k, v's, and do's is
             # compared): only the pointers can have moved off a 16-byte boundary
-            if do.stride() == do_stride and not (check_pointers and (q.data_ptr() | k.data_ptr() | v.data_ptr()
-                                                                      | do.data_ptr()) % 16):
+            if do.stride() == do_stride and not (self._checks_rows["backward"] and (
+                    q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16):
                 return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
                                                 offset)
-        grads = self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs,
-                              seed=seed, offset=offset)
-        signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask,
-                                    inputs, seed, offset) if "backward" in self.plans else None
+        grads, signature = self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
+                                                 None, None)
         call = self._fast_backward.get(signature) if signature is not None else None
         if call is not None:
             if len(self._fast_backward_after) >= FAST_CALLS_KEPT:
                 self._fast_backward_after.clear()
-            self._fast_backward_after[forward_key] = (call, do.stride(),
-                                                      self._chunked_rows and self.plans["backward"].stages > 1)
+            self._fast_backward_after[forward_key] = (call, do.stride())
         return grads
 
     def _fast_forward_call(self, call: FastCall, q, k, v, kv_lengths, block_mask, inputs, seed, offset, paged=()):
@@ -1481,14 +1483,22 @@ class Kernel:
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                          kv_lengths, block_mask, inputs, seed, offset, out, stream)
+        return self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
+                                     stream)[0]
+
+    def _padded_backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
+                         stream) -> tuple:
+        """((dq, dk, dv), the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
         if out is None and stream is None and "backward" in self.plans:
             signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask,
                                         inputs, seed, offset)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
-                return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset)
-        return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None)
+                return (self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
+                                                 offset), signature)
+        return (self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                               signature, None), signature)
 
     def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset):
         """A remembered backward: gradients and workspaces allocated, the pointers written in, launched."""

@@ -175,3 +175,17 @@ def test_backward_scratch_holds_delta_then_an_aligned_dq_accum():
         assert at >= rows and at * 4 % 256 == 0, (rows, at)
         assert size == at + rows * head_dim
     assert backward_scratch(100, 64, deterministic=True) == (100, 0)
+
+
+def test_forward_keyed_checks_the_layout_as_forward_does():
+    """The autograd path's forward (Kernel.forward_keyed) routes through forward's layout check: a packed spec
+    without cu_seqlens gets forward's one-line error, not the padded fast path. (No GPU: the check runs first.)"""
+    from fagen.runtime import Kernel
+
+    kernel = object.__new__(Kernel)
+    kernel.spec = Spec(head_dim=64, dtype="bf16", layout="packed")
+    with pytest.raises(ArgumentError, match="has layout packed: pass cu_seqlens_q and cu_seqlens_k"):
+        kernel.forward_keyed(None, None, None)
+    kernel.spec = Spec(head_dim=64, dtype="bf16")
+    with pytest.raises(ArgumentError, match="are for specs with layout packed"):
+        kernel.forward_keyed(None, None, None, cu_seqlens_q=[0, 4], cu_seqlens_k=[0, 4])
