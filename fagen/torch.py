@@ -180,8 +180,12 @@ def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, 
 
 def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
-    # torch.library passes only the arguments the caller gave, so the schema's defaults are repeated here.
+    # The dispatcher drops trailing arguments equal to their defaults before it calls Python, so the schema's
+    # defaults are repeated here; a call with none of them (the common one) goes straight to the kernel.
     kernel = kernel_for(spec, q.get_device())
+    if kv_lengths is None and block_mask is None and seed == 0 and offset == 0 and seed_tensor is None \
+            and cu_seqlens_q is None and cu_seqlens_k is None and not mods:
+        return kernel.forward(q, k, v)
     seed = seed if seed_tensor is None else seed_tensor
     return kernel.forward(q, k, v, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
                                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
@@ -275,7 +279,43 @@ def _backward_rule(ctx, grad_o, grad_lse):
 
 
 MOD_TENSOR_INPUT = 13   # attention_forward's argument index of mod_tensor0 (after q, k, v, spec and 9 run-time ones)
-torch.library.register_autograd("fagen::attention_forward", _backward_rule, setup_context=_setup_context)
+# attention_forward's run-time arguments' defaults, in schema order (the dispatcher drops trailing ones)
+_FORWARD_DEFAULTS = (None, None, 0, 0, None, None, None, -1, -1) + (None,) * MOD_SLOTS + (0.0,) * MOD_SLOTS
+
+
+class _ForwardOp(torch.autograd.Function):
+    """attention_forward's autograd node: the op below autograd, then _setup_context / _backward_rule.
+    (What torch.library.register_autograd builds from the same two functions, less its per-call work.)"""
+
+    @staticmethod
+    def forward(ctx, *inputs_then_keyset):
+        *inputs, keyset = inputs_then_keyset
+        with torch._C._AutoDispatchBelowAutograd():
+            output = torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset,
+                                                                          *inputs)
+        _setup_context(ctx, inputs, output)
+        return output
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        return (*_backward_rule(ctx, grad_o, grad_lse), None)
+
+
+def _forward_autograd(keyset, *inputs):
+    """attention_forward's Autograd kernel (issue 10: host time). With no input requiring grad -- a compiled
+    graph's forward, inference -- and nothing between autograd and the CUDA kernel (plain CUDA tensors: no
+    dispatch mode, fake or functional tensor), it calls the CUDA kernel itself instead of redispatching, which
+    would box the arguments and cross into Python a second time."""
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
+        return _ForwardOp.apply(*inputs, *_FORWARD_DEFAULTS[len(inputs) - 4:], keyset)
+    if (keyset & torch._C._after_ADInplaceOrView_keyset).highestPriorityTypeId() == _CUDA_KEY:
+        return _forward_cuda(*inputs)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
+
+
+_CUDA_KEY = torch._C.DispatchKey.CUDA
+_library.impl("attention_forward", _forward_autograd, "Autograd", with_keyset=True)
 
 
 def _mod_slots(key: str, inputs: Optional[dict]) -> list:

@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 pytestmark = pytest.mark.gpu
@@ -182,6 +183,57 @@ def test_op_is_differentiable_on_its_own():
     reference(*leaves, True, 64 ** -0.5).sum().backward()
     for name, t, leaf in zip("qkv", (q, k, v), leaves):
         assert rel(t.grad, leaf.grad) < 2e-2, name
+
+
+def test_op_without_grad_reaches_dispatch_modes_and_runs_with_its_arguments():
+    """attention_forward's Autograd kernel calls the CUDA kernel itself when no input requires grad and only
+    CUDA is left below autograd; a dispatch mode (what fake tensors and functionalization are) must still see
+    the op, and run-time arguments (kv_lengths here) must still reach the kernel on that shortcut."""
+    torch = _torch()
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import fagen
+    import fagen.torch  # noqa: F401  (registers the ops)
+    from fagen import reference as fagen_reference
+    from fagen.testing import relative_error
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    q, k, v = _inputs()
+    want = reference(q, k, v, True, 64 ** -0.5)
+    seen = Seen()
+    with seen:
+        o, _ = torch.ops.fagen.attention_forward(q, k, v, SPEC_STRING)
+    assert "fagen.attention_forward.default" in seen.ops
+    assert rel(o, want) < 1e-2
+    o, _ = torch.ops.fagen.attention_forward(q, k, v, SPEC_STRING)   # the shortcut
+    assert rel(o, want) < 1e-2
+    padding = {**SPEC_FIELDS, "mask": "padding"}
+    lengths = [100, 257]
+    o, _ = torch.ops.fagen.attention_forward(q, k, v, json.dumps(padding),
+                                             torch.tensor(lengths, dtype=torch.int32, device="cuda"))
+    as64 = [t.double().cpu().numpy() for t in (q, k, v)]
+    want, _ = fagen_reference.attention_forward(*as64, fagen.Spec(**padding), kv_lengths=np.array(lengths))
+    assert relative_error(o.double().cpu().numpy(), want) < 1e-2
+
+
+def test_opcheck_of_the_forward_op():
+    """torch.library.opcheck: the schema, the autograd registration and the fake implementation agree with
+    what the op does on real tensors."""
+    torch = _torch()
+    import fagen.torch  # noqa: F401  (registers the ops)
+
+    for requires_grad in (False, True):
+        q, k, v = _inputs(n=128, requires_grad=requires_grad)
+        torch.library.opcheck(torch.ops.fagen.attention_forward.default, (q, k, v, SPEC_STRING),
+                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])
