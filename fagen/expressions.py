@@ -612,6 +612,8 @@ class _CPrinter:
         if isinstance(expr, sp.Mod):
             a, m = expr.args
             if a.is_integer and m.is_integer:
+                if _power_of_two(m):   # Python's a % 2^k is a's low k bits, negative a included (two's complement)
+                    return f"({self.i(a)} & {int(m) - 1})"
                 return f"py_mod({self.i(a)}, {self.i(m)})"
             return f"py_fmod({self.f(a)}, {self.f(m)})"
         if isinstance(expr, sp.Abs):
@@ -666,6 +668,9 @@ class _CPrinter:
         numerator, denominator = sp.fraction(sp.together(a))
         if numerator.is_integer and denominator.is_integer and denominator != 1:
             # exact integer division with Python's rounding; ceil(n / d) = -floor(-n / d)
+            if _power_of_two(denominator):   # Python's n // 2^k is an arithmetic shift, negative n included
+                shift = int(denominator).bit_length() - 1
+                return f"({self.i(numerator)} >> {shift})" if is_floor else f"(-((-{self.i(numerator)}) >> {shift}))"
             if is_floor:
                 return f"floor_div({self.i(numerator)}, {self.i(denominator)})"
             return f"(-floor_div({self.i(-numerator)}, {self.i(denominator)}))"
@@ -1328,6 +1333,11 @@ class _Bounder:
         ctype = self.ctype(a.integer)
         pick = lambda x, y, op: x if y is None else y if x is None else self.p.emit(ctype, op, x, y)  # noqa: E731
         return _Interval(pick(a.lo, b.lo, "max"), pick(a.hi, b.hi, "min"), a.integer, self.both_ok(a.ok, b.ok))
+
+
+def _power_of_two(value) -> bool:
+    """Is value a positive integer constant 2^k (k >= 0)? Division and remainder by one become a shift and a mask."""
+    return value.is_Integer and value > 0 and (int(value) & (int(value) - 1)) == 0
 
 
 # ---- the result -----------------------------------------------------------------------------

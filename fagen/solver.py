@@ -88,6 +88,8 @@ class Family:
     archs: tuple[str, ...] = ()      # the targets the template runs on; (): every one
     preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
+    # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it
+    timed_first: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
     takes_mask_mod: bool = True      # False: the template's tile walk cannot follow a mask_mod
@@ -131,7 +133,15 @@ FAMILIES: tuple[Family, ...] = (
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
-           preference=0, occupancy_first=True),
+           preference=0, occupancy_first=True,
+           # d = 64: one warpgroup per 64-row block beat 128 x 64 at two blocks on every shape timed (H200, bf16 unless
+           # noted, dev/gpu/plan_time.py with dev/gpu/plans_d64_rank.txt and plans_d64_mods.txt, forward us, 128 x 64
+           # -> 64 x 128): causal 16 x 16 x 1024 131 -> 115, 4 x 16 x 4096 378 -> 329, 2 x 16 x 16384 2840 -> 2728;
+           # no mask 4 x 16 x 4096 692 -> 600, 8 x 16 x 1000 102 -> 93; causal with dropout 597 -> 562; sliding window
+           # 1024 at 2 x 16 x 8192 282 -> 230; mask_mod variants at 4 x 16 x 8192 (two blocks, as their register
+           # estimate gives): documents 545 -> 481, prefix-LM 1597 -> 1372, window + sinks 249 -> 244, dilated (fp16,
+           # 2048) 148 -> 126. (More K/V traffic per query, which the cost model counts first; more blocks to spread.)
+           timed_first=((64, 64, 128, 4),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
@@ -324,8 +334,9 @@ class Plan:
         weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
                    and self.head_dim <= family.weighed_padding_up_to)
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
+        timed = (self.head_dim, self.block_r, self.block_c, self.warps) in family.timed_first
         if family.occupancy_first:
-            return (head_dim, family.preference, self.hbm_bytes, -self.resident_warps, self.smem_reads,
+            return (head_dim, family.preference, not timed, self.hbm_bytes, -self.resident_warps, self.smem_reads,
                     -self.block_r * self.block_c, self.warps)
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
             return (head_dim, family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,

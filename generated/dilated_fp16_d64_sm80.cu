@@ -42,7 +42,7 @@ struct SpecMods {
 
   // the mask_mod
   __device__ __forceinline__ bool visible(int i, int j) const {
-    return (py_mod((i + (-j)), 4) == 0);
+    return (((i + (-j)) & 3) == 0);
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
   // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided

@@ -339,6 +339,8 @@ def _summarise_input_source() -> str:
 HOST_SETS = COMPILE_SETS + [
     ("(i - 7) // 3 == (j - 7) // -2", "score * ((i - j) % -3) + (j - i) % 4", None),
     ("doc[b, i - 1] == doc[b, j + 1]", "score - doc[b, j] * 0.5", {"doc": "int32"}),
+    # powers of two become a mask and shifts (negative operands included: Python's rounding toward -inf)
+    ("(i - 9) // 4 == (j - 5) // 2 or (i - j) % 8 == 1", "score * ceil((j - 7) / 4) + (i - 11) % 2 + (j - 6) // 1", None),
 ]
 
 

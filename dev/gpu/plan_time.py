@@ -58,6 +58,9 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--seq", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--modifier-inputs", action="store_true",
+                        help="mask_mod / score_mod inputs as `fagen.bench modifiers` makes them (document ids, prefix "
+                             "lengths...) instead of make_inputs' (int inputs 0: one document)")
     parser.add_argument("--compile-only", action="store_true",
                         help="build (and cache) every plan's kernel, time nothing: run several at once before timing")
     args = parser.parse_args()
@@ -68,6 +71,10 @@ def main() -> None:
             kernel_with(spec, *parse_plan(text))
         return
     inputs = make_inputs(spec, args.batch, args.heads, args.seq)
+    if args.modifier_inputs:
+        from fagen.bench.modifiers import make_case
+
+        inputs.runtime_args["inputs"] = make_case(spec, args.batch, args.heads, args.seq).inputs
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.do
     base = runtime.compile(spec)
     o_ref, lse_ref = base.forward(q, k, v, **inputs.runtime_args)
