@@ -533,7 +533,9 @@ struct TileWalk {
   // key tiles against the rows [other0, other0 + other_count) (KEYS), or query tiles against those keys.
   template <bool KEYS, typename V>
   __device__ __forceinline__ int next(const V& visibility, int t, int tiles, int size, int other0, int other_count, int extent) {
-    if (!ACTIVE) {
+    // (if constexpr / else: with a plain `if`, nvcc warned at every run-time compile that the loop after it is
+    // unreachable in the !ACTIVE instantiation, #128-D)
+    if constexpr (!ACTIVE) {
       auto visible = [&](int tile) {
         const int start = tile * size, length = min(size, extent - start);
         return KEYS ? visibility.tile_has_visible(other0, other_count, start, length)
@@ -541,19 +543,20 @@ struct TileWalk {
       };
       while (t < tiles && !visible(t)) ++t;
       return t;
-    }
-    while (t < tiles) {
-      if (t < first || t >= first + THREADS) fill<KEYS>(visibility, t, tiles, size, other0, other_count, extent);
-      int word = (t - first) / 32;
-      unsigned held = bits[word] & (~0u << ((t - first) % 32));
-      while (true) {
-        if (held != 0u) return min(first + 32 * word + __ffs(held) - 1, tiles);
-        if (++word == WORDS) break;
-        held = bits[word];
+    } else {
+      while (t < tiles) {
+        if (t < first || t >= first + THREADS) fill<KEYS>(visibility, t, tiles, size, other0, other_count, extent);
+        int word = (t - first) / 32;
+        unsigned held = bits[word] & (~0u << ((t - first) % 32));
+        while (true) {
+          if (held != 0u) return min(first + 32 * word + __ffs(held) - 1, tiles);
+          if (++word == WORDS) break;
+          held = bits[word];
+        }
+        t = first + THREADS;
       }
-      t = first + THREADS;
+      return tiles;
     }
-    return tiles;
   }
   // Does the mask_mod see every pair of tile t (the tile next() returned last, or one held with it)?
   __device__ __forceinline__ bool mods_full(int t) const {
