@@ -498,3 +498,28 @@ def test_the_warp_specialized_forward_takes_d_128_without_a_mask_mod():
     for head_dim in (32, 64, 96, 160, 192, 256):
         assert solve(Spec(head_dim=head_dim, dtype="bf16"), target).plans["forward"].family == "forward_wgmma"
     assert solve(Spec(head_dim=128, dtype="bf16", arch="sm_80"), target_for("sm_80")).plans["forward"].family != "forward_wgmma_ws"
+
+
+def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_allow():
+    """forward_wgmma's timed_first: at d = 64 (and what pads to 64) one warpgroup per 64-row block, 64 x 128, ranks
+    ahead of the cost model's 128 x 64 (which counts K/V traffic first), over mask kinds, dropout, packed batches
+    and mask_mod / score_mod specs; the resident blocks stay the register estimate's (three without modifiers, two
+    with). Other head dims keep the cost model's order."""
+    target = target_for("sm_90")
+    for extra, resident in (({}, 12), ({"mask": "causal"}, 12), ({"mask": "causal", "dropout": 0.1}, 12),
+                            ({"mask": "sliding_window", "window": 1024}, 12), ({"layout": "packed"}, 12),
+                            ({"mask": "causal", "layout": "packed", "dropout": 0.1}, 8),
+                            ({"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}}, 8),
+                            ({"head_dim": 48}, 12)):
+        spec = Spec(**{"head_dim": 64, "dtype": "bf16", **extra})
+        solution = solve(spec, target)
+        plan = solution.plans["forward"]
+        assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("forward_wgmma", 64, 128, 4, 64), extra
+        assert plan.resident_warps == resident, extra
+        # what it displaced: the cost model's own first choice, still a candidate right behind it
+        runner_up = solution.candidates["forward"][1]
+        assert (runner_up.block_r, runner_up.block_c) == (128, 64) and runner_up.hbm_bytes < plan.hbm_bytes, extra
+    assert solve(Spec(head_dim=64, dtype="bf16", mask="causal"), target).plans["backward"].block_r == 128
+    for head_dim in (32, 96):
+        plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal"), target).plans["forward"]
+        assert (plan.block_r, plan.block_c) == (128, 64), head_dim
