@@ -1336,8 +1336,9 @@ class _Bounder:
 
 
 def _power_of_two(value) -> bool:
-    """Is value a positive integer constant 2^k (k >= 0)? Division and remainder by one become a shift and a mask."""
-    return value.is_Integer and value > 0 and (int(value) & (int(value) - 1)) == 0
+    """Is value an integer constant 2^k that fits the kernels' 32-bit ints (0 <= k <= 30)? Division and remainder
+    by one become a shift and a mask; larger ones go the general way, which reports that they do not fit."""
+    return value.is_Integer and 0 < value < 2**31 and (int(value) & (int(value) - 1)) == 0
 
 
 # ---- the result -----------------------------------------------------------------------------

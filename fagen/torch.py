@@ -1,10 +1,14 @@
 """PyTorch adapter: `fagen.attention(q, k, v, spec, **runtime_args)` with autograd, as custom ops.
 
-Two ops are registered through `torch.library`, with fake (meta) implementations and autograd:
+Three ops are registered through `torch.library`, with fake (meta) implementations:
 
     fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, seed_tensor?, cu_seqlens_q?,
                              cu_seqlens_k?, max_seqlen_q, max_seqlen_k, mod_tensor0-3?, mod_scalar0-3) -> (o, lse)
     fagen::attention_backward(q, k, v, o, lse, grad_o, spec, (the same run-time arguments)) -> (dq, dk, dv)
+    fagen::attention_backward_input_grads(the same) -> (dq, dk, dv, the gradients of score_mod's tensor inputs)
+
+The forward's autograd is its own Autograd kernel (`_forward_autograd`): with grad, a node whose backward calls one
+of the backward ops; without, on plain CUDA tensors, the CUDA kernel called directly (no second dispatch).
 
 (seed_tensor: a dropout seed on the GPU that replaces `seed`; cu_seqlens and max_seqlen: specs with
 layout packed, a max_seqlen of -1 means "not given"; mod_*: a spec's mask_mod / score_mod inputs.)
@@ -181,10 +185,12 @@ def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, 
 def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # The dispatcher drops trailing arguments equal to their defaults before it calls Python, so the schema's
-    # defaults are repeated here; a call with none of them (the common one) goes straight to the kernel.
+    # defaults are repeated here; a call with none of them (the common one) goes straight to the kernel. Not for
+    # a spec that declares inputs: scalar inputs equal to 0.0 are dropped too, and _runtime_kwargs restores them.
     kernel = kernel_for(spec, q.get_device())
     if kv_lengths is None and block_mask is None and seed == 0 and offset == 0 and seed_tensor is None \
-            and cu_seqlens_q is None and cu_seqlens_k is None and not mods:
+            and cu_seqlens_q is None and cu_seqlens_k is None and not mods \
+            and not (kernel.modifiers.tensors or kernel.modifiers.scalars):
         return kernel.forward(q, k, v)
     seed = seed if seed_tensor is None else seed_tensor
     return kernel.forward(q, k, v, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
@@ -283,6 +289,15 @@ MOD_TENSOR_INPUT = 13   # attention_forward's argument index of mod_tensor0 (aft
 _FORWARD_DEFAULTS = (None, None, 0, 0, None, None, None, -1, -1) + (None,) * MOD_SLOTS + (0.0,) * MOD_SLOTS
 
 
+_CUDA_KEY = torch._C.DispatchKey.CUDA
+
+
+def _forward_below_autograd(keyset, inputs):
+    """attention_forward's outputs from the kernels below autograd (a dispatch mode, fake tensors, CUDA)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
+
+
 class _ForwardOp(torch.autograd.Function):
     """attention_forward's autograd node: the op below autograd, then _setup_context / _backward_rule.
     (What torch.library.register_autograd builds from the same two functions, less its per-call work.)"""
@@ -290,9 +305,7 @@ class _ForwardOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs_then_keyset):
         *inputs, keyset = inputs_then_keyset
-        with torch._C._AutoDispatchBelowAutograd():
-            output = torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset,
-                                                                          *inputs)
+        output = _forward_below_autograd(keyset, inputs)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -310,11 +323,9 @@ def _forward_autograd(keyset, *inputs):
         return _ForwardOp.apply(*inputs, *_FORWARD_DEFAULTS[len(inputs) - 4:], keyset)
     if (keyset & torch._C._after_ADInplaceOrView_keyset).highestPriorityTypeId() == _CUDA_KEY:
         return _forward_cuda(*inputs)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
+    return _forward_below_autograd(keyset, inputs)
 
 
-_CUDA_KEY = torch._C.DispatchKey.CUDA
 _library.impl("attention_forward", _forward_autograd, "Autograd", with_keyset=True)
 
 

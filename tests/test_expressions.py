@@ -51,6 +51,9 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
     ("not i", None, None, "'not' needs booleans"),
     ("i < j <", None, None, "invalid syntax"),
     ("i // 0 == 1", None, None, "division by zero"),
+    # powers of two render as shifts and masks, but only those of 32-bit ints
+    ("(i - j) // 4294967296 == 0", None, None, "4294967296 does not fit in 32 bits"),
+    ("(i - j) % 2147483648 == 0", None, None, "2147483648 does not fit in 32 bits"),
     (None, "tanh(score, 2)", None, "tanh() takes 1 argument(s), got 2"),
     (None, "floor(score)", None, "its derivative in score contains Derivative(floor(score), score)"),
     (None, "score % 2", None, "its derivative in score contains Derivative"),

@@ -441,12 +441,20 @@ def test_flex_style_callables_with_torch_functions_become_spec_text():
         fagen.spec.spec_from_dict({"head_dim": 64, "score_mod": lambda score: torch.erf(score)})
 
 
+class _StandInKernel:
+    """A stand-in runtime.Kernel for the eager autograd.Function: forward_keyed is its forward with no fast-path
+    key (None), so the node's backward takes Kernel.backward, as a call without a remembered launch does."""
+
+    def forward_keyed(self, q, k, v, **kwargs):
+        return (*self.forward(q, k, v, **kwargs), None)
+
+
 def test_the_eager_path_routes_score_mod_input_gradients():
     """The eager autograd.Function takes score_mod's tensor inputs that require grad as arguments, asks the
     kernel's backward for input gradients only then, and hands each back in the input's dtype."""
     seen = []
 
-    class Kernel:
+    class Kernel(_StandInKernel):
         def forward(self, q, k, v, **kwargs):
             return q.clone(), q.new_zeros(q.shape[:3])
 
@@ -475,7 +483,7 @@ def test_the_eager_path_saves_a_seed_tensor_for_the_backward():
     a backward that regenerates another mask. A stand-in kernel records what each pass received."""
     seen = []
 
-    class Kernel:
+    class Kernel(_StandInKernel):
         def forward(self, q, k, v, **kwargs):
             seen.append(("forward", kwargs["seed"]))
             return q.clone(), q.new_zeros(q.shape[:3])
@@ -497,3 +505,31 @@ def test_the_eager_path_saves_a_seed_tensor_for_the_backward():
     o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), {"seed": 3, "offset": 0})   # an int seed: as it was
     o.sum().backward()
     assert seen[-1] == ("backward", 3)
+
+
+def test_the_cuda_kernel_of_the_forward_op_restores_what_the_dispatcher_dropped(monkeypatch):
+    """The dispatcher drops trailing arguments equal to their defaults before it calls the op's CUDA kernel in
+    Python. A call with none left goes straight to Kernel.forward; but a spec that declares inputs gets them back
+    (a scalar input of 0.0 is dropped like a default), else Kernel.forward would report the input missing."""
+    seen = []
+
+    class Kernel:
+        def __init__(self, spec):
+            self.modifiers = spec.modifiers
+
+        def forward(self, q, k, v, **kwargs):
+            seen.append(kwargs)
+            return q.clone(), q.new_zeros(q.shape[:3])
+
+    specs = {key: spec_from_dict(json.loads(key)) for key in (
+        '{"head_dim": 8, "dtype": "fp32", "mask": "causal"}',
+        '{"head_dim": 8, "dtype": "fp32", "score_mod": "cap * tanh(score / cap)", "inputs": {"cap": "scalar"}}')}
+    monkeypatch.setattr(fagen_torch, "kernel_for", lambda key, device: Kernel(specs[key]))
+    q, k, v = _inputs()
+    plain, softcap = specs
+    fagen_torch._forward_cuda(q, k, v, plain)
+    assert seen.pop() == {}
+    fagen_torch._forward_cuda(q, k, v, softcap)   # cap = 0.0 given, dropped by the dispatcher
+    assert seen.pop()["inputs"] == {"cap": 0.0}
+    fagen_torch._forward_cuda(q, k, v, plain, None, None, 0, 3)   # a run-time argument: the full keywords
+    assert seen.pop()["offset"] == 3
