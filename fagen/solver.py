@@ -88,7 +88,8 @@ class Family:
     archs: tuple[str, ...] = ()      # the targets the template runs on; (): every one
     preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
-    # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it
+    # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it. The head
+    # dim is the one the plan computes at, so specs padded up to it (d = 33-63 on forward_wgmma) take it as well
     timed_first: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
