@@ -104,18 +104,17 @@ def warpgroup_mma_function(name: str, n: int, ptx_type: str, a_in_registers: boo
         f"}}\n")
 
 
+#: The forwards' products (forward_wgmma_products.cu.j2, shared by both warpgroup-MMA forwards).
+_FORWARD_PRODUCTS = (
+    ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
+    ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),     # O += P~ V, V read transposed
+)
+
 #: The wgmma shapes each warpgroup-MMA template issues: (function, N of (spec, plan), A in registers,
 #: A transposed, B transposed).
 WARPGROUP_PRODUCTS = {
-    "forward_wgmma.cu.j2": (
-        ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
-        ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),     # O += P~ V, V read transposed
-    ),
-    # the warp-specialized forward's consumers issue the same products
-    "forward_wgmma_ws.cu.j2": (
-        ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),
-        ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),
-    ),
+    "forward_wgmma.cu.j2": _FORWARD_PRODUCTS,
+    "forward_wgmma_ws.cu.j2": _FORWARD_PRODUCTS,   # the warp-specialized forward's consumers
     "backward_wgmma.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
         ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q

@@ -335,14 +335,15 @@ class Plan:
         weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
                    and self.head_dim <= family.weighed_padding_up_to)
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
-        timed = (self.head_dim, self.block_r, self.block_c, self.warps) in family.timed_first
+        # a plan timed faster than the cost model's choice (Family.timed_first) goes ahead of the cost model
+        untimed = (self.head_dim, self.block_r, self.block_c, self.warps) not in family.timed_first
         if family.occupancy_first:
-            return (head_dim, family.preference, not timed, self.hbm_bytes, -self.resident_warps, self.smem_reads,
+            return (head_dim, family.preference, untimed, self.hbm_bytes, -self.resident_warps, self.smem_reads,
                     -self.block_r * self.block_c, self.warps)
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
-            return (head_dim, family.preference, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
+            return (head_dim, family.preference, untimed, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
                     -self.resident_warps, self.warps)
-        return (head_dim, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
+        return (head_dim, untimed, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
                 self.warps)
 
     def to_dict(self) -> dict:
