@@ -130,9 +130,17 @@ def load_rows() -> dict:
         os.environ["FAGEN_CACHE_DIR"] = cache
         try:
             spec = fagen.Spec(**fields)
-            start = time.perf_counter()
-            runtime.compile(spec)
-            out["warm_process_load_ms"] = (time.perf_counter() - start) * 1e3
+            # The first load of this process also pays its first CUDA driver use (context, first module load):
+            # reported on its own. A warm process is one that has used fagen before: the later loads, each
+            # from the disk cache again (the in-memory kernel cache emptied in between).
+            loads = []
+            for _ in range(4):
+                runtime._kernel_cache.clear()
+                start = time.perf_counter()
+                runtime.compile(spec)
+                loads.append((time.perf_counter() - start) * 1e3)
+            out["first_load_in_process_ms"] = loads[0]
+            out["warm_process_load_ms"] = min(loads[1:])
             start = time.perf_counter()
             runtime.compile(spec)
             out["in_memory_compile_call_us"] = (time.perf_counter() - start) * 1e6
