@@ -21,6 +21,8 @@ import yaml
 from fagen import runtime, solver
 from fagen.bench.peers import time_sdpa_backward, time_sdpa_forward
 from fagen.bench.timing import make_inputs, relative_error, time_cuda, unchecked_launches
+from fagen.compiler import CompileError
+from fagen.cuda_driver import CudaError
 from fagen.spec import Spec
 from fagen.target import target_for
 
@@ -91,7 +93,7 @@ def main() -> None:
             family, pass_name, *numbers = parse_plan(text)
             try:
                 kernel, plan = kernel_with(spec, family, pass_name, *numbers)
-            except Exception as err:   # a plan past the device's limits (its shared memory): say so, time the rest
+            except (CudaError, CompileError) as err:   # a plan past the device's limits (its shared memory): say so, time the rest
                 print(f"  {text}: does not load ({type(err).__name__}: {err})")
                 continue
             o, lse = kernel.forward(q, k, v, **inputs.runtime_args)
