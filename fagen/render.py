@@ -110,17 +110,25 @@ _FORWARD_PRODUCTS = (
     ("o_product", lambda spec, plan: plan.head_dim, True, 0, 1),     # O += P~ V, V read transposed
 )
 
+def _key_block_backward_products(computing_warps):
+    """The products of the backwards whose warpgroups hold 64 keys' dK, dV each (backward_wgmma_rows.cu.j2)."""
+    return (
+        ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
+        ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
+        # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or 64 dims (the last one's end at d)
+        ("dq_product", lambda spec, plan: plan.head_dim if plan.block_r == 16 * computing_warps(plan) else 64,
+         False, 1, 1),
+    )
+
+
 #: The wgmma shapes each warpgroup-MMA template issues: (function, N of (spec, plan), A in registers,
 #: A transposed, B transposed).
 WARPGROUP_PRODUCTS = {
     "forward_wgmma.cu.j2": _FORWARD_PRODUCTS,
     "forward_wgmma_ws.cu.j2": _FORWARD_PRODUCTS,   # the warp-specialized forward's consumers
-    "backward_wgmma.cu.j2": (
-        ("scores_product", lambda spec, plan: plan.block_r, False, 0, 0),     # S^T = K Q^T, dP^T = V dO^T
-        ("key_grad_product", lambda spec, plan: plan.head_dim, True, 0, 1),   # dV += P^T dO, dK += dS^T Q
-        # dQ = dS K: each warpgroup takes 64 query rows (Br = 64 per warpgroup) or 64 dims (the last one's end at d)
-        ("dq_product", lambda spec, plan: plan.head_dim if plan.block_r == 16 * plan.warps else 64, False, 1, 1),
-    ),
+    "backward_wgmma.cu.j2": _key_block_backward_products(computing_warps=lambda plan: plan.warps),
+    # the warp-specialized one: warpgroup 0 loads, the others compute as backward_wgmma's
+    "backward_wgmma_ws.cu.j2": _key_block_backward_products(computing_warps=lambda plan: plan.warps - 4),
     # d > 128: the warpgroups split S^T by queries and dK, dV, dQ by dims; P_drop^T, dS^T from shared memory
     "backward_wgmma_wide.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r // (plan.warps // 4), False, 0, 0),    # S^T, dP^T

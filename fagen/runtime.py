@@ -313,7 +313,8 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
 #: 128 / 64; BENCHMARKS.md "Causal blocks in groups of problems") against one problem at a time: causal with
 #: 16, forward -5%, backward -1.5..-2%. Without a mask every block has the same work, and groups of 4 timed
 #: the same as none (+-1%): 1, the grid's own order.
-GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2", "backward_wgmma_wide.cu.j2")
+GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2", "backward_wgmma_ws.cu.j2",
+                     "backward_wgmma_wide.cu.j2")
 
 
 def block_group(spec: Spec) -> int:

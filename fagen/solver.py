@@ -94,6 +94,7 @@ class Family:
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
     takes_mask_mod: bool = True      # False: the template's tile walk cannot follow a mask_mod
+    spec_rules: tuple = ()           # (description, predicate(spec)): specs the template is not offered for
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -207,6 +208,35 @@ FAMILIES: tuple[Family, ...] = (
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
                    "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * w or (r == 64 and 16 * w - 32 <= hd <= 16 * w)),)),
+    # backward_wgmma warp-specialized (FlashAttention-3's split of roles): warpgroup 0 loads (K_j, V_j once, Q_i,
+    # dO_i, LSE_i, D_i into two stages handed over by mbarriers), warpgroups 1 and 2 compute 64 keys each with
+    # backward_wgmma's row-block loop; two dS^T tiles (one per stage), so that the consumers meet once a step
+    # (before dQ) and the block never. One block per multiprocessor; the producer gives its registers to the
+    # consumers (setmaxnreg: 40 and 232 per thread). No mask_mod (its tile walk is filled by the whole block).
+    # Ranked ahead of backward_wgmma (preference -1): faster on every shape timed (H200, bf16, dev/gpu/plans_bwd_ws.txt, backward_wgmma's plan -> this one, us; 4 x 16 x 4096
+    # unless noted): d = 128 causal 1802 -> 1757, none 3239 -> 3193, causal 3 x 16 x 3001 813 -> 781, causal with
+    # dropout 2199 -> 2152, sliding window 1024 at 2 x 16 x 8192 1216 -> 1207; d = 64 (4 x 32 x 4096) causal 1994 ->
+    # 1907, none 3535 -> 3362, causal 16 x 32 x 1024 831 -> 824, causal with dropout 2783 -> 2713; d = 96 causal
+    # 1757 -> 1621.
+    Family("backward_wgmma_ws", "backward_wgmma_ws.cu.j2", ("backward",),
+           # backward_wgmma's footprint over the 8 consumer warps, a second dS^T, and 5 mbarriers
+           smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024
+           + 16 * (W - 4) * (4 * sp.Piecewise((d, sp.Eq(Br, 16 * (W - 4))), (64, True)) + 32) + 40,
+           registers=sp.Integer(168),   # every thread of the block at launch: 64 K registers over 384 threads
+           smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
+           warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
+           modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
+           archs=("sm_90",), preference=-1, occupancy_first=True, takes_mask_mod=False, tag="_ws",
+           # where ptxas spilled in the consumers' 232 registers (d = 128)
+           spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
+                       ("no dropout with a block-sparse mask (spilled 24 B)",
+                        lambda spec: not (spec.dropout and spec.mask == "block_sparse"))),
+           rules=(("64 keys per consumer warpgroup", lambda r, c, hd, w: c == 64 * (w // 4 - 1)),
+                  ("dQ splits over the consumers: Br = 64 per consumer, or Br = 64 and d = 64 per consumer (the "
+                   "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * (w - 4) or
+                   (r == 64 and 16 * (w - 4) - 32 <= hd <= 16 * (w - 4))),
+                  # (d = 32 not timed; above 128 the consumers cannot hold dK, dV of 64 keys)
+                  ("head dims 64 to 128 (where it was timed)", lambda r, c, hd, w: 64 <= hd <= 128))),
     # Hopper warpgroup MMA for head dims whose dK, dV do not fit one warpgroup's registers (d > 128): the 64 keys
     # of a block shared by the warpgroups, which split S^T, dP^T by queries and dK, dV, dQ by dims (whole swizzle
     # panels each: d a multiple of 64); P_drop^T and dS^T through shared memory (Bc x Br each, swizzled) as the A
@@ -544,6 +574,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
         broken.append(f"Bc = {family.keys_per_warp}*W")
     if spec.mask_mod and not family.takes_mask_mod:
         broken.append("no mask_mod (the template's tile walk cannot follow one)")
+    broken.extend(description for description, holds in family.spec_rules if not holds(spec))
     for description, holds in family.rules:
         if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):
             broken.append(description)

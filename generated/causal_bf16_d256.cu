@@ -294,6 +294,7 @@ constexpr int BLOCK_R = 64;              // Br query rows per step
 constexpr int BLOCK_C = 64;              // Bc = 64 keys: one m64 slab, shared by every warpgroup
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
+constexpr int LOADERS = THREADS;                   // every thread issues its share of the copies
 constexpr int GROUPS = WARPS / 4;
 constexpr int WARP_ROWS = BLOCK_R / GROUPS;         // queries of a warpgroup's S^T (n of the score products)
 constexpr int GROUP_DIMS = HEAD_DIM / GROUPS;       // dims of a warpgroup's dK, dV, dQ (n of the other products)
@@ -325,7 +326,7 @@ constexpr float KEEP_SCALE = 1.000000000e+00f;
 // also need the registers (as in backward_wgmma)
 constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE;
 static_assert(!(P_DURING_DP && Mods::INPUT_GRADS), "dP^T must be complete before the first half");
-constexpr bool ONE_BARRIER_A_STEP = true;   // (templates/backward_wgmma_key_block.cu.j2 begin_step)
+constexpr bool ONE_BARRIER_A_STEP = true;   // (templates/backward_wgmma_steps.cu.j2 begin_row_block)
 static_assert(BLOCK_C == 64 && WARPS % 4 == 0, "64 keys: one m64 slab of S^T per warpgroup");
 static_assert(WARP_ROWS % 16 == 0 && WARP_ROWS * GROUPS == BLOCK_R, "each warpgroup's queries in 16-query steps");
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in P^T, dS^T");
@@ -409,13 +410,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
     // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
-    for (int n = 0; n < (2 * BLOCK_R + THREADS - 1) / THREADS; ++n) {
-      const int r = tid + n * THREADS;
-      if (2 * BLOCK_R % THREADS != 0 && r >= 2 * BLOCK_R) break;
+    for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
+      const int r = tid + n * LOADERS;
+      if (2 * BLOCK_R % LOADERS != 0 && r >= 2 * BLOCK_R) break;
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
       float* dst = (r < BLOCK_R ? lse_tiles : delta_tiles) + stage * BLOCK_R + row;
@@ -423,13 +424,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     }
   };
 
+  auto load_key_block = [&] {
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  };
   // The start of every step. With ONE_BARRIER_A_STEP (the including template's constant): past the barrier, the
   // step's Q_i, dO_i have landed and every warpgroup is done with the previous step (its products waited for), so
   // the other stage and the tiles the step writes (dS^T, P^T) are free; then the next visible row block starts
   // loading into the other stage while this one computes. Without it, the prefetch goes out ahead of the barrier and
-  // end_step's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
+  // end_row_block's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
   // 1.5-3% with backward_wgmma_wide, 0.5-1.7% slower at d = 64, whose steps are short enough to feel the later load.
-  auto begin_step = [&](int i_next, int stage) {
+  auto begin_row_block = [&](int i_next, int stage) {
     if (!ONE_BARRIER_A_STEP && i_next < row_blocks) {
       load_q_block(i_next, stage ^ 1);
       tc::cp_async_commit();
@@ -444,13 +449,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
       tc::cp_async_commit();
     }
   };
-  auto end_step = [&] {
+  auto end_row_block = [&] {
     if (!ONE_BARRIER_A_STEP) __syncthreads();   // every warpgroup is done with this stage and dS^T before either is refilled
   };
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  load_key_block();
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
@@ -485,7 +489,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
     const int i_next = next_visible(i + 1);
-    begin_step(i_next, stage);
+    begin_row_block(i_next, stage);
     const float* lse_tile = lse_tiles + stage * BLOCK_R;
     const float* delta_tile = delta_tiles + stage * BLOCK_R;
     const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
@@ -661,7 +665,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     wg::wait<0>();   // dV, dK
     wg::fence_registers(dv_acc);
     wg::fence_registers(dk_acc);
-    end_step();
+    end_row_block();
     stage ^= 1;
     i = i_next;
   }

@@ -425,7 +425,11 @@ constexpr int BLOCK_R = 64;              // Br query rows per step
 constexpr int BLOCK_C = 128;              // Bc = 64 keys per warpgroup
 constexpr int THREADS = 256;
 constexpr int WARPS = THREADS / 32;
+constexpr int LOADERS = THREADS;                   // every thread issues its share of the copies
 constexpr int GROUPS = WARPS / 4;
+static_assert(WARPS % 4 == 0, "whole warpgroups");
+constexpr int CONSUMER_REGISTERS = 255;            // every thread computes, with all ptxas gives it
+constexpr bool ONE_BARRIER_A_STEP = HEAD_DIM > 64;   // (templates/backward_wgmma_steps.cu.j2 begin_row_block)
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T, dP^T)
 constexpr int R_STEPS = BLOCK_R / 16;               // k-steps over the queries (dV, dK)
 constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ)
@@ -467,12 +471,13 @@ constexpr float KEEP_SCALE = 1.000000000e+00f;
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off
 // (a mask_mod's test runs in the first half, on S^T alone: P^T during dP^T serves it).
-constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE;
+// The warp-specialized template's consumers have fewer registers (CONSUMER_REGISTERS, 232): there, at Br = 128
+// (d = 64), it spilled 4 B and is off.
+constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE && !(CONSUMER_REGISTERS < 255 && BLOCK_R > 64);
 // (the first half of the score step may read dP^T for score_mod's input gradients)
 static_assert(!(P_DURING_DP && Mods::INPUT_GRADS), "dP^T must be complete before the first half");
 constexpr bool DQ_ATOMICS_LATE = !HAS_DROPOUT;
-constexpr bool ONE_BARRIER_A_STEP = HEAD_DIM > 64;   // (templates/backward_wgmma_key_block.cu.j2 begin_step)
-static_assert(BLOCK_C == 64 * GROUPS && WARPS % 4 == 0, "64 keys per warpgroup");
+static_assert(BLOCK_C == 64 * GROUPS, "64 keys per (computing) warpgroup");
 static_assert(DQ_BY_ROWS || (BLOCK_R == 64 && HEAD_DIM > 64 * (GROUPS - 1) && HEAD_DIM <= 64 * GROUPS),
               "dQ splits over warpgroups by rows or by dims (64 per warpgroup, the last one overlapping by up to 32)");
 static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in dS^T");
@@ -522,14 +527,14 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const unsigned v_tile = k_tile + KV_BYTES;
   auto q_tile = [&](int stage) { return k_tile + 2 * KV_BYTES + stage * 2 * QB_BYTES; };
   auto do_tile = [&](int stage) { return q_tile(stage) + QB_BYTES; };
-  const unsigned ds_tile = q_tile(2);
-  float* lse_tiles = reinterpret_cast<float*>(reinterpret_cast<char*>(shared_raw) + (ds_tile + DS_BYTES - raw));
+  const unsigned ds_base = q_tile(2);
+  float* lse_tiles = reinterpret_cast<float*>(reinterpret_cast<char*>(shared_raw) + (ds_base + DS_BYTES - raw));
   float* delta_tiles = lse_tiles + 2 * BLOCK_R;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
-  const unsigned dq_stage = ds_tile + DS_BYTES + 2 * 2 * 4 * BLOCK_R + warp * DQ_STAGE_BYTES;   // 16-byte aligned
+  const unsigned dq_stage = ds_base + DS_BYTES + 2 * 2 * 4 * BLOCK_R + warp * DQ_STAGE_BYTES;   // 16-byte aligned
   // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
   exit_if_spare_grouped(args);
   const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
@@ -556,13 +561,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
     // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
-    for (int n = 0; n < (2 * BLOCK_R + THREADS - 1) / THREADS; ++n) {
-      const int r = tid + n * THREADS;
-      if (2 * BLOCK_R % THREADS != 0 && r >= 2 * BLOCK_R) break;
+    for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
+      const int r = tid + n * LOADERS;
+      if (2 * BLOCK_R % LOADERS != 0 && r >= 2 * BLOCK_R) break;
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
       float* dst = (r < BLOCK_R ? lse_tiles : delta_tiles) + stage * BLOCK_R + row;
@@ -570,13 +575,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     }
   };
 
+  auto load_key_block = [&] {
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  };
   // The start of every step. With ONE_BARRIER_A_STEP (the including template's constant): past the barrier, the
   // step's Q_i, dO_i have landed and every warpgroup is done with the previous step (its products waited for), so
   // the other stage and the tiles the step writes (dS^T, P^T) are free; then the next visible row block starts
   // loading into the other stage while this one computes. Without it, the prefetch goes out ahead of the barrier and
-  // end_step's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
+  // end_row_block's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
   // 1.5-3% with backward_wgmma_wide, 0.5-1.7% slower at d = 64, whose steps are short enough to feel the later load.
-  auto begin_step = [&](int i_next, int stage) {
+  auto begin_row_block = [&](int i_next, int stage) {
     if (!ONE_BARRIER_A_STEP && i_next < row_blocks) {
       load_q_block(i_next, stage ^ 1);
       tc::cp_async_commit();
@@ -591,17 +600,21 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
       tc::cp_async_commit();
     }
   };
-  auto end_step = [&] {
+  auto end_row_block = [&] {
     if (!ONE_BARRIER_A_STEP) __syncthreads();   // every warpgroup is done with this stage and dS^T before either is refilled
   };
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-  wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  load_key_block();
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
-  const int warp_col0 = col0 + warp * 16;                          // this warp's 16 keys
+  const int mma_warp = warp, mma_group = warpgroup;   // every warp computes
+  auto ds_tile = [&](int) { return ds_base; };
+  constexpr unsigned long long DS_STAGE_STEP = 0;      // one dS^T tile: the barriers of a step free it
+  auto scores_shared = [] { __syncthreads(); };
+  auto row_block_read = [](int) {};
+  const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys
   constexpr int dim0 = 0;                                          // the warp's dK, dV: every dim
 
   float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // rows group, group + 8 of the warp's keys
@@ -624,17 +637,17 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   // Descriptors, built once; a k-step adds a compile-time offset (>> 4) to the start address field.
   //   K-major (d contiguous): K_g, V_g as A and Q_i, dO_i as B of the score products.
   //   MN-major (read transposed): dO_i, Q_i as B of dV, dK (k = queries); dS^T as A and K_j as B of dQ.
-  const unsigned long long k_rows = Layout::k_major(k_tile + warpgroup * 64 * Layout::ROW_BYTES);
-  const unsigned long long v_rows = Layout::k_major(v_tile + warpgroup * 64 * Layout::ROW_BYTES);
+  const unsigned long long k_rows = Layout::k_major(k_tile + mma_group * 64 * Layout::ROW_BYTES);
+  const unsigned long long v_rows = Layout::k_major(v_tile + mma_group * 64 * Layout::ROW_BYTES);
   const unsigned long long stage_step = (2 * QB_BYTES) >> 4;
   const unsigned long long q_rows0 = Layout::k_major(q_tile(0));
   const unsigned long long do_rows0 = Layout::k_major(do_tile(0));
   const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
   // dQ by rows: warpgroup g's 64 rows of dS^T; by dims: all of dS^T, and the K_j panels of the warpgroup's 64 dims
-  const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile + (DQ_BY_ROWS ? warpgroup * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
-  const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * warpgroup, HEAD_DIM - 64);   // this warpgroup's first dQ dim
-  const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * warpgroup - dq_cols0) / 8;   // tiles the warpgroup before adds
+  const unsigned long long ds_cols0 = ScoreLayout::mn_major(ds_tile(0) + (DQ_BY_ROWS ? mma_group * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
+  const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * mma_group, HEAD_DIM - 64);   // this warpgroup's first dQ dim
+  const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * mma_group - dq_cols0) / 8;   // tiles the warpgroup before adds
   const unsigned long long k_cols = Layout::mn_major(k_tile + dq_cols0 / Layout::PANEL_COLUMNS * BLOCK_C * Layout::ROW_BYTES, BLOCK_C);
   // dQ_i's atomics for the warp's staged tile (below): 16-byte reductions, row by row (the dims the warpgroup
   // before adds, dq_skip_tiles, left out). Where DQ_ATOMICS_LATE, issued one row block late, while the tensor
@@ -657,7 +670,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
     const int i_next = next_visible(i + 1);
-    begin_step(i_next, stage);
+    begin_row_block(i_next, stage);
     const float* lse_tile = lse_tiles + stage * BLOCK_R;
     const float* delta_tile = delta_tiles + stage * BLOCK_R;
     const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
@@ -801,29 +814,30 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     wg::fence();
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
-    const int key_row = warp * 16 + group;  // within K_j
+    const int key_row = mma_warp * 16 + group;  // within K_j
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
         const int chunk = 2 * kk + half;
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
+        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
       }
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
     wg::commit();
     wg::fence_async_proxy();
-    __syncthreads();  // dS^T complete
+    scores_shared();  // dS^T complete
     wg::wait<0>();    // dV (it ran during the dS^T stores), dK: their A registers are free before dQ's accumulators
     wg::fence_registers(dv_acc);
     wg::fence_registers(dk_acc);
+    row_block_read(stage);   // Q_i, dO_i, LSE_i, D_i of this stage are no longer read
 
     // dQ_i += tau dS K_j for this warpgroup's rows (or dims)
     wg::fence_registers(dq_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
+    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * DS_STAGE_STEP + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(dq_acc);
@@ -840,11 +854,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
                        "f"(dq_acc[n][2 * e_half] * SCALE), "f"(dq_acc[n][2 * e_half + 1] * SCALE) : "memory");
       __syncwarp();
       // ... which goes out as atomics now, or while the next row block's scores are computed
-      const int warp_dq_row0 = row0 + (DQ_BY_ROWS ? warpgroup * 64 : 0) + warp_in_group * 16;
+      const int warp_dq_row0 = row0 + (DQ_BY_ROWS ? mma_group * 64 : 0) + warp_in_group * 16;
       if (DQ_ATOMICS_LATE && i_next < row_blocks) staged_dq_row0 = warp_dq_row0;
       else add_staged_dq(warp_dq_row0);
     }
-    end_step();
+    end_row_block();
     stage ^= 1;
     i = i_next;
   }

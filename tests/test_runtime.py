@@ -135,7 +135,7 @@ def test_block_groups_follow_the_mask():
     prefix_lm = Spec(head_dim=64, mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
     assert block_group(prefix_lm) == 16   # a mask_mod counts as causal-like
     assert set(GROUPED_TEMPLATES) == {"forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2",
-                                      "backward_wgmma_wide.cu.j2"}
+                                      "backward_wgmma_ws.cu.j2", "backward_wgmma_wide.cu.j2"}
 
 
 def test_fast_path_keys_return_none_for_arrays_that_are_not_torch_tensors():

@@ -410,7 +410,8 @@ def test_head_dims_of_32_column_halves_run_on_warpgroup_mma(head_dim):
     the one block of Bc = 128 a register estimate of 136 forced)."""
     solution = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal"))
     forward, backward = solution.plans["forward"], solution.plans["backward"]
-    assert (forward.family, backward.family) == ("forward_wgmma", "backward_wgmma")
+    # (d = 96's backward on the warp-specialized template, timed faster there; d = 32's was not timed)
+    assert (forward.family, backward.family) == ("forward_wgmma", "backward_wgmma_ws" if head_dim == 96 else "backward_wgmma")
     assert forward.head_dim == backward.head_dim == head_dim
     if head_dim == 96:
         assert (forward.block_r, forward.block_c, forward.warps, forward.resident_warps) == (128, 64, 8, 16)
