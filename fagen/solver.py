@@ -227,10 +227,12 @@ FAMILIES: tuple[Family, ...] = (
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
            archs=("sm_90",), preference=-1, occupancy_first=True, takes_mask_mod=False, tag="_ws",
-           # where ptxas spilled in the consumers' 232 registers (d = 128)
+           # where ptxas spilled, in the consumers' 232 registers or the producer's 40
            spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
-                       ("no dropout with a block-sparse mask (spilled 24 B)",
-                        lambda spec: not (spec.dropout and spec.mask == "block_sparse"))),
+                       ("no block-sparse mask (the producer's walk spilled 4-40 B, with dropout 24 B more)",
+                        lambda spec: spec.mask != "block_sparse"),
+                       ("no dropout on a head dim padded up (d = 99-127 with dropout, packed or padding: 4 B)",
+                        lambda spec: not (spec.dropout and spec.head_dim % 32))),
            rules=(("64 keys per consumer warpgroup", lambda r, c, hd, w: c == 64 * (w // 4 - 1)),
                   ("dQ splits over the consumers: Br = 64 per consumer, or Br = 64 and d = 64 per consumer (the "
                    "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * (w - 4) or

@@ -292,7 +292,8 @@ constexpr int GROUPS = WARPS / 4 - 1;               // consumer warpgroups 1 .. 
 constexpr int CONSUMER_THREADS = 128 * GROUPS;
 static_assert(WARPS % 4 == 0 && GROUPS == 2, "a producer warpgroup and two consumers");
 // The producer's and the consumers' registers per thread. setmaxnreg.inc takes registers only from what the block
-// released (setmaxnreg.dec): the producer gives 128 x (168 - 24), exactly what the consumers take, 256 x (240 - 168)
+// released (setmaxnreg.dec): the producer gives 128 x (168 - 40), what the consumers take, 256 x (232 - 168). (With
+// 24 / 240 the producer spilled; with 32 / 240 the consumers waited forever for registers that were never released.)
 constexpr int PRODUCER_REGISTERS = 40, CONSUMER_REGISTERS = 232;
 static_assert(128 * (168 - PRODUCER_REGISTERS) >= 2 * 128 * (CONSUMER_REGISTERS - 168), "the consumers take what the producer gives");
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d (S^T, dP^T)

@@ -131,10 +131,13 @@ __device__ __forceinline__ void barrier_init(unsigned barrier, unsigned arrivals
 __device__ __forceinline__ void barrier_arrive(unsigned barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(barrier) : "memory");
 }
-// this thread's arrival, made when all of its cp.async copies issued so far have landed (the barrier's
-// count includes it: .noinc)
+// this thread's arrival, complete once all of its cp.async copies issued so far have landed: the copies' arrival
+// (without .noinc: it raises the pending count by one and lowers it when they land) and then a plain arrival,
+// whose release also publishes what the thread wrote with ordinary stores (rows of odd length are copied
+// element by element: tc::load_rows_by_elements)
 __device__ __forceinline__ void barrier_arrive_when_copied(unsigned barrier) {
-  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(barrier) : "memory");
 }
 __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
   unsigned done;

@@ -91,6 +91,26 @@ def test_backward_matches_reference(spec):
     check()
 
 
+@pytest.mark.parametrize("spec", [Spec(head_dim=64, dtype="bf16", mask="causal"),
+                                  Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1),
+                                  Spec(head_dim=128, dtype="bf16", mask="sliding_window", window=300),
+                                  Spec(head_dim=96, dtype="bf16", mask="causal", dropout=0.1)],
+                         ids=lambda s: s.canonical_name)
+def test_warp_specialized_backward_reuses_its_stages(spec):
+    """backward_wgmma_ws hands two stages of Q_i, dO_i and two dS^T tiles between its warpgroups by barrier phases:
+    at least 5 row blocks (Br = 128 at d = 64, 64 above), so that every stage, dS^T tile and dQ staging area is
+    reused and both parities of every barrier wrap (the property tests' 200 rows reach 2 blocks at d = 64)."""
+    from fagen.runtime import compile as compile_spec
+    from fagen.testing import Case, assert_matches_reference
+
+    kernel = compile_spec(spec)
+    if kernel.solution.plans["backward"].family != "backward_wgmma_ws":
+        pytest.skip(f"this device's plan is {kernel.solution.plans['backward'].family}")
+    for seq_q, seq_k in ((5 * 128 + 37, 5 * 128 + 37), (700, 900)):
+        assert_matches_reference(kernel, Case(batch=2, heads=3, seq_q=seq_q, seq_k=seq_k, layout="bnhd", data_seed=seq_q,
+                                              seed=7, offset=11), backward=True)
+
+
 def test_forward_backward_at_32k_tokens_without_quadratic_memory():
     """Issue 4's memory check: N = 32k, d = 64, batch 1, 16 heads, fp16, forward + backward.
     An N x N fp32 buffer alone would need 16 * 32768^2 * 4 B = 64 GiB; we allow a few times the inputs."""
