@@ -93,7 +93,6 @@ class Family:
     timed_first: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
-    takes_mask_mod: bool = True      # False: the template's tile walk cannot follow a mask_mod
     spec_rules: tuple = ()           # (description, predicate(spec)): specs the template is not offered for
 
 
@@ -112,6 +111,10 @@ _EVEN_TILES_FOR_ODD_DIMS = ("Br and Bc even when d is odd (the fp32 tiles stay 4
 _DQ_TILES_OVER_WARPS = ("the dQ tiles (Br/16 x d/8) split over W warps in pairs of 8-dim tiles",
                         lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
                         else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0)
+
+# The warp-specialized templates: producer and consumers walk the visible tiles each on their own, and a mask_mod's
+# walk (TileWalk's shared bits) is filled by the whole block.
+_NO_MASK_MOD = ("no mask_mod (the template's tile walk cannot follow one)", lambda spec: not spec.mask_mod)
 
 FAMILIES: tuple[Family, ...] = (
     # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
@@ -160,7 +163,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
-           preference=-1, occupancy_first=True, takes_mask_mod=False, tag="_ws",
+           preference=-1, occupancy_first=True, tag="_ws", spec_rules=(_NO_MASK_MOD,),
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
                   # O and S accumulators, P~ in pairs, 32 of state: the consumers' 224 registers
                   ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
@@ -212,8 +215,8 @@ FAMILIES: tuple[Family, ...] = (
     # dO_i, LSE_i, D_i into two stages handed over by mbarriers), warpgroups 1 and 2 compute 64 keys each with
     # backward_wgmma's row-block loop; two dS^T tiles (one per stage), so that the consumers meet once a step
     # (before dQ) and the block never. One block per multiprocessor; the producer gives its registers to the
-    # consumers (setmaxnreg: 40 and 232 per thread). No mask_mod (its tile walk is filled by the whole block).
-    # Ranked ahead of backward_wgmma (preference -1): faster on every shape timed (H200, bf16, dev/gpu/plans_bwd_ws.txt, backward_wgmma's plan -> this one, us; 4 x 16 x 4096
+    # consumers (setmaxnreg: 40 and 232 per thread). Ranked ahead of backward_wgmma (preference -1): faster on
+    # every shape timed (H200, bf16, dev/gpu/plans_bwd_ws.txt, backward_wgmma's plan -> this one, us; 4 x 16 x 4096
     # unless noted): d = 128 causal 1802 -> 1757, none 3239 -> 3193, causal 3 x 16 x 3001 813 -> 781, causal with
     # dropout 2199 -> 2152, sliding window 1024 at 2 x 16 x 8192 1216 -> 1207; d = 64 (4 x 32 x 4096) causal 1994 ->
     # 1907, none 3535 -> 3362, causal 16 x 32 x 1024 831 -> 824, causal with dropout 2783 -> 2713; d = 96 causal
@@ -226,9 +229,10 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
-           archs=("sm_90",), preference=-1, occupancy_first=True, takes_mask_mod=False, tag="_ws",
+           archs=("sm_90",), preference=-1, occupancy_first=True, tag="_ws",
            # where ptxas spilled, in the consumers' 232 registers or the producer's 40
-           spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
+           spec_rules=(_NO_MASK_MOD,
+                       ("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
                        ("no block-sparse mask (the producer's walk spilled 4-40 B, with dropout 24 B more)",
                         lambda spec: spec.mask != "block_sparse"),
                        ("no dropout on a head dim padded up (d = 99-127 with dropout, packed or padding: 4 B)",
@@ -574,8 +578,6 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
         broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
-    if spec.mask_mod and not family.takes_mask_mod:
-        broken.append("no mask_mod (the template's tile walk cannot follow one)")
     broken.extend(description for description, holds in family.spec_rules if not holds(spec))
     for description, holds in family.rules:
         if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):

@@ -475,8 +475,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
   const int mma_warp = warp, mma_group = warpgroup;   // every warp computes
-  auto ds_tile = [&](int) { return ds_base; };
-  constexpr unsigned long long DS_STAGE_STEP = 0;      // one dS^T tile: the barriers of a step free it
+  auto ds_tile = [&](int) { return ds_base; };       // one dS^T tile: the barriers of a step free it
   auto scores_shared = [] { __syncthreads(); };
   auto row_block_read = [](int) {};
   const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys
@@ -510,6 +509,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
   // dQ by rows: warpgroup g's 64 rows of dS^T; by dims: all of dS^T, and the K_j panels of the warpgroup's 64 dims
+  const unsigned long long ds_stage_step = (ds_tile(1) - ds_tile(0)) >> 4;   // 0 where both stages share one tile
   const unsigned long long ds_cols0 = ScoreLayout::mn_major(ds_tile(0) + (DQ_BY_ROWS ? mma_group * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
   const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * mma_group, HEAD_DIM - 64);   // this warpgroup's first dQ dim
   const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * mma_group - dq_cols0) / 8;   // tiles the warpgroup before adds
@@ -702,7 +702,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
     wg::fence_registers(dq_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * DS_STAGE_STEP + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
+    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * ds_stage_step + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(dq_acc);

@@ -400,7 +400,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa2
   auto do_tile = [&](int stage) { return q_tile(stage) + QB_BYTES; };
   const unsigned ds_base = q_tile(2);
   auto ds_tile = [&](int stage) { return ds_base + stage * DS_BYTES; };
-  constexpr unsigned long long DS_STAGE_STEP = DS_BYTES >> 4;   // a descriptor's step from one dS^T tile to the next
   float* lse_tiles = reinterpret_cast<float*>(reinterpret_cast<char*>(shared_raw) + (ds_tile(2) - raw));
   float* delta_tiles = lse_tiles + 2 * BLOCK_R;
   const unsigned dq_stages = ds_tile(2) + 2 * 2 * 4 * BLOCK_R;   // 16-byte aligned
@@ -533,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa2
   const unsigned long long q_cols0 = Layout::mn_major(q_tile(0), BLOCK_R);
   const unsigned long long do_cols0 = Layout::mn_major(do_tile(0), BLOCK_R);
   // dQ by rows: warpgroup g's 64 rows of dS^T; by dims: all of dS^T, and the K_j panels of the warpgroup's 64 dims
+  const unsigned long long ds_stage_step = (ds_tile(1) - ds_tile(0)) >> 4;   // 0 where both stages share one tile
   const unsigned long long ds_cols0 = ScoreLayout::mn_major(ds_tile(0) + (DQ_BY_ROWS ? mma_group * BLOCK_C * ScoreLayout::ROW_BYTES : 0), BLOCK_C);
   const int dq_cols0 = DQ_BY_ROWS ? 0 : min(64 * mma_group, HEAD_DIM - 64);   // this warpgroup's first dQ dim
   const int dq_skip_tiles = DQ_BY_ROWS ? 0 : (64 * mma_group - dq_cols0) / 8;   // tiles the warpgroup before adds
@@ -725,7 +725,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa2
     wg::fence_registers(dq_acc);
     wg::fence();
 #pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * DS_STAGE_STEP + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
+    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * ds_stage_step + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
     wg::wait<0>();
     wg::fence_registers(dq_acc);
