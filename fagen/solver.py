@@ -112,8 +112,9 @@ _DQ_TILES_OVER_WARPS = ("the dQ tiles (Br/16 x d/8) split over W warps in pairs 
                         lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
                         else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0)
 
-# The warp-specialized templates: producer and consumers walk the visible tiles each on their own, and a mask_mod's
-# walk (TileWalk's shared bits) is filled by the whole block.
+# The warp-specialized forward: producer and consumers walk the visible tiles each on their own, and a mask_mod's
+# walk (TileWalk's shared bits) is filled by the whole block. (The warp-specialized backward's producer walks alone
+# and hands the walk over with each stage.)
 _NO_MASK_MOD = ("no mask_mod (the template's tile walk cannot follow one)", lambda spec: not spec.mask_mod)
 
 FAMILIES: tuple[Family, ...] = (
@@ -220,19 +221,24 @@ FAMILIES: tuple[Family, ...] = (
     # unless noted): d = 128 causal 1802 -> 1757, none 3239 -> 3193, causal 3 x 16 x 3001 813 -> 781, causal with
     # dropout 2199 -> 2152, sliding window 1024 at 2 x 16 x 8192 1216 -> 1207; d = 64 (4 x 32 x 4096) causal 1994 ->
     # 1907, none 3535 -> 3362, causal 16 x 32 x 1024 831 -> 824, causal with dropout 2783 -> 2713; d = 96 causal
-    # 1757 -> 1621.
+    # 1757 -> 1621. mask_mods (A/B in one process, 4 x 16, backward us): window + sinks 2048 270 -> 256, 8192 1045 ->
+    # 993; prefix-LM 356 -> 338, 4075 -> 3820; dilated 369 -> 373, 4242 -> 4250 (every tile partial: the same).
     Family("backward_wgmma_ws", "backward_wgmma_ws.cu.j2", ("backward",),
-           # backward_wgmma's footprint over the 8 consumer warps, a second dS^T, and 5 mbarriers
+           # backward_wgmma's footprint over the 8 consumer warps, a second dS^T, 5 mbarriers, 3 hand-over words
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024
-           + 16 * (W - 4) * (4 * sp.Piecewise((d, sp.Eq(Br, 16 * (W - 4))), (64, True)) + 32) + 40,
+           + 16 * (W - 4) * (4 * sp.Piecewise((d, sp.Eq(Br, 16 * (W - 4))), (64, True)) + 32) + 40 + 12,
            registers=sp.Integer(168),   # every thread of the block at launch: 64 K registers over 384 threads
            smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
            archs=("sm_90",), preference=-1, occupancy_first=True, tag="_ws",
-           # where ptxas spilled, in the consumers' 232 registers or the producer's 40
-           spec_rules=(_NO_MASK_MOD,
-                       ("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
+           # where ptxas spilled, in the consumers' 232 registers or the producer's 40 (swept: every mask kind and
+           # the example mask_mods x d = 40-128 x dropout x packed x fp16 / bf16)
+           spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
+                       ("no mask_mod whose tiles are decided by run-time summaries (document ids: 68 B)",
+                        lambda spec: not spec.modifiers.summaries),
+                       ("no mask_mod with dropout above d = 96 (12 B at d = 128)",
+                        lambda spec: not (spec.mask_mod and spec.dropout and spec.head_dim > 96)),
                        ("no block-sparse mask (the producer's walk spilled 4-40 B, with dropout 24 B more)",
                         lambda spec: spec.mask != "block_sparse"),
                        ("no dropout on a head dim padded up (d = 99-127 with dropout, packed or padding: 4 B)",

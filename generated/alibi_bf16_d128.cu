@@ -577,10 +577,18 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
-  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
-  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
+  // The loaders walk the row blocks: the whole block, meeting at its barrier, or (warp-specialized) warpgroup 0
+  // alone, at named barrier 2.
+  using Walk = TileWalk<LOADERS, Mods::HAS_MASK, LOADERS == THREADS ? 0 : 2>;
+  __shared__ unsigned walk_bits[Walk::SHARED_WORDS];
+  Walk walk(walk_bits);
   auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
     return walk.next<false>(visibility, i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
+  };
+  // what follows row block i on the walk: whether the mask_mod sees every pair of it, the next visible row block
+  auto walk_row_block = [&](int i, int, bool& mods_full, int& i_next) {
+    mods_full = walk.mods_full(i);   // read before the walk moves past i
+    i_next = next_visible(i + 1);
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
@@ -608,6 +616,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   // loading into the other stage while this one computes. Without it, the prefetch goes out ahead of the barrier and
   // end_row_block's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
   // 1.5-3% with backward_wgmma_wide, 0.5-1.7% slower at d = 64, whose steps are short enough to feel the later load.
+  auto next_row_block = walk_row_block;   // every thread walks the row blocks
   auto begin_row_block = [&](int i_next, int stage) {
     if (!ONE_BARRIER_A_STEP && i_next < row_blocks) {
       load_q_block(i_next, stage ^ 1);
@@ -691,8 +700,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   int staged_dq_row0 = -1;   // the first row of the warp's staged dQ tile, -1 while none is
   int stage = 0;
   while (i < row_blocks) {
-    const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
-    const int i_next = next_visible(i + 1);
+    bool mods_full;   // the mask_mod sees every pair of row block i
+    int i_next;       // the visible row block after i (row_blocks: none)
+    next_row_block(i, stage, mods_full, i_next);
     begin_row_block(i_next, stage);
     const float* lse_tile = lse_tiles + stage * BLOCK_R;
     const float* delta_tile = delta_tiles + stage * BLOCK_R;
@@ -725,13 +735,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
     const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
-    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
-    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
-    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
-    // ptxas registers and spills).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
-                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -742,6 +745,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
           fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
              fkey0 + (e / 2) * 8);
     };
+    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
+    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
+    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;

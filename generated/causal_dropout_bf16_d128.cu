@@ -2,7 +2,7 @@
 // spec causal_dropout_bf16_d128: {"arch": "sm_90", "block_size": null, "deterministic": false, "dropout": 0.2, "dtype": "bf16", "head_dim": 128, "layout": "padded", "loop_order": "fa2", "mask": "causal", "name": "causal_dropout_bf16_d128", "passes": ["forward", "backward"], "softmax_scale": null, "sram_budget": null, "tile_policy": "auto", "window": null}
 // plan (auto policy, sm_90, budget 232448 B):
 //   forward: forward_wgmma_ws.cu.j2 Br=128 Bc=128 warps=12 smem=164936 B
-//   backward: backward_wgmma_ws.cu.j2 Br=64 Bc=128 warps=12 smem=202792 B
+//   backward: backward_wgmma_ws.cu.j2 Br=64 Bc=128 warps=12 smem=202804 B
 #include "attention_common.cuh"
 // ---- fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w12_ws: made by templates/forward_wgmma_ws.cu.j2 ----
 // FlashAttention-2 forward on Hopper's warpgroup MMA, warp-specialized (FlashAttention-3's split of roles):
@@ -334,8 +334,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 // FlashAttention-2 backward on Hopper's warpgroup MMA, warp-specialized (FlashAttention-3's split of roles):
 // warpgroup 0 only loads (K_j, V_j once, then Q_i, dO_i, LSE_i and D_i of each visible row block by cp.async
 // into two stages), the other warpgroups only compute, 64 keys each, as backward_wgmma's warpgroups do (the
-// same row-block loop, templates/backward_wgmma_rows.cu.j2). Stages pass between them through mbarriers ("full"
-// once copied, "empty" once every consumer is done with it), so no step waits for the whole block: the one
+// same row-block loop, templates/backward_wgmma_rows.cu.j2). Without a mask_mod, producer and consumers walk the
+// visible row blocks each on their own (the walk is arithmetic); with one, the producer alone walks and hands each
+// stage over with what the consumers need of the walk (the next visible row block; whether the mask_mod sees every
+// pair), so that the consumers carry none of its tile tests, and the consumers test its elements ahead of the
+// score products (mask_bits_ahead): both held beside S^T and dP^T spilled their 232 registers. (The hand-over
+// for every spec cost spills of 4-36 B where there were none: d = 59, d = 64 causal.) Stages pass between them through
+// mbarriers ("full" once copied, "empty" once every consumer is done with it), so no step waits for the whole block: the one
 // meeting per step is the consumers' named barrier before dQ, which reads both consumers' dS^T. dS^T has two
 // tiles, one per stage, so that a consumer can write the next one while the other still reads this one.
 // The producer gives up registers (setmaxnreg) so that each consumer holds dK, dV, S^T, dP^T and dQ.
@@ -415,10 +420,6 @@ using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br querie
 static_assert(DQ_BY_ROWS || (HEAD_DIM - 64) % Layout::PANEL_COLUMNS == 0, "dQ by dims: every warpgroup starts on a panel");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
-// Producer and consumers walk the visible row blocks each on their own, so the walk must be a pure function of
-// the tile: a mask_mod's walk (TileWalk's shared bits, filled by the whole block) is not (the solver does not
-// offer this template with one).
-static_assert(!Mods::HAS_MASK, "no mask_mod");
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
 // (dS^T Q_i), m64 x d, A from registers, B transposed; dq_product: dQ += dS K_j, both read transposed.
 __device__ __forceinline__ void scores_product(float (&d)[8][4], unsigned long long a, unsigned long long b, int accumulate) {
@@ -453,7 +454,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   using namespace fagen;
   // Shared memory (fagen/solver.py declares the same footprint): K_j, V_j, 2 stages x (Q_i, dO_i), 2 x dS^T, all
   // swizzled and 1024-byte aligned (1 KB of slack), then 2 stages of LSE_i and of D_i, each consumer warp's dQ_i,
-  // and the mbarriers: K_j and V_j full, then per stage full and empty.
+  // the mbarriers (K_j and V_j full, then per stage full and empty), and the walk's hand-over words: the first
+  // visible row block, then per stage (the next visible row block << 1) | the mask_mod sees every pair.
   extern __shared__ float4 shared_raw[];
   const unsigned raw = tc::shared_address(shared_raw);
   const unsigned k_tile = (raw + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
@@ -469,6 +471,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   const unsigned kv_full = barriers;
   auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (3 + stage); };
+  volatile int* handed = reinterpret_cast<volatile int*>(reinterpret_cast<char*>(shared_raw) + (barriers + 40 - raw));
+  volatile int* handed_stage = handed + 1;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
@@ -492,10 +496,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;
-  __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
-  TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
+  // The loaders walk the row blocks: the whole block, meeting at its barrier, or (warp-specialized) warpgroup 0
+  // alone, at named barrier 2.
+  using Walk = TileWalk<LOADERS, Mods::HAS_MASK, LOADERS == THREADS ? 0 : 2>;
+  __shared__ unsigned walk_bits[Walk::SHARED_WORDS];
+  Walk walk(walk_bits);
   auto next_visible = [&](int i) {  // causal / window / block-sparse / mask_mod: invisible row blocks are never loaded
     return walk.next<false>(visibility, i, row_blocks, BLOCK_R, col0, cols_here, seq_q);
+  };
+  // what follows row block i on the walk: whether the mask_mod sees every pair of it, the next visible row block
+  auto walk_row_block = [&](int i, int, bool& mods_full, int& i_next) {
+    mods_full = walk.mods_full(i);   // read before the walk moves past i
+    i_next = next_visible(i + 1);
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
@@ -527,8 +539,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   __syncthreads();   // the barriers are initialised before anyone waits on them; the last block-wide meeting
 
   if (warpgroup == 0) {
-    // ---- producer: K_j, V_j, then each visible row block (n counts them) into stage n % 2, once the consumers
-    // emptied what it held two row blocks before (the first round finds both stages empty)
+    // ---- producer: K_j, V_j (none where no row block is visible), then each visible row block (n counts them)
+    // into stage n % 2, once the consumers emptied what it held two row blocks before (the first round finds both
+    // stages empty). Thread 0 writes the hand-over words before its arrival, whose release publishes them.
     wg::release_registers<PRODUCER_REGISTERS>();
     load_key_block();
     wg::barrier_arrive_when_copied(kv_full);
@@ -548,12 +561,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   wg::claim_registers<CONSUMER_REGISTERS>();
   const int mma_warp = warp - 4, mma_group = warpgroup - 1;
   const unsigned dq_stage = dq_stages + mma_warp * DQ_STAGE_BYTES;
+  int row_block_count = 0;     // the visible row blocks begun: the parity of a stage's barrier
   int i = next_visible(0);
   if (i < row_blocks) {
     wg::barrier_wait(kv_full, 0);
     wg::fence_async_proxy();   // seen by the generic proxy; the tensor cores read through the async one
   }
-  int row_block_count = 0;     // the visible row blocks begun: the parity of a stage's barrier
+  auto next_row_block = walk_row_block;
   auto begin_row_block = [&](int, int stage) {
     wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
     wg::fence_async_proxy();
@@ -618,8 +632,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   int staged_dq_row0 = -1;   // the first row of the warp's staged dQ tile, -1 while none is
   int stage = 0;
   while (i < row_blocks) {
-    const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
-    const int i_next = next_visible(i + 1);
+    bool mods_full;   // the mask_mod sees every pair of row block i
+    int i_next;       // the visible row block after i (row_blocks: none)
+    next_row_block(i, stage, mods_full, i_next);
     begin_row_block(i_next, stage);
     const float* lse_tile = lse_tiles + stage * BLOCK_R;
     const float* delta_tile = delta_tiles + stage * BLOCK_R;
@@ -652,13 +667,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
     const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
-    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
-    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
-    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
-    // ptxas registers and spills).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
-                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -669,6 +677,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
           fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
              fkey0 + (e / 2) * 8);
     };
+    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
+    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
+    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;

@@ -341,13 +341,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
     // every element: its derivative at S (the factor dS takes) is kept, then S = score_mod(S), then the mask.
     const bool interior = warp_row0 + WARP_ROWS <= seq_q && warp_col0 + 16 <= seq_k && mods_full &&
                           visibility.tile_all_visible<false>(warp_row0, WARP_ROWS, warp_col0, 16);
-    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
-    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
-    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
-    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
-    // ptxas registers and spills).
-    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
-                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     // fn(n, e, row, key, row as float, key as float) on each of the thread's elements of S^T
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + quad * 2), fkey0 = (float)(warp_col0 + group);   // the score_mod's fi, fj
@@ -358,6 +351,13 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
           fn(n, e, warp_row0 + n * 8 + quad * 2 + (e % 2), warp_col0 + group + (e / 2) * 8, frow0 + (n * 8 + e % 2),
              fkey0 + (e / 2) * 8);
     };
+    // score_mod input gradients whose derivative reads the score, or where dS^T will be dS'^T times a factor
+    // (INPUT_GRADS_HERE): added here, before S^T in s_acc becomes P^T, from P and dS' recomputed per element
+    // (the scores held in registers until the second half spilled hundreds of bytes); the others in the second
+    // half. Only in the build WITH_INPUT_GRADS, each in a loop of its own (inside the step's loops, they cost
+    // ptxas registers and spills).
+    constexpr bool INPUT_GRADS_HERE = Mods::INPUT_GRADS && WITH_INPUT_GRADS &&
+                                      (Mods::INPUT_GRADS_READ_SCORE || !Mods::SCORE_GRAD_IS_ONE);
     if (INPUT_GRADS_HERE) {
       const unsigned long long kept_here = HAS_DROPOUT ? dropout_transposed_mask<R_TILES, DROPOUT_SHUFFLED>(
                                                              args, bh, warp_row0, warp_col0, group, quad, DROPOUT_THRESHOLD) : 0ull;

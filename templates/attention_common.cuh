@@ -518,8 +518,9 @@ struct Visibility {
 // mask_mod ran at a third of its mask kind's speed with every tile visible (H100, d = 64, N = 8192). So with
 // a mask_mod the block's threads classify THREADS tiles at once, one tile each, and keep two bits per tile
 // in shared memory (a visible pair; the mask_mod sees every pair); the loop then reads bits.
-// Block-uniform: every thread calls next() with the same arguments (a refill meets __syncthreads).
-template <int THREADS, bool ACTIVE>
+// Uniform over its walkers: every one calls next() with the same arguments (a refill meets __syncthreads, or
+// where the walkers are threads 0 .. THREADS - 1 of a larger block, named barrier BARRIER).
+template <int THREADS, bool ACTIVE, int BARRIER = 0>
 struct TileWalk {
   static constexpr int WORDS = THREADS / 32;
   static constexpr int SHARED_WORDS = ACTIVE ? 2 * WORDS : 1;   // for the template's __shared__ array
@@ -564,9 +565,13 @@ struct TileWalk {
   }
 
  private:
+  __device__ __forceinline__ static void walkers_meet() {
+    if constexpr (BARRIER == 0) __syncthreads();
+    else asm volatile("bar.sync %0, %1;\n" :: "n"(BARRIER), "n"(THREADS) : "memory");
+  }
   template <bool KEYS, typename V>
   __device__ __forceinline__ void fill(const V& visibility, int t, int tiles, int size, int other0, int other_count, int extent) {
-    __syncthreads();   // every thread is done reading the tiles held so far
+    walkers_meet();   // every walker is done reading the tiles held so far
     const int tile = t + threadIdx.x, start = tile * size, length = min(size, extent - start);
     bool visible = false, full = false;
     if (tile < tiles) {
@@ -581,7 +586,7 @@ struct TileWalk {
       bits[WORDS + threadIdx.x / 32] = full_bits;
     }
     first = t;
-    __syncthreads();
+    walkers_meet();
   }
 };
 

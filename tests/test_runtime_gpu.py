@@ -94,12 +94,19 @@ def test_backward_matches_reference(spec):
 @pytest.mark.parametrize("spec", [Spec(head_dim=64, dtype="bf16", mask="causal"),
                                   Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1),
                                   Spec(head_dim=128, dtype="bf16", mask="sliding_window", window=300),
-                                  Spec(head_dim=96, dtype="bf16", mask="causal", dropout=0.1)],
+                                  Spec(head_dim=96, dtype="bf16", mask="causal", dropout=0.1),
+                                  # mask_mods: the producer walks the row blocks alone and hands each stage over
+                                  # with the next visible one and whether the mask_mod sees every pair of it
+                                  Spec(head_dim=64, dtype="bf16", mask_mod="j <= i and (i - j < 256 or j < 4)"),
+                                  Spec(head_dim=64, dtype="fp16", mask_mod="(i - j) % 3 == 0", dropout=0.1),
+                                  # keys past 200 seen by no query: those key blocks load nothing, dK = dV = 0
+                                  Spec(head_dim=128, dtype="bf16", mask_mod="j < 200 or j == i")],
                          ids=lambda s: s.canonical_name)
 def test_warp_specialized_backward_reuses_its_stages(spec):
     """backward_wgmma_ws hands two stages of Q_i, dO_i and two dS^T tiles between its warpgroups by barrier phases:
     at least 5 row blocks (Br = 128 at d = 64, 64 above), so that every stage, dS^T tile and dQ staging area is
-    reused and both parities of every barrier wrap (the property tests' 200 rows reach 2 blocks at d = 64)."""
+    reused and both parities of every barrier wrap (the property tests' 200 rows reach 2 blocks at d = 64).
+    With a mask_mod, row blocks are skipped and tiles are full or partial, as the producer's walk hands them over."""
     from fagen.runtime import compile as compile_spec
     from fagen.testing import Case, assert_matches_reference
 

@@ -41,6 +41,8 @@ SPECS = [
     Spec(head_dim=64, dtype="fp16", mask="none", dropout=0.1, layout="packed", arch="sm_80"),
     # mask_mod / score_mod: a run-time summary (document ids) and clamped input loads; a derivative != 1
     Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
+    # a mask_mod on the warp-specialized backward (the producer's walk handed over with each stage)
+    Spec(head_dim=64, dtype="fp16", mask_mod="j <= i and (i - j < 100 or j < 4)"),
     Spec(head_dim=128, dtype="bf16", score_mod="cap * tanh(score / cap) + bias[h, i - j]",
          inputs={"cap": "scalar", "bias": "float32"}, dropout=0.1),
     # score_mod input gradients (fagen.testing asks for them): per-head sums of a derivative that reads the score
