@@ -150,10 +150,9 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
     name = kernel_name(spec, pass_name, plan)
     pad_elements = 4 // spec.element_bytes  # one 4-byte bank word
     return {
-        # a mask_mod tested ahead of the backward's score products (templates/backward_wgmma_rows.cu.j2): set by the
-        # template whose registers need it, around its include of that loop
-        "mask_bits_ahead": False,
-        "has_mask_mod": spec.mask_mod is not None,
+        # a mask_mod tested ahead of the backward's score products (templates/backward_wgmma_rows.cu.j2), where the
+        # warp-specialized backward's consumers have no registers to test it beside S^T and dP^T
+        "mask_bits_ahead": plan.family == "backward_wgmma_ws" and spec.mask_mod is not None,
         **dict(family_named(plan.family).options),
         "kernel_name": name,
         "template_name": plan.template,

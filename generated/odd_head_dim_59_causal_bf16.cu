@@ -481,14 +481,33 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
     // into stage n % 2, once the consumers emptied what it held two row blocks before (the first round finds both
     // stages empty). Thread 0 writes the hand-over words before its arrival, whose release publishes them.
     wg::release_registers<PRODUCER_REGISTERS>();
-    load_key_block();
-    wg::barrier_arrive_when_copied(kv_full);
-    int n = 0;
-    for (int i = next_visible(0); i < row_blocks; i = next_visible(i + 1), ++n) {
-      const int s = n % 2;
-      wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
-      load_q_block(i, s);
-      wg::barrier_arrive_when_copied(full(s));
+    if constexpr (Mods::HAS_MASK) {
+      int i = next_visible(0);
+      if (tid == 0) handed[0] = i;
+      if (i < row_blocks) load_key_block();
+      wg::barrier_arrive_when_copied(kv_full);
+      for (int n = 0; i < row_blocks; ++n) {
+        const int s = n % 2;
+        wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+        load_q_block(i, s);
+        // the walk while the copies fly
+        bool mods_full;
+        int i_next;
+        walk_row_block(i, s, mods_full, i_next);
+        if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
+        wg::barrier_arrive_when_copied(full(s));
+        i = i_next;
+      }
+    } else {   // (this order: the walk's first step after K_j, V_j's copies; the mask_mod's order spilled at d = 59)
+      load_key_block();
+      wg::barrier_arrive_when_copied(kv_full);
+      int n = 0;
+      for (int i = next_visible(0); i < row_blocks; i = next_visible(i + 1), ++n) {
+        const int s = n % 2;
+        wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+        load_q_block(i, s);
+        wg::barrier_arrive_when_copied(full(s));
+      }
     }
     tc::cp_async_commit();   // the block outlives this warpgroup, but its copies land before it leaves
     tc::cp_async_wait<0>();
@@ -500,16 +519,35 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
   const int mma_warp = warp - 4, mma_group = warpgroup - 1;
   const unsigned dq_stage = dq_stages + mma_warp * DQ_STAGE_BYTES;
   int row_block_count = 0;     // the visible row blocks begun: the parity of a stage's barrier
-  int i = next_visible(0);
-  if (i < row_blocks) {
+  int i;
+  if constexpr (Mods::HAS_MASK) {
     wg::barrier_wait(kv_full, 0);
     wg::fence_async_proxy();   // seen by the generic proxy; the tensor cores read through the async one
+    i = handed[0];
+  } else {
+    i = next_visible(0);
+    if (i < row_blocks) {
+      wg::barrier_wait(kv_full, 0);
+      wg::fence_async_proxy();
+    }
   }
-  auto next_row_block = walk_row_block;
+  // with a mask_mod, what the producer handed over with the stage, read before the stage is emptied (it then
+  // writes the next); without, the consumers' own walk
+  auto next_row_block = [&](int i, int stage, bool& mods_full, int& i_next) {
+    if constexpr (Mods::HAS_MASK) {
+      wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
+      ++row_block_count;
+      const int word = handed_stage[stage];
+      mods_full = word & 1;
+      i_next = word >> 1;
+    } else {
+      walk_row_block(i, stage, mods_full, i_next);
+    }
+  };
   auto begin_row_block = [&](int, int stage) {
-    wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
+    if constexpr (!Mods::HAS_MASK) wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
     wg::fence_async_proxy();
-    ++row_block_count;
+    if constexpr (!Mods::HAS_MASK) ++row_block_count;
   };
   // both consumers' dS^T stores are done (each fenced them for the async proxy first)
   auto scores_shared = [] { wg::named_barrier_sync<1, CONSUMER_THREADS>(); };
