@@ -149,11 +149,12 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
     threads = plan.threads
     name = kernel_name(spec, pass_name, plan)
     pad_elements = 4 // spec.element_bytes  # one 4-byte bank word
+    options = dict(family_named(plan.family).options)
     return {
-        # a mask_mod tested ahead of the backward's score products (templates/backward_wgmma_rows.cu.j2), where the
-        # warp-specialized backward's consumers have no registers to test it beside S^T and dP^T
-        "mask_bits_ahead": plan.family == "backward_wgmma_ws" and spec.mask_mod is not None,
-        **dict(family_named(plan.family).options),
+        **options,
+        # the family's option to test a mask_mod ahead of the backward's score products
+        # (templates/backward_wgmma_rows.cu.j2): taken where the spec has one
+        "mask_bits_ahead": bool(options.get("mask_bits_ahead")) and spec.mask_mod is not None,
         "kernel_name": name,
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],

@@ -92,6 +92,7 @@ class Family:
     # dim is the one the plan computes at, so specs padded up to it (d = 33-63 on forward_wgmma) take it as well
     timed_first: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
+    walk_warps: int = 0              # the warps that walk the tiles (TileWalk's THREADS / 32); 0: every warp
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
     spec_rules: tuple = ()           # (description, predicate(spec)): specs the template is not offered for
 
@@ -232,6 +233,10 @@ FAMILIES: tuple[Family, ...] = (
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
            archs=("sm_90",), preference=-1, occupancy_first=True, tag="_ws",
+           # a mask_mod's elements tested ahead of the score products (templates/backward_wgmma_rows.cu.j2): beside
+           # S^T and dP^T its loads spilled the consumers' 232 registers
+           options=(("mask_bits_ahead", True),),
+           walk_warps=4,   # the producer warpgroup walks alone (templates/backward_wgmma_key_block.cu.j2)
            # where ptxas spilled, in the consumers' 232 registers or the producer's 40 (swept: every mask kind and
            # the example mask_mods x d = 40-128 x dropout x packed x fp16 / bf16)
            spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
@@ -547,10 +552,10 @@ def padded_head_dims(family: Family, head_dim: int) -> list[int]:
 
 def walk_bytes(family: Family, spec: Spec, warps: int) -> int:
     """Static shared memory of the template's TileWalk (templates/attention_common.cuh), on top of the
-    dynamic footprint: two words per warp with a mask_mod (a tile's bits), else its one placeholder word."""
+    dynamic footprint: two words per walking warp with a mask_mod (a tile's bits), else its one placeholder word."""
     if not family.tile_walk:
         return 0
-    return 2 * 4 * warps if spec.mask_mod else 4
+    return 2 * 4 * (family.walk_warps or warps) if spec.mask_mod else 4
 
 
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:

@@ -277,10 +277,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_causal_f
 // stage over with what the consumers need of the walk (the next visible row block; whether the mask_mod sees every
 // pair), so that the consumers carry none of its tile tests, and the consumers test its elements ahead of the
 // score products (mask_bits_ahead): both held beside S^T and dP^T spilled their 232 registers. (The hand-over
-// for every spec cost spills of 4-36 B where there were none: d = 59, d = 64 causal.) Stages pass between them through
-// mbarriers ("full" once copied, "empty" once every consumer is done with it), so no step waits for the whole block: the one
-// meeting per step is the consumers' named barrier before dQ, which reads both consumers' dS^T. dS^T has two
-// tiles, one per stage, so that a consumer can write the next one while the other still reads this one.
+// for every spec cost spills of 4-36 B where there were none: d = 59, d = 64 causal.) Stages pass between them
+// through mbarriers ("full" once copied, "empty" once every consumer is done with it), so no step waits for the
+// whole block: the one meeting per step is the consumers' named barrier before dQ, which reads both consumers'
+// dS^T. dS^T has two tiles, one per stage, so that a consumer can write the next one while the other still reads
+// this one.
 // The producer gives up registers (setmaxnreg) so that each consumer holds dK, dV, S^T, dP^T and dQ.
 // Needs sm_90a.
 #include "warpgroup_mma.cuh"
@@ -409,7 +410,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
   const unsigned kv_full = barriers;
   auto full = [&](int stage) { return barriers + 8 * (1 + stage); };
   auto empty = [&](int stage) { return barriers + 8 * (3 + stage); };
-  volatile int* handed = reinterpret_cast<volatile int*>(reinterpret_cast<char*>(shared_raw) + (barriers + 40 - raw));
+  volatile int* handed = reinterpret_cast<volatile int*>(reinterpret_cast<char*>(shared_raw) + (empty(2) - raw));
   volatile int* handed_stage = handed + 1;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
@@ -531,24 +532,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
       wg::fence_async_proxy();
     }
   }
-  // with a mask_mod, what the producer handed over with the stage, read before the stage is emptied (it then
-  // writes the next); without, the consumers' own walk
+  // The walk (the consumers' own, or with a mask_mod what the producer handed over with the stage, read before the
+  // stage is emptied: it then writes the next), and the stage's copies landed.
   auto next_row_block = [&](int i, int stage, bool& mods_full, int& i_next) {
+    if constexpr (!Mods::HAS_MASK) walk_row_block(i, stage, mods_full, i_next);
+    wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
+    ++row_block_count;
     if constexpr (Mods::HAS_MASK) {
-      wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
-      ++row_block_count;
       const int word = handed_stage[stage];
       mods_full = word & 1;
       i_next = word >> 1;
-    } else {
-      walk_row_block(i, stage, mods_full, i_next);
     }
   };
-  auto begin_row_block = [&](int, int stage) {
-    if constexpr (!Mods::HAS_MASK) wg::barrier_wait(full(stage), (row_block_count / 2) & 1);
-    wg::fence_async_proxy();
-    if constexpr (!Mods::HAS_MASK) ++row_block_count;
-  };
+  auto begin_row_block = [](int, int) { wg::fence_async_proxy(); };
   // both consumers' dS^T stores are done (each fenced them for the async proxy first)
   auto scores_shared = [] { wg::named_barrier_sync<1, CONSUMER_THREADS>(); };
   auto row_block_read = [&](int stage) { wg::barrier_arrive(empty(stage)); };
