@@ -73,7 +73,7 @@ class Family:
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     packed_registers: int = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above)
-    modifier_registers: int = MODIFIER_REGISTERS  # mask_mod / score_mod (see above)
+    modifier_registers: object = MODIFIER_REGISTERS  # mask_mod / score_mod (see above; int or sympy)
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -207,8 +207,11 @@ FAMILIES: tuple[Family, ...] = (
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
            packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
            # mask_mod / score_mod: 4 (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled
-           # 72 B with a bias table); at d = 128 the template's one plan stays (soft-capping spills 32 B there)
-           modifier_registers=4,
+           # 72 B with a bias table). None at d = 128, where the template has one plan (Br = 64, 8 warps): with
+           # dropout as well it was estimated 256 registers, and such specs fell to backward_fa2_mma at Br = 16,
+           # which ran 2.3x slower than this plan with its spills (H200, 4 x 16 x 4096, causal, p = 0.1,
+           # dev/gpu/plans_mods_dropout.txt: ALiBi 5346 -> 2352 us spilling 120 B, soft-capping 5603 -> 3018, 80 B)
+           modifier_registers=sp.Piecewise((0, sp.Ge(d, 128)), (4, True)),
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
@@ -224,6 +227,7 @@ FAMILIES: tuple[Family, ...] = (
     # 1907, none 3535 -> 3362, causal 16 x 32 x 1024 831 -> 824, causal with dropout 2783 -> 2713; d = 96 causal
     # 1757 -> 1621. mask_mods (A/B in one process, 4 x 16, backward us): window + sinks 2048 270 -> 256, 8192 1045 ->
     # 993; prefix-LM 356 -> 338, 4075 -> 3820; dilated 369 -> 373, 4242 -> 4250 (every tile partial: the same).
+    # Additive score_mods (the same A/B, d = 128): ALiBi 2048 587 -> 575-577, 8192 6690 -> 6599-6648.
     Family("backward_wgmma_ws", "backward_wgmma_ws.cu.j2", ("backward",),
            # backward_wgmma's footprint over the 8 consumer warps, a second dS^T, 5 mbarriers, 3 hand-over words
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024
@@ -239,7 +243,11 @@ FAMILIES: tuple[Family, ...] = (
            walk_warps=4,   # the producer warpgroup walks alone (templates/backward_wgmma_key_block.cu.j2)
            # where ptxas spilled, in the consumers' 232 registers or the producer's 40 (swept: every mask kind and
            # the example mask_mods x d = 40-128 x dropout x packed x fp16 / bf16)
-           spec_rules=(("no score_mod (soft-capping spilled 104 B at d = 128)", lambda spec: not spec.score_mod),
+           spec_rules=(("a score_mod only where sympy's d score_mod / d score is 1 (an additive bias: ALiBi, a bias "
+                        "table; soft-capping's tanh spilled 224-1028 B at d = 64, 128)",
+                        lambda spec: not spec.score_mod or spec.modifiers.score_grad == 1),
+                       ("no score_mod with dropout (ALiBi spilled 140-284 B, a bias table 64-164 B)",
+                        lambda spec: not (spec.score_mod and spec.dropout)),
                        ("no mask_mod whose tiles are decided by run-time summaries (document ids: 68 B)",
                         lambda spec: not spec.modifiers.summaries),
                        ("no mask_mod with dropout above d = 96 (12 B at d = 128)",
@@ -477,7 +485,8 @@ def _compiled(family: Family) -> _CompiledFamily:
         # sympy's ceiling made opaque, so that lambdify calls _exact_ceiling instead of math.ceil on a float
         ceiling_of = sp.Function("exact_ceiling")
         expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
-                       (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads)]
+                       (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads,
+                        family.modifier_registers)]
         footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
                                 modules=[{"exact_ceiling": _exact_ceiling}, "math"])
         entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
@@ -573,12 +582,12 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
     head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
-    smem, registers, dropout_regs, reads = compiled.footprint(block_r, block_c, head_dim, warps,
-                                                              spec.element_bytes)
+    smem, registers, dropout_regs, reads, modifier_regs = compiled.footprint(block_r, block_c, head_dim, warps,
+                                                                             spec.element_bytes)
     smem = _exact_int(smem)
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
                           + (family.packed_registers if spec.layout == "packed" else 0)
-                          + (family.modifier_registers if spec.modifiers.active else 0))
+                          + (modifier_regs if spec.modifiers.active else 0))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

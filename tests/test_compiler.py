@@ -305,10 +305,10 @@ KNOWN_INPUT_GRAD_SPILLS = {
     # mask became two passes over the tile (2026-11-24; on sm_90 the split made the score_mod backwards 4-6%
     # faster: ALiBi 7609 -> 7142 us at N = 8192, H200). Not timed on sm_80 (no such GPU here).
     ("relative_bias_fp16_d64_dropout", "sm_80"): "32 / 36 B at 255 registers",
-    # backward_wgmma's build with ALiBi's slope gradients, since the row loads step one source pointer per thread
-    # (wg::async_load_rows_swizzled, 2026-11-24: the usual backwards 2.5-6% faster on the H200, and no spill in them); ptxas
-    # keeps the pointer steps live through the loop at 255 registers
-    ("alibi_bf16_d128", "sm_90"): "8 / 8 B at 255 registers",
+    # the build with ALiBi's slope gradients: on backward_wgmma 8 B at 255 registers since the row loads step one
+    # source pointer per thread (wg::async_load_rows_swizzled, 2026-11-24: the usual backwards 2.5-6% faster on the
+    # H200, and no spill in them); on backward_wgmma_ws (additive score_mods since 2026-11-25) 4 B in the consumers' 232
+    ("alibi_bf16_d128", "sm_90"): "4 / 4 B at 232 registers (the consumers')",
 }
 
 

@@ -100,22 +100,30 @@ def test_backward_matches_reference(spec):
                                   Spec(head_dim=64, dtype="bf16", mask_mod="j <= i and (i - j < 256 or j < 4)"),
                                   Spec(head_dim=64, dtype="fp16", mask_mod="(i - j) % 3 == 0", dropout=0.1),
                                   # keys past 200 seen by no query: those key blocks load nothing, dK = dV = 0
-                                  Spec(head_dim=128, dtype="bf16", mask_mod="j < 200")],
+                                  Spec(head_dim=128, dtype="bf16", mask_mod="j < 200"),
+                                  # additive score_mods (d score_mod / d score = 1), their inputs' gradients summed
+                                  # per warp (slope[h]) and added per element (bias[h, i - j]) by the consumers only
+                                  Spec(head_dim=128, dtype="bf16", mask="causal", score_mod="score - slope[h] * (i - j)",
+                                       inputs={"slope": "float32"}),
+                                  Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=300,
+                                       score_mod="score + bias[h, i - j]", inputs={"bias": "float32"})],
                          ids=lambda s: s.canonical_name)
 def test_warp_specialized_backward_reuses_its_stages(spec):
     """backward_wgmma_ws hands two stages of Q_i, dO_i and two dS^T tiles between its warpgroups by barrier phases:
     at least 5 row blocks (Br = 128 at d = 64, 64 above), so that every stage, dS^T tile and dQ staging area is
     reused and both parities of every barrier wrap (the property tests' 200 rows reach 2 blocks at d = 64).
-    With a mask_mod, row blocks are skipped and tiles are full or partial, as the producer's walk hands them over."""
+    With a mask_mod, row blocks are skipped and tiles are full or partial, as the producer's walk hands them over;
+    with a score_mod, its inputs' gradients as well (assert_matches_reference)."""
     from fagen.runtime import compile as compile_spec
-    from fagen.testing import Case, assert_matches_reference
+    from fagen.testing import Case, assert_matches_reference, input_fields
 
     kernel = compile_spec(spec)
     if kernel.solution.plans["backward"].family != "backward_wgmma_ws":
         pytest.skip(f"this device's plan is {kernel.solution.plans['backward'].family}")
     for seq_q, seq_k in ((5 * 128 + 37, 5 * 128 + 37), (700, 900)):
         assert_matches_reference(kernel, Case(batch=2, heads=3, seq_q=seq_q, seq_k=seq_k, layout="bnhd", data_seed=seq_q,
-                                              seed=7, offset=11), backward=True)
+                                              seed=7, offset=11, **input_fields(spec, 2, 3, seq_q, seq_k, seq_k, ())),
+                                 backward=True)
 
 
 def test_forward_backward_at_32k_tokens_without_quadratic_memory():

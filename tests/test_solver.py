@@ -524,3 +524,26 @@ def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_
     for head_dim in (32, 96):
         plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal"), target).plans["forward"]
         assert (plan.block_r, plan.block_c) == (128, 64), head_dim
+
+
+def test_score_mods_backward_on_sm90_by_their_derivative():
+    """backward_wgmma_ws takes a score_mod whose derivative in the score sympy finds to be 1 (an additive bias:
+    ALiBi, a bias table), not soft-capping's tanh (its derivative per score spilled the consumers), nor one with
+    dropout; those stay on backward_wgmma, whose one plan at d = 128 stays with a modifier and dropout both (it had
+    fallen to backward_fa2_mma at Br = 16, 2.3x slower)."""
+    target = target_for("sm_90")
+    alibi = {"score_mod": "score - slope[h] * (i - j)", "inputs": {"slope": "float32"}}
+    softcap = {"score_mod": "cap * tanh(score / cap)", "inputs": {"cap": "scalar"}}
+    sinks = {"mask_mod": "j <= i and (i - j < 256 or j < 4)"}
+    for head_dim in (64, 96, 128):
+        for mods, dropout, family in ((alibi, 0.0, "backward_wgmma_ws"), (alibi, 0.1, "backward_wgmma"),
+                                      (softcap, 0.0, "backward_wgmma"), (softcap, 0.1, "backward_wgmma"),
+                                      (sinks, 0.1, "backward_wgmma_ws" if head_dim <= 96 else "backward_wgmma")):
+            spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal", dropout=dropout, **mods)
+            plan = solve(spec, target).plans["backward"]
+            assert plan.family == family, (head_dim, mods, dropout, plan)
+            if head_dim > 64:
+                assert plan.block_r == 64, (head_dim, mods, dropout, plan)
+    broken = evaluate(family_named("backward_wgmma_ws"), Spec(head_dim=128, dtype="bf16", **softcap), target,
+                      "backward", 64, 128, 12)[1]
+    assert any("d score_mod / d score is 1" in b for b in broken)
