@@ -52,6 +52,9 @@ MODIFIER_REGISTERS = 24
 # at 64 0.45 / 1.27 against 0.46 / 1.50 at 48 (d = 33-48). Twice the columns (d <= 16 as 32) stays on mma.sync.
 PREFERRED_PADDING = Fraction(4, 3)
 
+# 1 below d = 128, 0 from there: for a reservation that must not take away a family's one plan at d = 128
+_BELOW_128 = sp.Piecewise((0, sp.Ge(d, 128)), (1, True))
+
 
 class InfeasibleSpec(SpecError):
     """No tile plan satisfies the constraints; the message names the constraint and a budget that works."""
@@ -72,7 +75,7 @@ class Family:
     m_tiles: tuple[int, ...] = ()    # Br == 16 * W * m for m in these (MMA row slabs per warp); (): free
     smem_reads: sp.Expr = sp.Integer(0)  # shared-memory bytes read per (query row, key) pair
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
-    packed_registers: int = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above)
+    packed_registers: object = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above; int or sympy)
     modifier_registers: object = MODIFIER_REGISTERS  # mask_mod / score_mod (see above; int or sympy)
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
@@ -205,13 +208,13 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
-           packed_registers=4,  # measured: 248 -> 251 registers packed (d = 128, Br = 64), no spills
-           # mask_mod / score_mod: 4 (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled
-           # 72 B with a bias table). None at d = 128, where the template has one plan (Br = 64, 8 warps): with
-           # dropout as well it was estimated 256 registers, and such specs fell to backward_fa2_mma at Br = 16,
-           # which ran 2.3x slower than this plan with its spills (H200, 4 x 16 x 4096, causal, p = 0.1,
-           # dev/gpu/plans_mods_dropout.txt: ALiBi 5346 -> 2352 us spilling 120 B, soft-capping 5603 -> 3018, 80 B)
-           modifier_registers=sp.Piecewise((0, sp.Ge(d, 128)), (4, True)),
+           # packed: 4 (measured: 248 -> 251 registers packed, d = 128, Br = 64, no spills); mask_mod / score_mod: 4
+           # (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled 72 B with a bias table).
+           # Neither at d = 128, where the template has one plan (Br = 64, 8 warps): with dropout as well it was
+           # estimated 256 registers, and such specs fell to backward_fa2_mma at Br = 16, which ran 1.9-2.4x slower
+           # than this plan with its spills (H200, 4 x 16 x 4096, causal, p = 0.1, dev/gpu/plans_mods_dropout.txt:
+           # ALiBi 5342 -> 2354 us spilling 120 B, soft-capping 5597 -> 3024, 80 B; packed at d = 112: 4 B)
+           packed_registers=4 * _BELOW_128, modifier_registers=4 * _BELOW_128,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
@@ -486,7 +489,7 @@ def _compiled(family: Family) -> _CompiledFamily:
         ceiling_of = sp.Function("exact_ceiling")
         expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
                        (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads,
-                        family.modifier_registers)]
+                        family.modifier_registers, family.packed_registers)]
         footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
                                 modules=[{"exact_ceiling": _exact_ceiling}, "math"])
         entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
@@ -582,11 +585,11 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
     head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
-    smem, registers, dropout_regs, reads, modifier_regs = compiled.footprint(block_r, block_c, head_dim, warps,
-                                                                             spec.element_bytes)
+    smem, registers, dropout_regs, reads, modifier_regs, packed_regs = compiled.footprint(
+        block_r, block_c, head_dim, warps, spec.element_bytes)
     smem = _exact_int(smem)
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
-                          + (family.packed_registers if spec.layout == "packed" else 0)
+                          + (packed_regs if spec.layout == "packed" else 0)
                           + (modifier_regs if spec.modifiers.active else 0))
     threads = 32 * warps
     broken = []

@@ -45,6 +45,11 @@ FAMILIES = [
     Spec(head_dim=40, dtype="fp32", score_mod="score + bias[h, i - j + 16]", inputs={"bias": "float32"},
          deterministic=True),
     Spec(head_dim=192, dtype="bf16", score_mod="score + bias[h, i - j + 32]", inputs={"bias": "float32"}),
+    # backward_wgmma's one plan at d = 128 with dropout (it spills 80 B with soft-capping), and a bias table's
+    # per-element gradients on the warp-specialized backward (an additive score_mod)
+    Spec(head_dim=128, dtype="bf16", mask="causal", score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"},
+         dropout=0.1),
+    Spec(head_dim=96, dtype="fp16", score_mod="score + bias[h, i - j + 32]", inputs={"bias": "float32"}),
     # ... and in packed batches (b: the sequence), per-head sums and a per-sequence input whose derivative reads the score
     Spec(head_dim=64, dtype="bf16", mask="causal", score_mod="score - slope[h] * (i - j) + w[b, h] * tanh(score)",
          inputs={"slope": "float32", "w": "float32"}, layout="packed"),

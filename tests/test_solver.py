@@ -529,8 +529,8 @@ def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_
 def test_score_mods_backward_on_sm90_by_their_derivative():
     """backward_wgmma_ws takes a score_mod whose derivative in the score sympy finds to be 1 (an additive bias:
     ALiBi, a bias table), not soft-capping's tanh (its derivative per score spilled the consumers), nor one with
-    dropout; those stay on backward_wgmma, whose one plan at d = 128 stays with a modifier and dropout both (it had
-    fallen to backward_fa2_mma at Br = 16, 2.3x slower)."""
+    dropout; those stay on backward_wgmma, whose one plan at d = 128 stays with a modifier or a packed batch and
+    dropout (it had fallen to backward_fa2_mma at Br = 16, 1.9-2.4x slower)."""
     target = target_for("sm_90")
     alibi = {"score_mod": "score - slope[h] * (i - j)", "inputs": {"slope": "float32"}}
     softcap = {"score_mod": "cap * tanh(score / cap)", "inputs": {"cap": "scalar"}}
@@ -544,6 +544,12 @@ def test_score_mods_backward_on_sm90_by_their_derivative():
             assert plan.family == family, (head_dim, mods, dropout, plan)
             if head_dim > 64:
                 assert plan.block_r == 64, (head_dim, mods, dropout, plan)
+    # packed batches with dropout at d = 97-128: the same one plan (they had taken backward_fa2_mma at Br = 16, or
+    # with a modifier backward_wgmma_wide at d = 192)
+    for head_dim, mods in ((112, {}), (100, softcap), (128, alibi), (128, sinks)):
+        plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", dropout=0.1, layout="packed", **mods),
+                     target).plans["backward"]
+        assert (plan.family, plan.block_r, plan.head_dim) == ("backward_wgmma", 64, 128), (head_dim, mods, plan)
     broken = evaluate(family_named("backward_wgmma_ws"), Spec(head_dim=128, dtype="bf16", **softcap), target,
                       "backward", 64, 128, 12)[1]
     assert any("d score_mod / d score is 1" in b for b in broken)

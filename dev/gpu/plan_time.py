@@ -78,6 +78,15 @@ def main() -> None:
 
         inputs.runtime_args["inputs"] = make_case(spec, args.batch, args.heads, args.seq).inputs
     q, k, v, do = inputs.q, inputs.k, inputs.v, inputs.do
+    if spec.layout == "packed":   # the batch as one packed batch of equal sequences (SDPA times the padded one)
+        import torch
+
+        q, k, v, do = (t.transpose(1, 2).reshape(args.batch * args.seq, args.heads, spec.head_dim).contiguous()
+                       for t in (q, k, v, do))
+        cu_seqlens = torch.arange(0, args.batch + 1, dtype=torch.int32, device=q.device) * args.seq
+        inputs = dataclasses.replace(inputs, runtime_args={**inputs.runtime_args, "cu_seqlens_q": cu_seqlens,
+                                                           "cu_seqlens_k": cu_seqlens, "max_seqlen_q": args.seq,
+                                                           "max_seqlen_k": args.seq})
     base = runtime.compile(spec)
     o_ref, lse_ref = base.forward(q, k, v, **inputs.runtime_args)
     grads_ref = base.backward(q, k, v, o_ref, lse_ref, do, **inputs.runtime_args) if "backward" in spec.passes else None
