@@ -281,9 +281,15 @@ FAMILIES: tuple[Family, ...] = (
            dropout_registers=4, packed_registers=4, modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
            archs=("sm_90",), preference=0, weighed_padding_up_to=256,
-           rules=(("head dims above 128 (at 128 and below backward_wgmma holds dK, dV in one warpgroup)",
-                   lambda r, c, hd, w: hd > 128),
-                  ("Br = 64: 32 queries of S^T per warpgroup", lambda r, c, hd, w: r == 64),)),
+           # At d = 97-128 also for block-sparse masks of 64-key blocks, which backward_wgmma's 128 keys there do not
+           # divide: they ran on backward_fa2_mma (H200, every block on, dev/gpu/plans_block_sparse_d128.txt, us:
+           # d = 128 4 x 16 x 4096 6882 -> 5164, 1 x 16 x 8192 6822 -> 5149; d = 112 with dropout 2362 -> 1862;
+           # backward_wgmma at 128-key blocks, d = 128: 3442)
+           spec_rules=(("head dims above 128, or above 96 with a block-sparse mask of blocks under 128 keys (where "
+                        "backward_wgmma holds dK, dV in one warpgroup and its key blocks divide the mask's)",
+                        lambda spec: spec.head_dim > 128 or (spec.mask == "block_sparse" and spec.head_dim > 96
+                                                             and spec.block_size < 128)),),
+           rules=(("Br = 64: 32 queries of S^T per warpgroup", lambda r, c, hd, w: r == 64),)),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).
