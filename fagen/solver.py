@@ -94,6 +94,9 @@ class Family:
     # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it. The head
     # dim is the one the plan computes at, so specs padded up to it (d = 33-63 on forward_wgmma) take it as well
     timed_first: tuple = ()
+    # (Br, Bc, description, predicate(spec)): tiles offered beyond TILE_CHOICES' powers of two, to the specs the
+    # predicate holds for (timed_first says at which head dims they rank first)
+    extra_tiles: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     walk_warps: int = 0              # the warps that walk the tiles (TileWalk's THREADS / 32); 0: every warp
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
@@ -151,7 +154,14 @@ FAMILIES: tuple[Family, ...] = (
            # 1024 at 2 x 16 x 8192 282 -> 230; mask_mod variants at 4 x 16 x 8192 (two blocks, as their register
            # estimate gives): documents 545 -> 481, prefix-LM 1597 -> 1372, window + sinks 249 -> 244, dilated (fp16,
            # 2048) 148 -> 126. (More K/V traffic per query, which the cost model counts first; more blocks to spread.)
-           timed_first=((64, 64, 128, 4),)),
+           # d = 192: 112 keys a block (as FlashAttention-3 takes there; the largest multiple of 16 whose two stages
+           # fit beside Q) beat 64 (H200, bf16, dev/gpu/plans_d192_bc.txt, forward us, 128 x 64 -> 128 x 112): no
+           # mask 8 x 8 x 1024 186 -> 183, 16 x 16 x 1024 709 -> 700, 2 x 16 x 3001 710 -> 647; causal 4 x 16 x 4096
+           # 1311 -> 1221. (96 keys: 187, 716, 709, 1330.)
+           # Not where a mask_mod reads run-time summaries (document ids: ptxas spilled 8-80 B at 255 registers).
+           timed_first=((64, 64, 128, 4), (192, 128, 112, 8)),
+           extra_tiles=((128, 112, "Bc = 112 only without a mask_mod read through run-time summaries (spills)",
+                         lambda spec: not spec.modifiers.summaries),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
@@ -608,6 +618,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
     broken.extend(description for description, holds in family.spec_rules if not holds(spec))
+    broken.extend(description for r, c, description, holds in family.extra_tiles
+                  if (r, c) == (block_r, block_c) and not holds(spec))
     for description, holds in family.rules:
         if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):
             broken.append(description)
@@ -632,8 +644,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
 def family_plans(family: Family, spec: Spec, target: Target, pass_name: str, tiles=None,
                  head_dim: Optional[int] = None):
     """(plan, broken constraints) for each warp count of the family and each (Br, Bc) in `tiles`
-    (default: every pair of TILE_CHOICES), before any shared-memory budget is applied."""
-    tiles = tiles or [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES]
+    (default: every pair of TILE_CHOICES, and the family's extra_tiles), before any shared-memory budget is applied."""
+    tiles = tiles or [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES] + [tile[:2] for tile in family.extra_tiles]
     for warps in family.warps:
         for block_r, block_c in tiles:
             yield evaluate(family, spec, target, pass_name, block_r, block_c, warps, head_dim)

@@ -130,6 +130,27 @@ def test_warp_specialized_backward_reuses_its_stages(spec):
                                  backward=True)
 
 
+@pytest.mark.parametrize("spec", [Spec(head_dim=192, dtype="bf16", mask="causal", dropout=0.1),
+                                  Spec(head_dim=186, dtype="fp16", mask="sliding_window", window=300),
+                                  Spec(head_dim=192, dtype="bf16", mask="none",
+                                       score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"})],
+                         ids=lambda s: s.canonical_name)
+def test_d192_forward_on_112_key_blocks(spec):
+    """forward_wgmma at d = 192 walks 112 keys a block (not a power of two): several whole blocks and a partial one,
+    causal and windowed tiles that cross 112-key edges, Nq != Nk."""
+    from fagen.runtime import compile as compile_spec
+    from fagen.testing import Case, assert_matches_reference, input_fields
+
+    kernel = compile_spec(spec)
+    plan = kernel.solution.plans["forward"]
+    if (plan.block_r, plan.block_c) != (128, 112):
+        pytest.skip(f"this device's forward plan is {plan.family} {plan.block_r} x {plan.block_c}")
+    for seq_q, seq_k in ((5 * 112 + 37, 5 * 112 + 37), (300, 1000)):
+        assert_matches_reference(kernel, Case(batch=2, heads=3, seq_q=seq_q, seq_k=seq_k, layout="bnhd", data_seed=seq_k,
+                                              seed=5, offset=3, **input_fields(spec, 2, 3, seq_q, seq_k, seq_k, (8.0,))),
+                                 backward=True)
+
+
 def test_forward_backward_at_32k_tokens_without_quadratic_memory():
     """Issue 4's memory check: N = 32k, d = 64, batch 1, 16 heads, fp16, forward + backward.
     An N x N fp32 buffer alone would need 16 * 32768^2 * 4 B = 64 GiB; we allow a few times the inputs."""

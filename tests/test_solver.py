@@ -571,3 +571,22 @@ def test_block_sparse_masks_of_64_key_blocks_keep_warpgroup_mma_at_d_97_to_128()
     broken = evaluate(family_named("backward_wgmma_wide"), Spec(head_dim=128, dtype="bf16", mask="causal"), target,
                       "backward", 64, 64, 8)[1]
     assert any("head dims above 128" in b for b in broken)
+
+
+def test_d192_forward_takes_112_key_blocks():
+    """forward_wgmma's extra tile (Br, Bc) = (128, 112), outside TILE_CHOICES' powers of two, ranks first at d = 192
+    (timed faster than 128 x 64, FlashAttention-3's choice there), for what pads to 192 as well; not at other head
+    dims, not for a mask_mod read through run-time summaries (ptxas spilled), not for block-sparse masks (112 keys
+    divide no block size)."""
+    target = target_for("sm_90")
+    for extra in ({}, {"mask": "causal", "dropout": 0.1}, {"layout": "packed"}, {"head_dim": 186},
+                  {"score_mod": "cap * tanh(score / cap)", "inputs": {"cap": "scalar"}}):
+        plan = solve(Spec(**{"head_dim": 192, "dtype": "bf16", **extra}), target).plans["forward"]
+        assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("forward_wgmma", 128, 112, 8, 192), extra
+    for extra in ({"mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}},
+                  {"mask": "block_sparse", "block_size": 128}, {"head_dim": 256}, {"head_dim": 160}):
+        plan = solve(Spec(**{"head_dim": 192, "dtype": "bf16", **extra}), target).plans["forward"]
+        assert plan.block_c != 112, extra
+    documents = Spec(head_dim=192, dtype="bf16", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    broken = evaluate(family_named("forward_wgmma"), documents, target, "forward", 128, 112, 8)[1]
+    assert any("Bc = 112" in b for b in broken)
