@@ -160,8 +160,10 @@ FAMILIES: tuple[Family, ...] = (
            # 1311 -> 1221. (96 keys: 187, 716, 709, 1330.)
            # Not where a mask_mod reads run-time summaries (document ids: ptxas spilled 8-80 B at 255 registers).
            timed_first=((64, 64, 128, 4), (192, 128, 112, 8)),
-           extra_tiles=((128, 112, "Bc = 112 only without a mask_mod read through run-time summaries (spills)",
-                         lambda spec: not spec.modifiers.summaries),)),
+           # Offered only to what pads to d = 192 (161-192), where it was timed and swept for spills.
+           extra_tiles=((128, 112, "Bc = 112 only at d = 161-192 and without a mask_mod read through run-time "
+                                   "summaries (spills)",
+                         lambda spec: 160 < spec.head_dim <= 192 and not spec.modifiers.summaries),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
@@ -295,7 +297,8 @@ FAMILIES: tuple[Family, ...] = (
            # divide: they ran on backward_fa2_mma (H200, every block on, dev/gpu/plans_block_sparse_d128.txt, us:
            # d = 128 4 x 16 x 4096 6882 -> 5164, 1 x 16 x 8192 6822 -> 5149; d = 112 with dropout 2362 -> 1862;
            # backward_wgmma at 128-key blocks, d = 128: 3442)
-           spec_rules=(("head dims above 128, or above 96 with a block-sparse mask of blocks under 128 keys (where "
+           # (The user's d, where the tile rule it replaced read the padded one: no d <= 128 reaches 192 or 256 here.)
+           spec_rules=(("head dims above 128, or above 96 with a block-sparse mask of 64-key blocks (where "
                         "backward_wgmma holds dK, dV in one warpgroup and its key blocks divide the mask's)",
                         lambda spec: spec.head_dim > 128 or (spec.mask == "block_sparse" and spec.head_dim > 96
                                                              and spec.block_size < 128)),),
@@ -489,7 +492,8 @@ def _exact_int(value) -> int:
 
 class _CompiledFamily(NamedTuple):   # a NamedTuple, not a dataclass: cheaper to define at import
     family: Family
-    # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads]
+    # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads, modifier
+    # registers, packed registers]
     footprint: Callable
     smem_text: str        # the expressions as the infeasibility messages print them
     registers_text: str

@@ -100,7 +100,8 @@ def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
                 dims = solver.padded_head_dims(family, spec.head_dim)
                 if step >= len(dims):
                     continue
-                for warps, block_r, block_c in itertools.product(family.warps, solver.TILE_CHOICES, solver.TILE_CHOICES):
+                tiles = list(itertools.product(solver.TILE_CHOICES, solver.TILE_CHOICES)) + [t[:2] for t in family.extra_tiles]
+                for warps, (block_r, block_c) in itertools.product(family.warps, tiles):
                     plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps, dims[step])
                     if not broken and plan.smem_bytes <= budget:
                         feasible.append(plan)
@@ -121,9 +122,12 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
     limit = target.smem_per_block if solution.policy == "paper" else effective_budget(spec)
     assert plan.smem_bytes <= limit, f"{plan.smem_bytes} B of shared memory > {limit} B ({solution.policy})"
     assert plan.smem_bytes <= target.smem_per_block
-    # Registers: the family's estimate (plus its Philox state under dropout), under the per-thread ceiling.
-    philox = family.dropout_registers if spec.dropout > 0 else 0
-    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values))) + philox
+    # Registers: the family's estimate (plus its Philox state under dropout, the sequence offsets of a packed batch,
+    # a mask_mod / score_mod's state), under the per-thread ceiling.
+    reserved = sum(sp.sympify(term).subs(values) for term, holds in
+                   ((family.dropout_registers, spec.dropout > 0), (family.packed_registers, spec.layout == "packed"),
+                    (family.modifier_registers, spec.modifiers.active)) if holds)
+    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.registers_estimate <= REGISTER_CEILING
     # The family's own tile rules: MMA row slabs per warp, the range of Bc, tensor-core multiples.
     if family.m_tiles:
@@ -133,14 +137,16 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
         assert plan.block_r % 16 == 0 and plan.block_c % 16 == 0
     # the computed head dim: the spec's, or (tensor cores, d a multiple of 8) the next multiple of the family's
     assert plan.head_dim % family.head_dim_multiple == 0 and spec.head_dim <= plan.head_dim <= 256
+    # (a further multiple where the family weighs padding: d = 129-160 as 192 on backward_wgmma_wide)
     assert plan.head_dim == spec.head_dim or (family.tensor_cores
-                                              and plan.head_dim - spec.head_dim < family.head_dim_multiple)
+                                              and plan.head_dim in solver.padded_head_dims(family, spec.head_dim))
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
     if spec.mask == "block_sparse":
         assert spec.block_size % plan.block_r == 0 and spec.block_size % plan.block_c == 0, \
             f"Br={plan.block_r}, Bc={plan.block_c} must divide block_size {spec.block_size}"
     if solution.policy == "auto":
-        assert plan.block_r in solver.TILE_CHOICES and plan.block_c in solver.TILE_CHOICES
+        assert (plan.block_r in solver.TILE_CHOICES and plan.block_c in solver.TILE_CHOICES
+                or (plan.block_r, plan.block_c) in [t[:2] for t in family.extra_tiles])
     assert plan.hbm_bytes == solver.hbm_bytes(spec, pass_name, plan.block_r, plan.block_c)
     assert plan.resident_warps >= plan.warps, "at least one block fits on a multiprocessor"
 
@@ -204,18 +210,23 @@ def test_block_sparse_tiles_divide_the_granularity(fields):
 # ---- the compiled footprints -------------------------------------------------------------------
 @settings(max_examples=200)
 @given(st.sampled_from(solver.FAMILIES), st.integers(1, 512), st.integers(1, 1024), st.sampled_from(range(32, 257, 8)),
-       st.sampled_from(DTYPES), st.booleans(), st.data())
-def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c, head_dim, dtype, dropout, data):
+       st.sampled_from(DTYPES), st.booleans(), st.booleans(), st.booleans(), st.data())
+def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c, head_dim, dtype, dropout, packed,
+                                                       modified, data):
     """Candidates are evaluated by functions lambdified once per family, in floats; they must give exactly
-    what substituting into the sympy expressions gives, odd tiles (the paper policy's) included."""
+    what substituting into the sympy expressions gives, odd tiles (the paper policy's) included, with each
+    reservation (dropout, packed batches, a score_mod) that may itself be an expression of the tile."""
     warps = data.draw(st.sampled_from(family.warps))
-    spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0)
+    spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0, layout="packed" if packed else "padded",
+                score_mod="score * 0.5" if modified else None)
     plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
     values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes}   # padded d
     assert plan.head_dim == (solver.padded_head_dim(family, head_dim) or head_dim)
-    philox = sp.sympify(family.dropout_registers).subs(values) if dropout else 0
+    reserved = sum(sp.sympify(term).subs(values) for term, holds in
+                   ((family.dropout_registers, dropout), (family.packed_registers, packed),
+                    (family.modifier_registers, modified)) if holds)
     assert plan.smem_bytes == int(family.smem_bytes.subs(values))
-    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + philox))
+    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
 
 
@@ -545,7 +556,7 @@ def test_score_mods_backward_on_sm90_by_their_derivative():
             if head_dim > 64:
                 assert plan.block_r == 64, (head_dim, mods, dropout, plan)
     # packed batches with dropout at d = 97-128: the same one plan (they had taken backward_fa2_mma at Br = 16, or
-    # with a modifier backward_wgmma_wide at d = 192)
+    # with a modifier backward_wgmma_wide at d = 192, or at an odd d backward_fa2_mma_wide at 160)
     for head_dim, mods in ((112, {}), (100, softcap), (128, alibi), (128, sinks)):
         plan = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal", dropout=0.1, layout="packed", **mods),
                      target).plans["backward"]

@@ -20,13 +20,13 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),      
          Spec(head_dim=96, dtype="fp16", mask="padding", layout="packed", deterministic=True),     # deterministic dQ
          Spec(head_dim=32, dtype="bf16", mask="block_sparse", block_size=32, layout="packed"),
          Spec(head_dim=59, dtype="fp32", mask="causal", dropout=0.1, layout="packed"),             # SIMT, odd d
-         Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", layout="packed"),
-         Spec(head_dim=256, dtype="bf16", mask="causal", layout="packed"),
+         Spec(head_dim=64, dtype="fp16", mask="causal", loop_order="fa1", layout="packed"),   # FA1 forward
+         Spec(head_dim=256, dtype="bf16", mask="causal", layout="packed"),                     # wide backward
          # backward_wgmma's one plan at d = 128 (spilling with a score_mod) on sm_90, with dropout: padded up from 112,
          # and ALiBi
          Spec(head_dim=112, dtype="bf16", mask="causal", dropout=0.1, layout="packed"),
          Spec(head_dim=128, dtype="fp16", mask="causal", dropout=0.1, layout="packed",
-              score_mod="score - slope[h] * (i - j)", inputs={"slope": "float32"})]                         # wide mma.sync backward        # FA1 forward
+              score_mod="score - slope[h] * (i - j)", inputs={"slope": "float32"})]
 
 
 @pytest.fixture(scope="module", autouse=True)
