@@ -94,8 +94,8 @@ class Family:
     # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it. The head
     # dim is the one the plan computes at, so specs padded up to it (d = 33-63 on forward_wgmma) take it as well
     timed_first: tuple = ()
-    # (Br, Bc, description, predicate(spec)): tiles offered beyond TILE_CHOICES' powers of two, to the specs the
-    # predicate holds for (timed_first says at which head dims they rank first)
+    # (Br, Bc, description, predicate(spec)): tiles offered beyond TILE_CHOICES' powers of two, only as the plans
+    # timed_first lists (at their head dim and warps) and to the specs the predicate holds for
     extra_tiles: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     walk_warps: int = 0              # the warps that walk the tiles (TileWalk's THREADS / 32); 0: every warp
@@ -160,10 +160,8 @@ FAMILIES: tuple[Family, ...] = (
            # 1311 -> 1221. (96 keys: 187, 716, 709, 1330.)
            # Not where a mask_mod reads run-time summaries (document ids: ptxas spilled 8-80 B at 255 registers).
            timed_first=((64, 64, 128, 4), (192, 128, 112, 8)),
-           # Offered only to what pads to d = 192 (161-192), where it was timed and swept for spills.
-           extra_tiles=((128, 112, "Bc = 112 only at d = 161-192 and without a mask_mod read through run-time "
-                                   "summaries (spills)",
-                         lambda spec: 160 < spec.head_dim <= 192 and not spec.modifiers.summaries),)),
+           extra_tiles=((128, 112, "Bc = 112 only at d = 192 (and what pads to it), without a mask_mod read through "
+                                   "run-time summaries (spills)", lambda spec: not spec.modifiers.summaries),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
@@ -622,8 +620,8 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:
         broken.append(f"Bc = {family.keys_per_warp}*W")
     broken.extend(description for description, holds in family.spec_rules if not holds(spec))
-    broken.extend(description for r, c, description, holds in family.extra_tiles
-                  if (r, c) == (block_r, block_c) and not holds(spec))
+    broken.extend(description for r, c, description, holds in family.extra_tiles if (r, c) == (block_r, block_c)
+                  and not ((head_dim, r, c, warps) in family.timed_first and holds(spec)))
     for description, holds in family.rules:
         if (block_r % 16 == 0 or family.any_tile) and not holds(block_r, block_c, head_dim, warps):
             broken.append(description)
@@ -645,11 +643,16 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     return plan, broken
 
 
+def family_tiles(family: Family) -> list[tuple[int, int]]:
+    """The (Br, Bc) a family is tried at: every pair of TILE_CHOICES, and its extra_tiles."""
+    return [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES] + [tile[:2] for tile in family.extra_tiles]
+
+
 def family_plans(family: Family, spec: Spec, target: Target, pass_name: str, tiles=None,
                  head_dim: Optional[int] = None):
     """(plan, broken constraints) for each warp count of the family and each (Br, Bc) in `tiles`
-    (default: every pair of TILE_CHOICES, and the family's extra_tiles), before any shared-memory budget is applied."""
-    tiles = tiles or [(r, c) for r in TILE_CHOICES for c in TILE_CHOICES] + [tile[:2] for tile in family.extra_tiles]
+    (default: family_tiles), before any shared-memory budget is applied."""
+    tiles = tiles or family_tiles(family)
     for warps in family.warps:
         for block_r, block_c in tiles:
             yield evaluate(family, spec, target, pass_name, block_r, block_c, warps, head_dim)

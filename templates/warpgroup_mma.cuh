@@ -137,7 +137,7 @@ __device__ __forceinline__ void barrier_arrive(unsigned barrier) {
 // element by element: tc::load_rows_by_elements)
 __device__ __forceinline__ void barrier_arrive_when_copied(unsigned barrier) {
   asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(barrier) : "memory");
+  barrier_arrive(barrier);
 }
 __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {
   unsigned done;

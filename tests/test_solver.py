@@ -100,14 +100,21 @@ def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
                 dims = solver.padded_head_dims(family, spec.head_dim)
                 if step >= len(dims):
                     continue
-                tiles = list(itertools.product(solver.TILE_CHOICES, solver.TILE_CHOICES)) + [t[:2] for t in family.extra_tiles]
-                for warps, (block_r, block_c) in itertools.product(family.warps, tiles):
+                for warps, (block_r, block_c) in itertools.product(family.warps, solver.family_tiles(family)):
                     plan, broken = solver.evaluate(family, spec, target, pass_name, block_r, block_c, warps, dims[step])
                     if not broken and plan.smem_bytes <= budget:
                         feasible.append(plan)
             if feasible:
                 return feasible
     return []
+
+
+def reserved_registers(family, values: dict, dropout: bool, packed: bool, modified: bool):
+    """The family's register reservations a spec takes (Philox state, a packed batch's offsets, a mask_mod /
+    score_mod's state), each an int or an expression of the tile, at these tile values."""
+    return sum(sp.sympify(term).subs(values) for term, holds in
+               ((family.dropout_registers, dropout), (family.packed_registers, packed),
+                (family.modifier_registers, modified)) if holds)
 
 
 def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str, plan: Plan) -> None:
@@ -124,9 +131,7 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
     assert plan.smem_bytes <= target.smem_per_block
     # Registers: the family's estimate (plus its Philox state under dropout, the sequence offsets of a packed batch,
     # a mask_mod / score_mod's state), under the per-thread ceiling.
-    reserved = sum(sp.sympify(term).subs(values) for term, holds in
-                   ((family.dropout_registers, spec.dropout > 0), (family.packed_registers, spec.layout == "packed"),
-                    (family.modifier_registers, spec.modifiers.active)) if holds)
+    reserved = reserved_registers(family, values, spec.dropout > 0, spec.layout == "packed", spec.modifiers.active)
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.registers_estimate <= REGISTER_CEILING
     # The family's own tile rules: MMA row slabs per warp, the range of Bc, tensor-core multiples.
@@ -145,8 +150,7 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
         assert spec.block_size % plan.block_r == 0 and spec.block_size % plan.block_c == 0, \
             f"Br={plan.block_r}, Bc={plan.block_c} must divide block_size {spec.block_size}"
     if solution.policy == "auto":
-        assert (plan.block_r in solver.TILE_CHOICES and plan.block_c in solver.TILE_CHOICES
-                or (plan.block_r, plan.block_c) in [t[:2] for t in family.extra_tiles])
+        assert (plan.block_r, plan.block_c) in solver.family_tiles(family)
     assert plan.hbm_bytes == solver.hbm_bytes(spec, pass_name, plan.block_r, plan.block_c)
     assert plan.resident_warps >= plan.warps, "at least one block fits on a multiprocessor"
 
@@ -222,9 +226,7 @@ def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c,
     plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
     values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes}   # padded d
     assert plan.head_dim == (solver.padded_head_dim(family, head_dim) or head_dim)
-    reserved = sum(sp.sympify(term).subs(values) for term, holds in
-                   ((family.dropout_registers, dropout), (family.packed_registers, packed),
-                    (family.modifier_registers, modified)) if holds)
+    reserved = reserved_registers(family, values, dropout, packed, modified)
     assert plan.smem_bytes == int(family.smem_bytes.subs(values))
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
