@@ -31,6 +31,7 @@ import ast
 import functools
 import keyword
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Union
 
@@ -843,23 +844,67 @@ class _Program:
         self.memo[key] = value
         return value
 
+    def negated(self, value):
+        """z where value is the program's -z, else None."""
+        if isinstance(value, str):
+            for name, _, op, args in self.ops:
+                if name == value:
+                    return args[0] if op == "neg" else None
+        return None
+
     # -- C ------------------------------------------------------------------------------------
-    def c_code(self, result, printer: _CPrinter, indent: str = "    ") -> list[str]:
+    def c_code(self, result, printer: _CPrinter, indent: str = "    ", integer_type: str = "long long",
+               result_type: str = "int") -> list[str]:
+        """The program as C++ statements. A value used once is written into its user's expression, so that
+        && || ?: evaluate it only when they need it (a tile test that computed both sides of an && ran a
+        register over a 64-register budget, 2026-11-25); a value used more than once, or one that reads a
+        run-time summary (whose loads should be in flight together), gets a const of its own.
+        Integers are computed in `integer_type`: long long, so that no bound of a user's expression can
+        overflow, or int where the caller knows its sums stay in range (the mask kinds: what the kernels
+        compute their positions in)."""
         live = self._live(result)
+        uses: dict = {}
+        for name, _, op, args in self.ops:
+            if name in live and op not in ("param", "point"):
+                for arg in self._operands(op, args):
+                    uses[arg] = uses.get(arg, 0) + 1
+        if isinstance(result, str):
+            uses[result] = uses.get(result, 0) + 1
+        inlined: dict = {}
+        loads: set = set()   # values that read a run-time summary: kept eager, so that their loads issue together
+        write = lambda code: re.sub(r"\bt\d+\b", lambda m: inlined.get(m.group(0), m.group(0)), code)  # noqa: E731
         lines = []
         for name, ctype, op, args in self.ops:
-            if name in live:
-                lines.append(f"{indent}const {ctype} {name} = {self._c_op(ctype, op, args, printer)};")
-        lines.append(f"{indent}return {self._c_value(result, 'int')};")
+            if name not in live:
+                continue
+            code = self._c_op(ctype, op, args, printer)
+            if integer_type != "long long":
+                code = re.sub(r"(\d)LL\b", r"\1", code.replace("(long long)", f"({integer_type})"))
+                ctype = integer_type if ctype == "long long" else ctype
+            code = write(code)
+            if op == "summary" or any(arg in loads for arg in self._operands(op, args)):
+                loads.add(name)
+            if op == "param":   # (the tile's bounds arrive as int: widened where the program computes in long long)
+                inlined[name] = code if ctype == "int" else f"(({ctype}){code})"
+            elif uses.get(name, 0) == 1 and name not in loads:
+                inlined[name] = f"({code})"
+            else:
+                lines.append(f"{indent}const {ctype} {name} = {code};")
+        lines.append(f"{indent}return {write(self._c_value(result, result_type))};")
         return lines
+
+    @staticmethod
+    def _operands(op, args) -> tuple:
+        """The arguments of an op that are program values (fn's first is a function name, summary's first
+        two a tensor and a bound's side)."""
+        return tuple(a for a in (args[1:] if op == "fn" else args[2:] if op == "summary" else args) if isinstance(a, str))
 
     def _live(self, result) -> set:
         live = {result} if isinstance(result, str) else set()
         for name, _, op, args in reversed(self.ops):
             if name not in live or op in ("param", "point"):   # their args are names / sympy, not temps
                 continue
-            live.update(a for a in (args[1:] if op == "fn" else args[2:] if op == "summary" else args)
-                        if isinstance(a, str))
+            live.update(self._operands(op, args))
         return live
 
     @staticmethod
@@ -905,6 +950,8 @@ class _Program:
             return f"py_mod({v[0]}, {v[1]})"
         if op == "tofloat":
             return f"(float)({v[0]})"
+        if op == "not":
+            return f"!{v[0]}"
         raise AssertionError(op)
 
     # -- Python -------------------------------------------------------------------------------
@@ -969,6 +1016,8 @@ class _Program:
             r = bool(a) and bool(args[1])
         elif op == "or":
             r = bool(a) or bool(args[1])
+        elif op == "not":
+            r = not bool(a)
         elif op == "select":
             r = args[1] if a else args[2]
         else:
@@ -1092,8 +1141,13 @@ class _Bounder:
         if not integer:
             ivs = [self.as_float(iv) for iv in ivs]
         ctype = self.ctype(integer)
-        total = lambda values: None if any(v is None for v in values) else functools.reduce(  # noqa: E731
-            lambda x, y: self.p.emit(ctype, "add", x, y), values)
+        def plus(x, y):   # x + (-z) and (-z) + x as x - z: what ptxas was seen to keep a register fewer for
+            if self.p.negated(y) is not None:
+                return self.p.emit(ctype, "sub", x, self.p.negated(y))
+            if self.p.negated(x) is not None:
+                return self.p.emit(ctype, "sub", y, self.p.negated(x))
+            return self.p.emit(ctype, "add", x, y)
+        total = lambda values: None if any(v is None for v in values) else functools.reduce(plus, values)  # noqa: E731
         lo, hi = total([iv.lo for iv in ivs]), total([iv.hi for iv in ivs])
         if not integer and (lo is None or hi is None):
             return self.unbounded(False)
@@ -1274,53 +1328,75 @@ class _Bounder:
         hi = functools.reduce(lambda x, y: self.p.emit(ctype, "max", x, y), [iv.hi for iv in ivs])
         return self.result(lo, hi, integer, self.both_ok(*[iv.ok for iv in ivs]))
 
-    # -- booleans: tri-state 0 = never, 1 = undecided, 2 = always --------------------------------
+    # -- booleans: two decisions, "true at every point of the tile" (full) and "maybe true at one" ------
+    # Kept apart rather than as one tri-state, so that a kernel asking one question computes only its
+    # half (a select chain of both is not pruned: the compiler cannot know that they exclude each other),
+    # and each half written as the kernels ask it (is any pair maybe visible? is every pair visible?).
     def tri(self, expr):
+        """0 = never, 1 = undecided, 2 = always: `decide` as one program value."""
+        full, maybe = self.decide(expr)
+        return self.p.emit("int", "select", full, 2, self.p.emit("int", "select", maybe, 1, 0))
+
+    def decide(self, expr):
+        """(full, maybe): program bools (or Python ones); full only if expr is true at every point of the
+        ranges, maybe false only if it is true at none."""
         if expr == sp.true:
-            return 2
+            return True, True
         if expr == sp.false:
-            return 0
+            return False, False
         if isinstance(expr, (sp.And, sp.Or)):
-            op = "min" if isinstance(expr, sp.And) else "max"
-            return functools.reduce(lambda x, y: self.p.emit("int", op, x, y), [self.tri(a) for a in expr.args])
+            parts = [self.decide(a) for a in expr.args]
+            op = "and" if isinstance(expr, sp.And) else "or"
+            join = lambda values: functools.reduce(lambda x, y: self.p.emit("bool", op, x, y), values)  # noqa: E731
+            return join([full for full, _ in parts]), join([maybe for _, maybe in parts])
         if isinstance(expr, sp.Not):
-            return self.p.emit("int", "sub", 2, self.tri(expr.args[0]))
+            full, maybe = self.decide(expr.args[0])
+            return self.p.emit("bool", "not", maybe), self.p.emit("bool", "not", full)
         if isinstance(expr, sp.Rel) and expr.rel_op in ("<", "<=", ">", ">=", "==", "!="):
             return self.relation(expr)
-        return 1
+        return False, True
 
     def relation(self, expr):
         lhs, rhs = expr.args
+        op = expr.rel_op
+        if lhs.is_integer and rhs.is_integer and _negative_terms(lhs - rhs) > _negative_terms(rhs - lhs):
+            # B op' A instead (the same relation): the difference with fewer negated terms, so that a tile's
+            # bounds read a hoisted member as it is, not its negation too (j <= c0 + i as c0 + i - j >= 0)
+            lhs, rhs, op = rhs, lhs, {"<": ">", "<=": ">=", ">": "<", ">=": "<="}.get(op, op)
         if lhs.is_integer and rhs.is_integer:
             # A op B as D op 0 with D = A - B expanded, so that i + 5 >= i is decided; the unexpanded
-            # difference is bounded too (expansion can loosen (i - j)**2) and the two intersected
-            a = self.difference(lhs, rhs)
-            b = _Interval(0, 0, True)
+            # difference is bounded too (expansion can loosen (i - j)**2) and the two intersected. D's
+            # number term c stays on the right, D - c op -c, so that the kernel compares with a constant
+            # rather than keeping a member plus c in a register of its own (i - j < 256, not i - j - 256 < 0)
+            constant = sp.expand(lhs - rhs).as_coeff_Add()[0]
+            constant = int(constant) if constant.is_Integer else 0
+            a = self.difference(lhs - constant, rhs)
+            b = _Interval(-constant, -constant, True)
         else:
             a, b = self.as_float(self.bound(lhs)), self.as_float(self.bound(rhs))
         ok = self.both_ok(a.ok, b.ok)
 
-        def cmp(op, x, y):   # a statically unknown bound decides nothing
+        def cmp(op, x, y, unknown=False):   # a statically unknown bound decides nothing
             if x is None or y is None:
-                return False
+                return unknown
             return self.p.emit("bool", op, x, y)
 
-        op = expr.rel_op
         if op in ("<", "<=", ">", ">="):
             strict = {"<": "lt", "<=": "le", ">": "gt", ">=": "ge"}[op]
-            negation = {"<": "ge", "<=": "gt", ">": "le", ">=": "lt"}[op]
+            # A < B everywhere when A's highest bound is below B's lowest; somewhere maybe when A's lowest is below B's highest
             if op in ("<", "<="):
-                full, empty = cmp(strict, a.hi, b.lo), cmp(negation, a.lo, b.hi)
+                full, maybe = cmp(strict, a.hi, b.lo), cmp(strict, a.lo, b.hi, True)
             else:
-                full, empty = cmp(strict, a.lo, b.hi), cmp(negation, a.hi, b.lo)
+                full, maybe = cmp(strict, a.lo, b.hi), cmp(strict, a.hi, b.lo, True)
         else:
             point = self.p.emit("bool", "and", self.p.emit("bool", "and", cmp("eq", a.lo, a.hi), cmp("eq", b.lo, b.hi)),
                                 cmp("eq", a.lo, b.lo))
             apart = self.p.emit("bool", "or", cmp("lt", a.hi, b.lo), cmp("gt", a.lo, b.hi))
-            full, empty = (point, apart) if op == "==" else (apart, point)
+            full, maybe = (point, self.p.emit("bool", "not", apart)) if op == "==" else (apart, self.p.emit("bool", "not", point))
         decided_full = self.p.emit("bool", "and", ok, full) if ok is not True else full
-        decided_empty = self.p.emit("bool", "and", ok, empty) if ok is not True else empty
-        return self.p.emit("int", "select", decided_full, 2, self.p.emit("int", "select", decided_empty, 0, 1))
+        # (with a bound that may be NaN or infinite, any pair may be visible)
+        maybe = self.p.emit("bool", "or", self.p.emit("bool", "not", ok), maybe) if ok is not True else maybe
+        return decided_full, maybe
 
     def difference(self, lhs, rhs) -> _Interval:
         expanded, plain = sp.expand(lhs - rhs), lhs - rhs
@@ -1333,6 +1409,12 @@ class _Bounder:
         ctype = self.ctype(a.integer)
         pick = lambda x, y, op: x if y is None else y if x is None else self.p.emit(ctype, op, x, y)  # noqa: E731
         return _Interval(pick(a.lo, b.lo, "max"), pick(a.hi, b.hi, "min"), a.integer, self.both_ok(a.ok, b.ok))
+
+
+def _negative_terms(difference) -> int:
+    """How many terms of the expanded difference, numbers aside, have a negative coefficient."""
+    terms = sp.Add.make_args(sp.expand(difference))
+    return sum(1 for term in terms if not term.is_Number and term.could_extract_minus_sign())
 
 
 def _power_of_two(value) -> bool:
@@ -1446,7 +1528,41 @@ class Modifiers:
         names = {B: "(int)b", H: "(int)h", I: "i", J: "j", NQ: "seq_q", NK: "seq_k", SCORE: "score"}
         names.update({sp.Symbol(name, real=True): f"s_{name}" for name in self.scalars})
         names.update({load: f"p{n}" for n, load in enumerate(self._hoisted_loads)})
+        names.update({symbol: f"c{n}" for n, symbol in enumerate(self._hoisted_sums.values())})
         return names
+
+    @staticmethod
+    def _fixed_part(add) -> Optional[sp.Expr]:
+        """The terms of a sum over positions that depend on no position and no load, when there are two or
+        more of them (Nk - Nq in i + Nk - Nq - j), else None."""
+        fixed = [t for t in add.args if not t.is_Number and not t.has(I, J, SCORE) and not t.atoms(sp.Indexed)]
+        if len(fixed) < 2 or not any(t.has(I, J) for t in add.args):
+            return None
+        return sp.Add(*fixed)
+
+    @functools.cached_property
+    def _hoisted_sums(self) -> dict:
+        """mask_mod's sums of fixed terms (_fixed_part) -> a symbol c<n>: a member the constructor computes
+        once per block, so that a per-element test and a tile's bounds add one value, not each length
+        (the compiler does not always regroup i + Nk - Nq; the kept lengths cost registers, and at the
+        register edge a spill: the causal forward at d = 256 on mma.sync, 2026-11-25)."""
+        sums: dict = {}
+        for node in (sp.preorder_traversal(self.mask) if self.mask is not None else ()):
+            part = self._fixed_part(node) if isinstance(node, sp.Add) else None
+            if part is not None and part not in sums:
+                sums[part] = sp.Symbol(f"c{len(sums)}", integer=bool(part.is_integer), real=True)
+        return sums
+
+    @functools.cached_property
+    def _printed_mask(self):
+        """The mask_mod as the kernel computes it: with each hoisted sum read from its member."""
+        if self.mask is None or not self._hoisted_sums:
+            return self.mask
+
+        def hoisted(add):
+            part = self._fixed_part(add)
+            return add - part + self._hoisted_sums[part] if part in self._hoisted_sums else add
+        return self.mask.replace(lambda node: isinstance(node, sp.Add), hoisted)
 
     @functools.cached_property
     def _hoisted_loads(self) -> tuple:
@@ -1466,8 +1582,9 @@ class Modifiers:
         ranged = {I: (program.emit("long long", "param", "i_lo"), program.emit("long long", "param", "i_hi")),
                   J: (program.emit("long long", "param", "j_lo"), program.emit("long long", "param", "j_hi"))}
         bounder = _Bounder(program, ranged, self.tensors)
-        result = 2 if self.mask is None else bounder.tri(self.mask)
-        return program, result, dict(bounder.summaries)
+        full, maybe = (True, True) if self.mask is None else bounder.decide(self._printed_mask)
+        result = program.emit("int", "select", full, 2, program.emit("int", "select", maybe, 1, 0))
+        return program, result, dict(bounder.summaries), full, maybe
 
     @property
     def summaries(self) -> tuple:
@@ -1501,8 +1618,11 @@ class Modifiers:
             return SCORE + rest / tau
         return self.score.subs(SCORE, tau * SCORE) / tau
 
-    def cuda_struct(self, name: str = "SpecMods", scale: float = 1.0) -> str:
-        """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score)."""
+    def cuda_struct(self, name: str = "SpecMods", scale: float = 1.0, integer_type: str = "long long",
+                    mask_only: bool = False) -> str:
+        """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score);
+        tile_class computes its integer bounds in `integer_type` (_Program.c_code). `mask_only`: only what a
+        mask kind's struct is asked for (visible, the tile tests), without the helpers or the score functions."""
         printer = _CPrinter("mask_mod", self._c_names())
         has_grad_one = self.score_grad is None or self.score_grad == 1
         lines = [f"struct {name} {{",
@@ -1520,6 +1640,8 @@ class Modifiers:
                 lines.append(f"  const void* summary_{tname};")
         for n, load in enumerate(self._hoisted_loads):
             lines.append(f"  {'int' if load.is_integer else 'float'} p{n};   // {load}, read once")
+        for n, (part, symbol) in enumerate(self._hoisted_sums.items()):
+            lines.append(f"  {'int' if symbol.is_integer else 'float'} c{n};   // {part}, once")
         grad_members, grad_constructor = self._input_grad_members()
         lines += grad_members
         lines += ["",
@@ -1541,10 +1663,15 @@ class Modifiers:
             loader = _CPrinter("inputs", plain)
             for n, load in enumerate(self._hoisted_loads):
                 lines.append(f"    p{n} = {loader.emit(load)};")
+        if self._hoisted_sums:
+            plain = {k: v for k, v in self._c_names().items() if not isinstance(k, sp.Indexed)}
+            summer = _CPrinter("mask_mod", plain)
+            for n, (part, symbol) in enumerate(self._hoisted_sums.items()):
+                lines.append(f"    c{n} = {summer.i(part) if symbol.is_integer else summer.f(part)};")
         lines += grad_constructor
         if not self.tensors and not self.scalars:
             lines.append("    (void)args;")
-        lines += ["  }", "", _C_HELPERS.rstrip("\n")]
+        lines += ["  }"] if mask_only else ["  }", "", _C_HELPERS.rstrip("\n")]
         for tname, dtype, ndim in self.tensors:
             ctype = "int" if dtype == "int32" else "float"
             params = ", ".join(f"int x{d}" for d in range(ndim))
@@ -1554,10 +1681,10 @@ class Modifiers:
                       f"  __device__ __forceinline__ {ctype} load_{tname}({params}) const {{",
                       f"    {clamp}",
                       f"    return t_{tname}[{offset}];", "  }"]
-        visible = "true" if self.mask is None else printer.boolean(self.mask)
-        lines += ["", "  // the mask_mod", "  __device__ __forceinline__ bool visible(int i, int j) const {",
+        visible = "true" if self.mask is None else printer.boolean(self._printed_mask)
+        lines += ["", "  // the mask" if mask_only else "  // the mask_mod", "  __device__ __forceinline__ bool visible(int i, int j) const {",
                   f"    return {visible};", "  }"]
-        program, result, used = self._tile_program
+        program, result, used, full, maybe = self._tile_program
         for k, (tname, dtype, ndim) in enumerate(self.tensors):
             if tname not in used:
                 continue
@@ -1583,14 +1710,21 @@ class Modifiers:
                       f"  __device__ __forceinline__ {ctype} summary_hi_{tname}(long long o, long long f, long long l) const "
                       f"{{ return summary_bound_{tname}(o, f, l, 1); }}"]
         lines += ["  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when",
-                  "  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided",
-                  "  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {"]
-        if self.mask is None or not isinstance(result, str):
-            constant = {0: "fagen::TILE_EMPTY", 1: "fagen::TILE_PARTIAL", 2: "fagen::TILE_FULL"}[int(result)]
-            lines += ["    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;", f"    return {constant};"]
-        else:
-            lines += program.c_code(result, printer)
-        lines.append("  }")
+                  "  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;",
+                  "  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each",
+                  "  // computing only what it needs"]
+        for function, ctype, value in (("tile_class", "int", result), ("tile_maybe_visible", "bool", maybe),
+                                       ("tile_all_visible", "bool", full)):
+            lines.append(f"  __device__ __forceinline__ {ctype} {function}(int i_lo, int i_hi, int j_lo, int j_hi) const {{")
+            if not isinstance(value, str):
+                constant = ({0: "fagen::TILE_EMPTY", 1: "fagen::TILE_PARTIAL", 2: "fagen::TILE_FULL"}[int(value)]
+                            if ctype == "int" else "true" if value else "false")
+                lines += ["    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;", f"    return {constant};"]
+            else:
+                lines += program.c_code(value, printer, integer_type=integer_type, result_type=ctype)
+            lines.append("  }")
+        if mask_only:
+            return "\n".join([*lines, "};"]) + "\n"
         # the score functions take the positions as ints and as floats (fi, fj: what a float expression of them
         # reads; the kernels make them by adding constants, not by a conversion per score)
         score_printer = _CPrinter("score_mod", self._c_names(), {I: "fi", J: "fj"})
@@ -1677,8 +1811,19 @@ class Modifiers:
     def tile_class_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,
                           seq_q: int = 1, seq_k: int = 1, values: Optional[dict] = None) -> int:
         """tile_class evaluated in Python on concrete bounds (for tests): 0 empty, 1 partial, 2 full."""
-        program, result, used = self._tile_program
+        return int(self._run_tile_program("class", i_lo, i_hi, j_lo, j_hi, b, h, seq_q, seq_k, values))
+
+    def tile_halves_python(self, i_lo: int, i_hi: int, j_lo: int, j_hi: int, *, b: int = 0, h: int = 0,
+                           seq_q: int = 1, seq_k: int = 1, values: Optional[dict] = None) -> tuple[bool, bool]:
+        """(tile_maybe_visible, tile_all_visible) evaluated in Python, as tile_class_python."""
+        return tuple(bool(self._run_tile_program(half, i_lo, i_hi, j_lo, j_hi, b, h, seq_q, seq_k, values))
+                     for half in ("maybe", "full"))
+
+    def _run_tile_program(self, which, i_lo, i_hi, j_lo, j_hi, b, h, seq_q, seq_k, values):
+        program, result, used, full, maybe = self._tile_program
+        result = {"class": result, "maybe": maybe, "full": full}[which]
         env_symbols = {B: np.int64(b), H: np.int64(h), NQ: np.int64(seq_q), NK: np.int64(seq_k)}
+        env_symbols.update({symbol: _np_eval(part, env_symbols, values or {}) for part, symbol in self._hoisted_sums.items()})
         point = lambda expr: _np_eval(expr, env_symbols, values or {})   # noqa: E731
 
         def summary(name, which, other, first, last):   # what summarise_input + summary_bound_* compute
@@ -1693,7 +1838,7 @@ class Modifiers:
                 return np.inf if which == "hi" else -np.inf
             return span.max() if which == "hi" else span.min()
 
-        return int(program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary))
+        return program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary)
 
     # -- shapes -------------------------------------------------------------------------------
     def input_shapes(self, batch: int, heads: int, seq_q: int, seq_k: int) -> dict:
@@ -1837,3 +1982,33 @@ def modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optiona
         score_text=None if score_mod is None else " ".join(score_mod.split()))
     result.cuda_struct()   # every expression must print: fail here, not at render time
     return result
+
+
+# ---- the mask kinds that are expressions ------------------------------------------------------
+#: The spec's mask kinds that are arithmetic in the positions, written as a mask_mod would write them
+#: (queries and keys aligned bottom-right: key i + Nk - Nq is query i's own). Every template gets them
+#: as its Visibility's Kind, a struct printed by `Modifiers.cuda_struct` like a mask_mod's, so a kind's
+#: per-element test and its tile classes (empty / full / partial, by the interval arithmetic above) are
+#: derived from the expression, and the float64 reference evaluates the same one. The other kinds are
+#: data, not formulas: padding is each batch entry's key count (the sequence end every test already
+#: has) and block_sparse a per-block layout, walked block by block (templates/attention_common.cuh).
+MASK_KIND_TEXT = {
+    "causal": "j <= i + Nk - Nq",
+    "sliding_window": "0 <= i + Nk - Nq - j < {window}",
+}
+
+
+@functools.lru_cache(maxsize=None)
+def mask_kind(kind: str, window: int = 0) -> Optional[Modifiers]:
+    """The mask kind `kind` (with its window) as Modifiers carrying only a mask, or None for the kinds
+    that are not expressions (none, padding, block_sparse)."""
+    text = MASK_KIND_TEXT.get(kind)
+    if text is None:
+        return None
+    return modifiers(text.format(window=int(window)), None, None)
+
+
+def mask_kind_struct(kind: str, window: int = 0, name: str = "KindMask") -> str:
+    """mask_kind's C++ struct, its tile classes computed in int: a kind's bounds are sums of four
+    positions and lengths, each an int in the kernels (the hand-written tests it replaced were int too)."""
+    return mask_kind(kind, window).cuda_struct(name, integer_type="int", mask_only=True)

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
+from fagen.expressions import mask_kind
+
 if TYPE_CHECKING:  # the spec is only read (mask, window, block_size, dropout, scale, loop_order)
     from fagen.spec import Spec
 
@@ -237,14 +239,11 @@ def _mask_kind(spec: "Spec", B: int, H: int, Nq: int, Nk: int, kv_lengths, block
             raise ValueError(f"visible_mask: {name} must be at least 1, got {value}")
     rows = np.arange(Nq)[:, None]
     cols = np.arange(Nk)[None, :]
-    shift = Nk - Nq
     if spec.mask == "none":
         return np.ones((1, 1, Nq, Nk), dtype=bool)
-    if spec.mask == "causal":
-        return (cols <= rows + shift)[None, None]
-    if spec.mask == "sliding_window":
-        distance = rows + shift - cols
-        return ((distance >= 0) & (distance < spec.window))[None, None]
+    kind = mask_kind(spec.mask, spec.window or 0)
+    if kind is not None:   # causal, sliding_window: the expression the kernels are rendered from
+        return kind.mask_numpy(0, 0, rows, cols, Nq, Nk)[None, None]
     if spec.mask == "padding":
         lengths = _check_kv_lengths(kv_lengths, B, Nk)
         return (cols[None, None] < lengths[:, None, None, None])

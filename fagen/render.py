@@ -13,6 +13,7 @@ from pathlib import Path
 
 import jinja2
 
+from fagen.expressions import mask_kind, mask_kind_struct
 from fagen.reference import dropout_keep_scale, dropout_threshold
 from fagen.solver import Plan, Solution, family_named
 from fagen.sources import TEMPLATE_DIR
@@ -172,7 +173,6 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "scale": float_literal(spec.scale),
         "scale_log2": float_literal(spec.scale * math.log2(math.e)),
         "mask_kind": MASK_KINDS[spec.mask],
-        "window": spec.window or 0,
         "grain": spec.block_size or 1,
         "has_dropout": "true" if spec.dropout > 0 else "false",
         "dropout_threshold": f"{dropout_threshold(spec.dropout)}u",
@@ -182,6 +182,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "input_grads": "true" if input_grads else "false",
         "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
+        # causal / sliding_window as their expression (fagen/expressions.py MASK_KIND_TEXT), or no mask kind test
+        "kind_type": f"{mods_namespace(spec)}::KindMask" if _kind(spec) else "fagen::NoMods",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
             f'extern "C" __global__ void __launch_bounds__({threads}) {name}_r{rows}'
@@ -198,14 +200,25 @@ def mods_namespace(spec: Spec) -> str:
     return f"fagen_mods_{spec.canonical_name}"
 
 
+def _kind(spec: Spec):
+    return mask_kind(spec.mask, spec.window or 0)
+
+
 def mods_source(spec: Spec) -> str:
-    """The spec's mask_mod / score_mod as C++ (fagen/expressions.py), once per file, or nothing."""
-    mods = spec.modifiers
-    if not mods.active:
+    """The spec's mask kind when it is an expression (causal, sliding_window) and its mask_mod / score_mod,
+    as C++ structs (fagen/expressions.py), once per file, or nothing."""
+    mods, kind = spec.modifiers, _kind(spec)
+    if not mods.active and kind is None:
         return ""
-    lines = [f"// {key}: {value}" for key, value in mods.record().items() if value]
-    return "\n".join([*lines, f"namespace {mods_namespace(spec)} {{", mods.cuda_struct("SpecMods", spec.scale),
-                      f"}}  // namespace {mods_namespace(spec)}", ""])
+    lines = [f"// {key}: {value}" for key, value in mods.record().items() if value] if mods.active else []
+    if kind is not None:
+        lines.append(f"// mask {spec.mask}: {kind.mask_text}")
+    lines.append(f"namespace {mods_namespace(spec)} {{")
+    if kind is not None:
+        lines.append(mask_kind_struct(spec.mask, spec.window or 0, "KindMask"))
+    if mods.active:
+        lines.append(mods.cuda_struct("SpecMods", spec.scale))
+    return "\n".join([*lines, f"}}  // namespace {mods_namespace(spec)}", ""])
 
 
 def _header(spec: Spec, solution: Solution, passes, note: str = "") -> str:

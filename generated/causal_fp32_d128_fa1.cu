@@ -4,6 +4,41 @@
 //   forward: forward_fa1_simt.cu.j2 Br=64 Bc=128 warps=8 smem=198144 B
 //   backward: backward_simt.cu.j2 Br=64 Bc=64 warps=8 smem=164864 B
 #include "attention_common.cuh"
+// mask causal: j <= i + Nk - Nq
+namespace fagen_mods_d128_fp32_causal_fa1_sm90 {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return (j <= (c0 + i));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) ? 2 : ((((t4 + i_hi) - j_lo) >= 0) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_hi) - j_lo) >= 0);
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_lo) - j_hi) >= 0);
+  }
+};
+
+}  // namespace fagen_mods_d128_fp32_causal_fa1_sm90
 // ---- fagen_fwd_d128_fp32_causal_fa1_sm90_br64_bc128_w8: made by templates/forward_fa1_simt.cu.j2 ----
 // FlashAttention-1 forward (Algorithm 1) on CUDA cores: K/V column block j OUTER, Q row block i
 // inner; O_i, l_i and m_i live in HBM and are read, updated and written back for every (i, j).
@@ -22,7 +57,7 @@ constexpr float SCALE_LOG2 = 1.275174308e-01f;
 constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_fp32_causal_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -58,7 +93,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -175,7 +210,7 @@ constexpr float SCALE = 8.838834765e-02f;
 constexpr float SCALE_LOG2 = 1.275174308e-01f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_fp32_causal_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -265,7 +300,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
@@ -348,7 +383,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.q, q, args.q_stride[2], row0, rows_here);
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);

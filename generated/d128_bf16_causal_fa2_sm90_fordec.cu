@@ -4,6 +4,41 @@
 //   forward: forward_wgmma_ws.cu.j2 Br=128 Bc=128 warps=12 smem=164936 B
 //   decode: decode_splitkv_mma.cu.j2 Br=16 Bc=64 warps=4 smem=73984 B
 #include "attention_common.cuh"
+// mask causal: j <= i + Nk - Nq
+namespace fagen_mods_d128_bf16_causal_fa2_sm90_fordec {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return (j <= (c0 + i));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) ? 2 : ((((t4 + i_hi) - j_lo) >= 0) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_hi) - j_lo) >= 0);
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_lo) - j_hi) >= 0);
+  }
+};
+
+}  // namespace fagen_mods_d128_bf16_causal_fa2_sm90_fordec
 // ---- fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w12_ws: made by templates/forward_wgmma_ws.cu.j2 ----
 // FlashAttention-2 forward on Hopper's warpgroup MMA, warp-specialized (FlashAttention-3's split of roles):
 // warpgroup 0 only loads (Q_i once, then K_j and V_j by cp.async into STAGES swizzled stages each), the
@@ -37,7 +72,7 @@ constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's score_mod (fagen::NoMods without); no mask_mod (see below)
 constexpr bool HAS_DROPOUT = false;
@@ -100,7 +135,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const int row0 = row_block * BLOCK_R;
   if (PACKED && row0 >= seq_q) return;  // packed: the grid is sized for the longest sequence
   const int rows_here = min(BLOCK_R, seq_q - row0);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, false>::SHARED_WORDS];
   TileWalk<THREADS, false> walk(walk_bits);
@@ -356,7 +391,7 @@ constexpr float SCALE_LOG2 = 1.275174308e-01f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 using Mods = fagen::NoMods;                  // the spec's score_mod (fagen::NoMods without; no mask_mod here)
 static_assert(!Mods::HAS_MASK, "the decode pass takes no mask_mod");
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
@@ -477,7 +512,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   exit_if_spare(args);
   const long long b = grid_problem() / kv_heads, h_kv = grid_problem() % kv_heads;
   const int rows = group * seq_q;                                  // <= 16 (the host's choice)
-  const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, h_kv * group, seq_q, (int)args.seq_k);
+  const Visibility<MASK, GRAIN, Kind> visibility(args, b, h_kv * group, seq_q, (int)args.seq_k);
   const int2 keys = split_keys(visibility.key_count, BLOCK_C);
   const int key0 = keys.x, key_end = keys.y;
 

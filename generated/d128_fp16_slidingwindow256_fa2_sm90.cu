@@ -4,6 +4,45 @@
 //   forward: forward_wgmma_ws.cu.j2 Br=128 Bc=128 warps=12 smem=164936 B
 //   backward: backward_wgmma_ws.cu.j2 Br=64 Bc=128 warps=12 smem=202804 B
 #include "attention_common.cuh"
+// mask sliding_window: 0 <= i + Nk - Nq - j < 256
+namespace fagen_mods_d128_fp16_slidingwindow256_fa2_sm90 {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return ((0 <= (c0 + i + (-j))) && ((c0 + i + (-j)) < 256));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    const int t8 = (t4 + i_lo) - j_hi;
+    const int t10 = (t4 + i_hi) - j_lo;
+    return (((t8 >= 0) && (t10 < 256)) ? 2 : (((t10 >= 0) && (t8 < 256)) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_hi) - j_lo) >= 0) && (((t4 + i_lo) - j_hi) < 256));
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) && (((t4 + i_hi) - j_lo) < 256));
+  }
+};
+
+}  // namespace fagen_mods_d128_fp16_slidingwindow256_fa2_sm90
 // ---- fagen_fwd_d128_fp16_slidingwindow256_fa2_sm90_br128_bc128_w12_ws: made by templates/forward_wgmma_ws.cu.j2 ----
 // FlashAttention-2 forward on Hopper's warpgroup MMA, warp-specialized (FlashAttention-3's split of roles):
 // warpgroup 0 only loads (Q_i once, then K_j and V_j by cp.async into STAGES swizzled stages each), the
@@ -37,7 +76,7 @@ constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = false;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 256;
+using Kind = fagen_mods_d128_fp16_slidingwindow256_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's score_mod (fagen::NoMods without); no mask_mod (see below)
 constexpr bool HAS_DROPOUT = false;
@@ -100,7 +139,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_fp16_sliding
   const int row0 = row_block * BLOCK_R;
   if (PACKED && row0 >= seq_q) return;  // packed: the grid is sized for the longest sequence
   const int rows_here = min(BLOCK_R, seq_q - row0);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, false>::SHARED_WORDS];
   TileWalk<THREADS, false> walk(walk_bits);
@@ -392,7 +431,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 256;
+using Kind = fagen_mods_d128_fp16_slidingwindow256_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -493,7 +532,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_fp16_sliding
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

@@ -22,7 +22,7 @@ constexpr float SCALE_LOG2 = 2.550348616e-01f;
 constexpr float SCALE = 1.767766953e-01f;
 constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_fp32_padding_fa1
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -175,7 +175,7 @@ constexpr float SCALE = 1.767766953e-01f;
 constexpr float SCALE_LOG2 = 2.550348616e-01f;
 constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -265,7 +265,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
@@ -348,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_fp32_padding_fa1
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.q, q, args.q_stride[2], row0, rows_here);
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);

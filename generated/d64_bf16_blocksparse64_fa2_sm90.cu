@@ -32,7 +32,7 @@ constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = false;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 64;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(128, 4) fagen_fwd_d64_bf16_blockspa
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -323,7 +323,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 64;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -415,7 +415,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

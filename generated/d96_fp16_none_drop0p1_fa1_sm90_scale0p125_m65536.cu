@@ -22,7 +22,7 @@ constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
@@ -58,7 +58,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d96_fp16_none_drop0p
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -190,7 +190,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -249,7 +249,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

@@ -5,7 +5,40 @@
 //   backward: backward_fa2_mma.cu.j2 Br=64 Bc=128 warps=8 smem=93184 B
 #include "attention_common.cuh"
 // mask_mod: (i - j) % 4 == 0
+// mask causal: j <= i + Nk - Nq
 namespace fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19 {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return (j <= (c0 + i));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) ? 2 : ((((t4 + i_hi) - j_lo) >= 0) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_hi) - j_lo) >= 0);
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_lo) - j_hi) >= 0);
+  }
+};
+
 struct SpecMods {
   static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
   long long b, h;
@@ -45,32 +78,29 @@ struct SpecMods {
     return (((i + (-j)) & 3) == 0);
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
-  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
   __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
-    const long long t0 = i_lo;
-    const long long t1 = i_hi;
-    const long long t2 = j_lo;
-    const long long t3 = j_hi;
-    const long long t4 = -t3;
-    const long long t5 = -t2;
-    const long long t6 = t0 + t4;
-    const long long t7 = t1 + t5;
-    const long long t8 = floor_div(t6, 4LL);
-    const long long t9 = floor_div(t7, 4LL);
-    const bool t10 = t8 == t9;
-    const long long t11 = py_mod(t6, 4LL);
-    const long long t12 = t10 ? t11 : 0LL;
-    const long long t13 = py_mod(t7, 4LL);
-    const long long t14 = t10 ? t13 : 3LL;
-    const bool t15 = t12 == t14;
-    const bool t16 = t12 == 0LL;
-    const bool t17 = t15 && t16;
-    const bool t18 = t14 < 0LL;
-    const bool t19 = t12 > 0LL;
-    const bool t20 = t18 || t19;
-    const int t21 = t20 ? 0 : 1;
-    const int t22 = t17 ? 2 : t21;
-    return t22;
+    const long long t6 = ((long long)i_lo) - ((long long)j_hi);
+    const long long t7 = ((long long)i_hi) - ((long long)j_lo);
+    const bool t10 = (floor_div(t6, 4LL)) == (floor_div(t7, 4LL));
+    const long long t12 = t10 ? (py_mod(t6, 4LL)) : 0LL;
+    const long long t14 = t10 ? (py_mod(t7, 4LL)) : 3LL;
+    return (((t12 == t14) && (t12 == 0LL)) ? 2 : ((!((t14 < 0LL) || (t12 > 0LL))) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const long long t6 = ((long long)i_lo) - ((long long)j_hi);
+    const long long t7 = ((long long)i_hi) - ((long long)j_lo);
+    const bool t10 = (floor_div(t6, 4LL)) == (floor_div(t7, 4LL));
+    return (!(((t10 ? (py_mod(t7, 4LL)) : 3LL) < 0LL) || ((t10 ? (py_mod(t6, 4LL)) : 0LL) > 0LL)));
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const long long t6 = ((long long)i_lo) - ((long long)j_hi);
+    const long long t7 = ((long long)i_hi) - ((long long)j_lo);
+    const bool t10 = (floor_div(t6, 4LL)) == (floor_div(t7, 4LL));
+    const long long t12 = t10 ? (py_mod(t6, 4LL)) : 0LL;
+    return ((t12 == (t10 ? (py_mod(t7, 4LL)) : 3LL)) && (t12 == 0LL));
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j, float fi, float fj) const {
@@ -121,7 +151,7 @@ constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -154,7 +184,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -388,7 +418,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -447,7 +477,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

@@ -32,7 +32,7 @@ constexpr float SCALE = 1.020620726e-01f;
 constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = false;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -90,7 +90,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -288,7 +288,7 @@ constexpr float SCALE = 1.020620726e-01f;
 constexpr float SCALE_LOG2 = 1.472444460e-01f;
 constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -378,7 +378,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here);
   load_tile<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here);
@@ -461,7 +461,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_padding_fa2
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.q, q, args.q_stride[2], row0, rows_here);
   load_tile<BLOCK_R, HEAD_DIM, HEAD_DIM, THREADS>(t.d_o, d_o, args.do_stride[2], row0, rows_here);

@@ -21,7 +21,7 @@ constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -57,7 +57,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {

@@ -55,29 +55,18 @@ struct SpecMods {
     return ((j <= i) || (j < p0));
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
-  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
   __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
-    const long long t0 = i_lo;
-    const long long t1 = i_hi;
-    const long long t2 = j_lo;
-    const long long t3 = j_hi;
-    const long long t4 = -t1;
-    const long long t5 = -t0;
-    const long long t6 = t2 + t4;
-    const long long t7 = t3 + t5;
-    const bool t8 = t7 <= 0LL;
-    const bool t9 = t6 > 0LL;
-    const int t10 = t9 ? 0 : 1;
-    const int t11 = t8 ? 2 : t10;
-    const long long t12 = (long long)((-p0));
-    const long long t13 = t2 + t12;
-    const long long t14 = t3 + t12;
-    const bool t15 = t14 < 0LL;
-    const bool t16 = t13 >= 0LL;
-    const int t17 = t16 ? 0 : 1;
-    const int t18 = t15 ? 2 : t17;
-    const int t19 = max(t11, t18);
-    return t19;
+    const long long t10 = (long long)((-p0));
+    return ((((((long long)j_hi) - ((long long)i_lo)) <= 0LL) || ((((long long)j_hi) + t10) < 0LL)) ? 2 : ((((((long long)j_lo) - ((long long)i_hi)) <= 0LL) || ((((long long)j_lo) + t10) < 0LL)) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((long long)j_lo) - ((long long)i_hi)) <= 0LL) || ((((long long)j_lo) + ((long long)((-p0)))) < 0LL));
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((long long)j_hi) - ((long long)i_lo)) <= 0LL) || ((((long long)j_hi) + ((long long)((-p0)))) < 0LL));
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j, float fi, float fj) const {
@@ -130,7 +119,7 @@ constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_none_fa2_sm90_mod0c03c276::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -188,7 +177,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_bf16_none_fa2
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -428,7 +417,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_none_fa2_sm90_mod0c03c276::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -529,7 +518,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

@@ -8,7 +8,40 @@
 // score_grad: cosh(score/cap)**(-2)
 // input_grads: {'cap': 'tanh(score/cap) - score*(1 - tanh(score/cap)**2)/cap'}
 // inputs: {'cap': 'scalar'}
+// mask causal: j <= i + Nk - Nq
 namespace fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return (j <= (c0 + i));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) ? 2 : ((((t4 + i_hi) - j_lo) >= 0) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_hi) - j_lo) >= 0);
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((int)(c0)) + i_lo) - j_hi) >= 0);
+  }
+};
+
 struct SpecMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = true, SCORE_GRAD_IS_ONE = false;
   long long b, h;
@@ -49,10 +82,20 @@ struct SpecMods {
     return true;
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
-  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
   __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
     (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;
     return fagen::TILE_FULL;
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;
+    return true;
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    (void)i_lo; (void)i_hi; (void)j_lo; (void)j_hi;
+    return true;
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j, float fi, float fj) const {
@@ -110,7 +153,7 @@ constexpr float SCALE = 8.838834765e-02f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::SpecMods;                  // the spec's score_mod (fagen::NoMods without); no mask_mod (see below)
 constexpr bool HAS_DROPOUT = false;
@@ -173,7 +216,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const int row0 = row_block * BLOCK_R;
   if (PACKED && row0 >= seq_q) return;  // packed: the grid is sized for the longest sequence
   const int rows_here = min(BLOCK_R, seq_q - row0);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, false>::SHARED_WORDS];
   TileWalk<THREADS, false> walk(walk_bits);
@@ -458,7 +501,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -550,7 +593,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

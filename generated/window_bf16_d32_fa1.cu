@@ -4,6 +4,45 @@
 //   forward: forward_fa1_simt.cu.j2 Br=32 Bc=128 warps=8 smem=35840 B
 //   backward: backward_wgmma.cu.j2 Br=128 Bc=128 warps=8 smem=105472 B
 #include "attention_common.cuh"
+// mask sliding_window: 0 <= i + Nk - Nq - j < 128
+namespace fagen_mods_d32_bf16_slidingwindow128_fa1_sm90 {
+struct KindMask {
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  long long b, h;
+  int seq_q, seq_k;
+  int c0;   // Nk - Nq, once
+
+  __device__ KindMask(const fagen::AttentionArgs& args, long long b_, long long h_, int seq_q_, int seq_k_)
+      : b(b_), h(h_), seq_q(seq_q_), seq_k(seq_k_) {
+    c0 = (seq_k + (-seq_q));
+    (void)args;
+  }
+
+  // the mask
+  __device__ __forceinline__ bool visible(int i, int j) const {
+    return ((0 <= (c0 + i + (-j))) && ((c0 + i + (-j)) < 128));
+  }
+  // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
+  __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    const int t8 = (t4 + i_lo) - j_hi;
+    const int t10 = (t4 + i_hi) - j_lo;
+    return (((t8 >= 0) && (t10 < 128)) ? 2 : (((t10 >= 0) && (t8 < 128)) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_hi) - j_lo) >= 0) && (((t4 + i_lo) - j_hi) < 128));
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    const int t4 = (int)(c0);
+    return ((((t4 + i_lo) - j_hi) >= 0) && (((t4 + i_hi) - j_lo) < 128));
+  }
+};
+
+}  // namespace fagen_mods_d32_bf16_slidingwindow128_fa1_sm90
 // ---- fagen_fwd_d32_bf16_slidingwindow128_fa1_sm90_br32_bc128_w8: made by templates/forward_fa1_simt.cu.j2 ----
 // FlashAttention-1 forward (Algorithm 1) on CUDA cores: K/V column block j OUTER, Q row block i
 // inner; O_i, l_i and m_i live in HBM and are read, updated and written back for every (i, j).
@@ -22,7 +61,7 @@ constexpr float SCALE_LOG2 = 2.550348616e-01f;
 constexpr float SCALE = 1.767766953e-01f;
 constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 128;
+using Kind = fagen_mods_d32_bf16_slidingwindow128_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -58,7 +97,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_bf16_slidingwind
   float* o_hbm = args.o_accum + problem.row_offset * HEAD_DIM;
   float* m_hbm = args.row_max + problem.row_offset;
   float* l_hbm = args.row_sum + problem.row_offset;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
 
   // Algorithm 1, lines 2-4: O = 0, l = 0, m = -inf in HBM (for this block's rows).
   for (int i = first_block; i < row_blocks; i += block_step) {
@@ -210,7 +249,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_SLIDING_WINDOW;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 128;
+using Kind = fagen_mods_d32_bf16_slidingwindow128_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -302,7 +341,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

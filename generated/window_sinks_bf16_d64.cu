@@ -45,39 +45,17 @@ struct SpecMods {
     return ((j <= i) && ((j < 4) || ((i + (-j)) < 256)));
   }
   // rows [i_lo, i_hi] x keys [j_lo, j_hi] by interval arithmetic: 0 (fagen::TILE_EMPTY) when
-  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided
+  // no pair is visible, 2 (fagen::TILE_FULL) when all are, 1 (fagen::TILE_PARTIAL) undecided;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL) are its halves apart, each
+  // computing only what it needs
   __device__ __forceinline__ int tile_class(int i_lo, int i_hi, int j_lo, int j_hi) const {
-    const long long t0 = i_lo;
-    const long long t1 = i_hi;
-    const long long t2 = j_lo;
-    const long long t3 = j_hi;
-    const long long t4 = -t1;
-    const long long t5 = -t0;
-    const long long t6 = t2 + t4;
-    const long long t7 = t3 + t5;
-    const bool t8 = t7 <= 0LL;
-    const bool t9 = t6 > 0LL;
-    const int t10 = t9 ? 0 : 1;
-    const int t11 = t8 ? 2 : t10;
-    const long long t12 = (-4LL) + t2;
-    const long long t13 = (-4LL) + t3;
-    const bool t14 = t13 < 0LL;
-    const bool t15 = t12 >= 0LL;
-    const int t16 = t15 ? 0 : 1;
-    const int t17 = t14 ? 2 : t16;
-    const long long t18 = -t3;
-    const long long t19 = -t2;
-    const long long t20 = (-256LL) + t0;
-    const long long t21 = t20 + t18;
-    const long long t22 = (-256LL) + t1;
-    const long long t23 = t22 + t19;
-    const bool t24 = t23 < 0LL;
-    const bool t25 = t21 >= 0LL;
-    const int t26 = t25 ? 0 : 1;
-    const int t27 = t24 ? 2 : t26;
-    const int t28 = max(t17, t27);
-    const int t29 = min(t11, t28);
-    return t29;
+    return ((((((long long)j_hi) - ((long long)i_lo)) <= 0LL) && ((((long long)j_hi) < 4LL) || ((((long long)i_hi) - ((long long)j_lo)) < 256LL))) ? 2 : ((((((long long)j_lo) - ((long long)i_hi)) <= 0LL) && ((((long long)j_lo) < 4LL) || ((((long long)i_lo) - ((long long)j_hi)) < 256LL))) ? 1 : 0));
+  }
+  __device__ __forceinline__ bool tile_maybe_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((long long)j_lo) - ((long long)i_hi)) <= 0LL) && ((((long long)j_lo) < 4LL) || ((((long long)i_lo) - ((long long)j_hi)) < 256LL)));
+  }
+  __device__ __forceinline__ bool tile_all_visible(int i_lo, int i_hi, int j_lo, int j_hi) const {
+    return (((((long long)j_hi) - ((long long)i_lo)) <= 0LL) && ((((long long)j_hi) < 4LL) || ((((long long)i_hi) - ((long long)j_lo)) < 256LL)));
   }
   // the score_mod, in natural units (score = tau * q.k)
   __device__ __forceinline__ float score(float score, int i, int j, float fi, float fj) const {
@@ -130,7 +108,7 @@ constexpr float SCALE = 1.250000000e-01f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
@@ -188,7 +166,7 @@ extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_bf16_none_fa2
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
   TileWalk<THREADS, Mods::HAS_MASK> walk(walk_bits);
@@ -428,7 +406,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-constexpr int WINDOW = 0;
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
@@ -529,7 +507,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
-  const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);
+  const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
   const int row_blocks = (seq_q + BLOCK_R - 1) / BLOCK_R;

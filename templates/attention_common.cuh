@@ -339,7 +339,7 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 
 // A spec without mask_mod / score_mod. A spec with them gets a generated struct of the same shape
 // (fagen/expressions.py, rendered into every template as SpecMods): visible(i, j) is the mask_mod,
-// tile_class bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
+// tile_class (tile_maybe_visible, tile_all_visible) bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
 // its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
 // on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
 // position (i, j) as ints and as floats (fi, fj), which a float expression of them reads.
@@ -348,8 +348,11 @@ struct NoMods {
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
   __device__ __forceinline__ bool visible(int, int) const { return true; }
   // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): TILE_EMPTY if no pair is visible,
-  // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair.
+  // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair;
+  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL): its halves apart (the kernels ask one at a time)
   __device__ __forceinline__ int tile_class(int, int, int, int) const { return 2; }
+  __device__ __forceinline__ bool tile_maybe_visible(int, int, int, int) const { return true; }
+  __device__ __forceinline__ bool tile_all_visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ float score(float s, int, int, float, float) const { return s; }
   __device__ __forceinline__ float raw_score(float s, int, int, float, float) const { return s; }
   __device__ __forceinline__ float score_grad(float, int, int, float, float) const { return 1.f; }
@@ -404,13 +407,17 @@ __device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
   }
 }
 
-// Which keys a query sees, for one (sequence, head) of lengths seq_q, seq_k. Queries and keys are
-// aligned bottom-right (shift = seq_k - seq_q), as PyTorch and FlashAttention do when seq_q != seq_k.
-// A spec's mask_mod (Mods) narrows the mask kind further (AND); its positions are not shifted.
-template <int MASK, int WINDOW, int GRAIN, typename Mods = NoMods>
+// Which keys a query sees, for one (sequence, head) of lengths seq_q, seq_k. The mask kinds that are formulas
+// of the positions, causal and sliding_window, arrive as Kind: a struct printed from their expression
+// (fagen/expressions.py MASK_KIND_TEXT; queries and keys aligned bottom-right, as PyTorch and FlashAttention
+// do when seq_q != seq_k) by the same code as a mask_mod's, so that their per-element test and their tile
+// classes are derived, not written here. The kinds that are data stay here: padding is the key count (the
+// sequence end, which every test has anyway) and block_sparse a layout read block by block. A spec's
+// mask_mod (Mods) narrows the mask further (AND); its positions are not shifted.
+template <int MASK, int GRAIN, typename Kind = NoMods, typename Mods = NoMods>
 struct Visibility {
+  Kind kind;
   Mods mods;
-  int shift;
   int key_count;  // keys that exist: visible_keys (padding: this batch entry's clamped length)
   const unsigned char* layout;
   long long layout_q_stride, layout_k_stride;
@@ -420,8 +427,7 @@ struct Visibility {
       : Visibility(args, problem.b, problem.h, problem.seq_q, problem.seq_k) {}
 
   __device__ Visibility(const AttentionArgs& args, long long b, long long h, int seq_q, int seq_k)
-      : mods(args, b, h, seq_q, seq_k) {
-    shift = seq_k - seq_q;
+      : kind(args, b, h, seq_q, seq_k), mods(args, b, h, seq_q, seq_k) {
     key_count = visible_keys<MASK>(args, b, seq_k);
     layout = nullptr;
     layout_q_stride = layout_k_stride = 0;
@@ -445,11 +451,7 @@ struct Visibility {
     } else if (!exists || col >= key_count) {
       return false;
     }
-    if (MASK == MASK_CAUSAL) return col <= row + shift;
-    if (MASK == MASK_SLIDING_WINDOW) {
-      const int distance = row + shift - col;
-      return distance >= 0 && distance < WINDOW;
-    }
+    if (Kind::HAS_MASK) return kind.visible(row, col);
     if (MASK == MASK_BLOCK_SPARSE) return layout[(row / GRAIN) * layout_q_stride + (col / GRAIN) * layout_k_stride] != 0;
     return true;
   }
@@ -460,10 +462,8 @@ struct Visibility {
     if (rows <= 0 || cols <= 0 || col0 >= key_count) return false;
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
     // the mask kind's own (arithmetic) test first: a mask_mod's may read its inputs' summaries
-    if (MASK == MASK_CAUSAL && col0 > last_row + shift) return false;
-    if (MASK == MASK_SLIDING_WINDOW && !(last_row + shift - col0 >= 0 && row0 + shift - last_col < WINDOW)) return false;
-    if (Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) == TILE_EMPTY) return false;
-    if (MASK == MASK_CAUSAL || MASK == MASK_SLIDING_WINDOW) return true;
+    if (Kind::HAS_MASK && !kind.tile_maybe_visible(row0, last_row, col0, last_col)) return false;
+    if (Mods::HAS_MASK && !mods.tile_maybe_visible(row0, last_row, col0, last_col)) return false;
     if (MASK == MASK_BLOCK_SPARSE) {
       for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
         for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)
@@ -479,10 +479,8 @@ struct Visibility {
   __device__ bool tile_all_visible(int row0, int rows, int col0, int cols) const {
     const int last_row = row0 + rows - 1, last_col = col0 + cols - 1;
     if (last_col >= key_count) return false;
-    if (MASK == MASK_CAUSAL && last_col > row0 + shift) return false;
-    if (MASK == MASK_SLIDING_WINDOW && !(row0 + shift - last_col >= 0 && last_row + shift - col0 < WINDOW)) return false;
-    if (WITH_MODS && Mods::HAS_MASK && mods.tile_class(row0, last_row, col0, last_col) != TILE_FULL) return false;
-    if (MASK == MASK_CAUSAL || MASK == MASK_SLIDING_WINDOW) return true;
+    if (Kind::HAS_MASK && !kind.tile_all_visible(row0, last_row, col0, last_col)) return false;
+    if (WITH_MODS && Mods::HAS_MASK && !mods.tile_all_visible(row0, last_row, col0, last_col)) return false;
     if (MASK == MASK_BLOCK_SPARSE) {
       for (int qb = row0 / GRAIN; qb <= last_row / GRAIN; ++qb)
         for (int kb = col0 / GRAIN; kb <= last_col / GRAIN; ++kb)
@@ -578,7 +576,7 @@ struct TileWalk {
       const int row0 = KEYS ? other0 : start, rows = KEYS ? other_count : length;
       const int col0 = KEYS ? start : other0, cols = KEYS ? length : other_count;
       visible = visibility.tile_has_visible(row0, rows, col0, cols);
-      full = visible && visibility.mods.tile_class(row0, row0 + rows - 1, col0, col0 + cols - 1) == TILE_FULL;
+      full = visible && visibility.mods.tile_all_visible(row0, row0 + rows - 1, col0, col0 + cols - 1);
     }
     const unsigned visible_bits = __ballot_sync(0xffffffffu, visible), full_bits = __ballot_sync(0xffffffffu, full);
     if (threadIdx.x % 32 == 0) {

@@ -96,6 +96,23 @@ def test_no_compile_writes_no_cubin(tmp_path, monkeypatch):
     assert again.written == [] and mtimes(again.files.values()) == [OLD * 10**9] * 2
 
 
+def test_record_shows_the_mask_kind_as_its_expression(tmp_path):
+    """causal / sliding_window are rendered from an expression (fagen/expressions.py MASK_KIND_TEXT): the
+    record says which, and the source carries the struct made from it."""
+    window = Spec(head_dim=32, dtype="fp16", mask="sliding_window", window=64, passes=("forward",))
+    for spec, text in ((SMALL, "j <= i + Nk - Nq"), (window, "0 <= i + Nk - Nq - j < 64")):
+        result = build_variant(spec, tmp_path, compile=False)
+        report = json.loads((tmp_path / f"{spec.variant_name}.json").read_text())
+        assert report["mask_expression"] == text
+        source = (tmp_path / f"{spec.variant_name}.cu").read_text()
+        assert f"// mask {spec.mask}: {text}" in source and "::KindMask;" in source
+        assert result.files
+    plain = Spec(head_dim=32, dtype="fp16", mask="none", passes=("forward",))
+    build_variant(plain, tmp_path, compile=False)
+    report = json.loads((tmp_path / f"{plain.variant_name}.json").read_text())
+    assert "mask_expression" not in report
+
+
 def fake_compiler(calls: list, fail_when: str = "\0"):
     """A stand-in for compile_cubin: records calls, reports every fagen kernel in the source."""
 

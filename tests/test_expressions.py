@@ -11,7 +11,7 @@ import sympy as sp
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fagen.expressions import SCORE, ExpressionError, Modifiers, modifiers, parse
+from fagen.expressions import MASK_KIND_TEXT, SCORE, ExpressionError, Modifiers, mask_kind, mask_kind_struct, modifiers, parse
 
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
 EMPTY, PARTIAL, FULL = 0, 1, 2
@@ -140,6 +140,8 @@ MASKS = [
     "exp((j - i) * 0.25) > 0.5",
     "ceil(j / 3) <= i",
     "j <= i if i > 10 else j >= i",
+    "j < Nk - 1 - i",
+    *(text.format(window=5) for text in MASK_KIND_TEXT.values()),   # the mask kinds' own (fagen/render.py's Kind)
 ]
 
 
@@ -156,6 +158,8 @@ def test_tile_class_is_sound(text, data):
     visible = mods.mask_numpy(0, 0, i, j, seq_q, seq_k, {})
     tile = mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k)
     assert tile in (EMPTY, PARTIAL, FULL)
+    # the halves the kernels ask (tile_maybe_visible, tile_all_visible) are the same decisions
+    assert mods.tile_halves_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k) == (tile != EMPTY, tile == FULL)
     if tile == EMPTY:
         assert not visible.any(), (text, i_lo, i_hi, j_lo, j_hi)
     if tile == FULL:
@@ -194,6 +198,49 @@ def test_tile_class_reads_points_at_run_time():
     assert mods.tile_class_python(8, 8, 1, 8, h=1, seq_q=200, seq_k=200, values=values) == FULL
     assert mods.tile_class_python(8, 8, 1, 8, h=2, seq_q=200, seq_k=200, values=values) == EMPTY
     assert mods.tile_class_python(8, 8, 1, 8, h=0, seq_q=200, seq_k=200, values={**values, "w": 3.0}) == PARTIAL
+
+
+# ---- the mask kinds as expressions -----------------------------------------------------------
+@given(seq_q=st.integers(1, 70), seq_k=st.integers(1, 70), window=st.integers(1, 40))
+def test_mask_kinds_are_the_bottom_right_aligned_masks(seq_q, seq_k, window):
+    """causal and sliding_window as expressions: the masks PyTorch and FlashAttention mean for Nq != Nk,
+    written here independently of the expression (key i + Nk - Nq is query i's own)."""
+    i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
+    distance = i + (seq_k - seq_q) - j
+    expected = {"causal": distance >= 0, "sliding_window": (distance >= 0) & (distance < window)}
+    for kind, mask in expected.items():
+        got = mask_kind(kind, window).mask_numpy(0, 0, i, j, seq_q, seq_k)
+        np.testing.assert_array_equal(got, mask, err_msg=kind)
+
+
+@given(data=st.data())
+def test_mask_kind_tiles_are_decided_exactly(data):
+    """Their tile decisions are exact, not only sound: an empty tile is never loaded, a full one never
+    tested per element, as the hand-written tests they replaced did."""
+    kind = data.draw(st.sampled_from(sorted(MASK_KIND_TEXT)))
+    window = data.draw(st.integers(1, 40))
+    seq_q, seq_k = data.draw(st.integers(1, 90)), data.draw(st.integers(1, 90))
+    i_lo = data.draw(st.integers(0, seq_q - 1))
+    i_hi = data.draw(st.integers(i_lo, seq_q - 1))
+    j_lo = data.draw(st.integers(0, seq_k - 1))
+    j_hi = data.draw(st.integers(j_lo, seq_k - 1))
+    mods = mask_kind(kind, window)
+    visible = mods.mask_numpy(0, 0, np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :], seq_q, seq_k)
+    expected = FULL if visible.all() else PARTIAL if visible.any() else EMPTY
+    assert mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k) == expected
+
+
+def test_mask_kind_structs_compute_in_int_from_one_member():
+    """The kinds' structs read Nk - Nq once (a member, not both lengths per test), compare with their window
+    as a constant and compute in int, as the hand-written tests did (each of those kept a kernel at the
+    register edge spill-free; tests/test_compiler.py checks the kernels)."""
+    for kind in MASK_KIND_TEXT:
+        text = mask_kind_struct(kind, 128)
+        assert "int c0;   // Nk - Nq, once" in text and "c0 = " in text
+        tiles = text[text.index("bool tile_maybe_visible("):]
+        assert "long long" not in tiles and "seq_q" not in tiles and "seq_k" not in tiles
+        assert ("< 128" in tiles) == (kind == "sliding_window")
+    assert mask_kind("none") is None and mask_kind("padding") is None and mask_kind("block_sparse") is None
 
 
 def test_no_mask_tile_class_is_full():

@@ -257,8 +257,8 @@ def test_kv_lengths_are_read_only_through_the_clamp():
     assert "key_count = visible_keys<MASK>(args, b, seq_k);" in code
     for family in FAMILIES:
         text = _with_includes(family.template, templates)
-        assert ("const Visibility<MASK, WINDOW, GRAIN, Mods> visibility(args, problem);" in text
-                or "const Visibility<MASK, WINDOW, GRAIN> visibility(args, b, " in text), family.template
+        assert ("const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);" in text
+                or "const Visibility<MASK, GRAIN, Kind> visibility(args, b, " in text), family.template
 
 
 def _with_includes(name: str, templates: dict) -> str:
