@@ -198,11 +198,6 @@ KNOWN_SPILLS = {
     # which spilled 8 / 8 B at 128 (H200, 4 x 16 x 8192, the bench's documents: 545 -> 481 us, dev/gpu/plan_time.py);
     # before that, 128 x 64 at two blocks ran 1.44x faster than at one without spills (H100: 962 -> 669 us)
     ("documents_bf16_d64", "sm_90", "forward"): "36 / 48 B at 255 registers",
-    # the mask_mod evaluated with no branch in front of its loads (Visibility::visible_if, 2026-11-24): ptxas
-    # keeps more of the tile's tests live at once. Kept: on an H200 the backward went 1729 -> 1305 us (documents)
-    # at N = 8192 (dev/gpu/ab_modifiers.sh, two rounds each). (Prefix-LM's and window + sinks' backwards, which
-    # spilled 44 and 28 B on backward_wgmma, run spill-free on backward_wgmma_ws since 2026-11-25.)
-    ("documents_bf16_d64", "sm_90", "backward"): "8 / 8 B at 255 registers",
     # the same change of the transposed-scores step moved this FA1 backward (no mask_mod: the same tests, only
     # written as visible_if(row < seq_q && key < seq_k, ...)) across the 255-register edge it sits on (see the
     # Problem struct's note above); not timed (no sm_80 GPU here)

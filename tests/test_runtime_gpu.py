@@ -105,6 +105,12 @@ def test_backward_matches_reference(spec):
                                   Spec(head_dim=64, dtype="fp16", mask_mod="(i - j) % 3 == 0", dropout=0.1),
                                   # keys past 200 seen by no query: those key blocks load nothing, dK = dV = 0
                                   Spec(head_dim=128, dtype="bf16", mask_mod="j < 200"),
+                                  # document ids: the producer's walk reads their run-time summaries (sorted ids in
+                                  # 0-3: empty, full and partial tiles)
+                                  Spec(head_dim=64, dtype="bf16", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"},
+                                       dropout=0.1),
+                                  Spec(head_dim=128, dtype="fp16", mask="causal", mask_mod="doc[b, i] == doc[b, j]",
+                                       inputs={"doc": "int32"}),
                                   # additive score_mods (d score_mod / d score = 1), their inputs' gradients summed
                                   # per warp (slope[h]) and added per element (bias[h, i - j]) by the consumers only
                                   Spec(head_dim=128, dtype="bf16", mask="causal", score_mod="score - slope[h] * (i - j)",

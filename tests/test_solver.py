@@ -539,6 +539,21 @@ def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_
         assert (plan.block_r, plan.block_c) == (128, 64), head_dim
 
 
+def test_run_time_summaries_take_the_warp_specialized_backward_where_it_compiled_without_spills():
+    """A mask_mod whose tiles are decided from its inputs' run-time summaries (document ids) runs backward_wgmma_ws
+    at d = 64 and 128 on padded batches, where the producer's walk compiled without spills (the summaries' bounds
+    counted in int); at d = 40, 96 and on packed batches it spilled and stays on backward_wgmma."""
+    target = target_for("sm_90")
+    documents = {"mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}, "dtype": "bf16"}
+    for extra in ({"head_dim": 64}, {"head_dim": 64, "dropout": 0.1}, {"head_dim": 128}, {"head_dim": 128, "mask": "causal"}):
+        assert solve(Spec(**documents, **extra), target).plans["backward"].family == "backward_wgmma_ws", extra
+    for extra in ({"head_dim": 40}, {"head_dim": 96}, {"head_dim": 64, "layout": "packed"}, {"head_dim": 128, "dropout": 0.1}):
+        plan = solve(Spec(**documents, **extra), target).plans["backward"]
+        assert plan.family == "backward_wgmma", extra
+        _, broken = evaluate(family_named("backward_wgmma_ws"), Spec(**documents, **extra), target, "backward", 64, 128, 12)
+        assert broken, extra
+
+
 def test_score_mods_backward_on_sm90_by_their_derivative():
     """backward_wgmma_ws takes a score_mod whose derivative in the score sympy finds to be 1 (an additive bias:
     ALiBi, a bias table), not soft-capping's tanh (its derivative per score spilled the consumers), nor one with
