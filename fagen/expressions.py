@@ -8,16 +8,20 @@ stays plain data):
 
 The text is parsed once, here, and every later stage consumes the result:
 
-    text --ast--> sympy --+--> C++ struct SpecMods   (render: visible, tile_class, score, score_grad)
+    text --ast--> sympy --+--> C++ struct SpecMods   (render: visible, the tile tests, score, score_grad)
                           +--> numpy evaluators      (reference: the float64 ground truth)
-                          +--> interval IR           (tile_class, evaluable in Python for the tests)
+                          +--> interval IR           (the tile tests, evaluable in Python for the tests)
+
+The mask kinds causal and sliding_window are such expressions too (MASK_KIND_TEXT, at the end): printed the
+same way, as struct KindMask, with only the mask.
 
 * Parsing walks Python's `ast` by hand: user text is never `eval`ed, and every construct that is not
   on the list below fails with a one-line ExpressionError that names it.
 * sympy is the single source of truth: the backward's d(score_mod)/d(score) is `sympy.diff`, and the
   C++ and numpy code are both printed from the same expression trees, so kernel and reference agree.
-* tile_class (is a whole Br x Bc tile masked out, fully visible, or mixed?) is interval arithmetic
-  decided at generation time and emitted as straight-line code. The code is first built as a small
+* The tile tests (may a Br x Bc tile hold a visible pair? is every pair visible? tile_class: both as
+  empty / partial / full) are interval arithmetic decided at generation time and emitted as straight-line
+  code. The code is first built as a small
   SSA list (`_Program`) that prints as C++ and also runs in Python, so the tests check the very logic
   the kernel runs against brute force.
 
@@ -814,7 +818,7 @@ def _np_eval(expr, env: dict, values: dict):
 #   floor_div a d, mod a d           Python integer semantics, d a positive constant
 #   floor ceil a        float -> long long
 #   fn name a           a float function (expf, tanhf, logf, sqrtf, ...)
-#   tofloat a, finite a, lt le gt ge eq ne a b, and or, select c a b
+#   tofloat a, finite a, lt le gt ge eq ne a b, and or, not a, select c a b
 _PY_FLOAT_FN = {"expf": np.exp, "tanhf": np.tanh, "logf": np.log, "sqrtf": np.sqrt, "sinf": np.sin, "cosf": np.cos}
 _C_OPS = {"add": "+", "sub": "-", "mul": "*", "div": "/", "lt": "<", "le": "<=", "gt": ">", "ge": ">=",
           "eq": "==", "ne": "!=", "and": "&&", "or": "||"}
@@ -859,9 +863,10 @@ class _Program:
         && || ?: evaluate it only when they need it (a tile test that computed both sides of an && ran a
         register over a 64-register budget, 2026-11-25); a value used more than once, or one that reads a
         run-time summary (whose loads should be in flight together), gets a const of its own.
-        Integers are computed in `integer_type`: long long, so that no bound of a user's expression can
-        overflow, or int where the caller knows its sums stay in range (the mask kinds: what the kernels
-        compute their positions in)."""
+        Integers are computed in `integer_type`: long long, so that no bound built from int positions and
+        lengths overflows (products, powers), or int where the caller knows its sums stay in range (the mask
+        kinds: what the kernels compute their positions in). Hoisted sums (Modifiers._hoisted_sums) are int
+        members either way, as the per-element test always was."""
         live = self._live(result)
         uses: dict = {}
         for name, _, op, args in self.ops:
@@ -879,7 +884,7 @@ class _Program:
                 continue
             code = self._c_op(ctype, op, args, printer)
             if integer_type != "long long":
-                code = re.sub(r"(\d)LL\b", r"\1", code.replace("(long long)", f"({integer_type})"))
+                code = re.sub(r"(?<![\w.])(\d+)LL\b", r"\1", code.replace("(long long)", f"({integer_type})"))
                 ctype = integer_type if ctype == "long long" else ctype
             code = write(code)
             if op == "summary" or any(arg in loads for arg in self._operands(op, args)):
@@ -1332,11 +1337,6 @@ class _Bounder:
     # Kept apart rather than as one tri-state, so that a kernel asking one question computes only its
     # half (a select chain of both is not pruned: the compiler cannot know that they exclude each other),
     # and each half written as the kernels ask it (is any pair maybe visible? is every pair visible?).
-    def tri(self, expr):
-        """0 = never, 1 = undecided, 2 = always: `decide` as one program value."""
-        full, maybe = self.decide(expr)
-        return self.p.emit("int", "select", full, 2, self.p.emit("int", "select", maybe, 1, 0))
-
     def decide(self, expr):
         """(full, maybe): program bools (or Python ones); full only if expr is true at every point of the
         ranges, maybe false only if it is true at none."""
@@ -1534,23 +1534,26 @@ class Modifiers:
     @staticmethod
     def _fixed_part(add) -> Optional[sp.Expr]:
         """The terms of a sum over positions that depend on no position and no load, when there are two or
-        more of them (Nk - Nq in i + Nk - Nq - j), else None."""
+        more of them and they sum to an integer (Nk - Nq in i + Nk - Nq - j), else None. Only integers: a
+        member of unknown type would let sympy decide c0 + i == j to be false, and a rational one (Nk / 2 -
+        Nq / 2) would turn an exact floor division into float32."""
         fixed = [t for t in add.args if not t.is_Number and not t.has(I, J, SCORE) and not t.atoms(sp.Indexed)]
         if len(fixed) < 2 or not any(t.has(I, J) for t in add.args):
             return None
-        return sp.Add(*fixed)
+        part = sp.Add(*fixed)
+        return part if part.is_integer else None
 
     @functools.cached_property
     def _hoisted_sums(self) -> dict:
-        """mask_mod's sums of fixed terms (_fixed_part) -> a symbol c<n>: a member the constructor computes
-        once per block, so that a per-element test and a tile's bounds add one value, not each length
+        """mask_mod's sums of fixed terms (_fixed_part) -> a symbol c<n>: an int member (the kernels' positions
+        and lengths are ints) the constructor computes once per block, so that a per-element test and a tile's bounds add one value, not each length
         (the compiler does not always regroup i + Nk - Nq; the kept lengths cost registers, and at the
         register edge a spill: the causal forward at d = 256 on mma.sync, 2026-11-25)."""
         sums: dict = {}
         for node in (sp.preorder_traversal(self.mask) if self.mask is not None else ()):
             part = self._fixed_part(node) if isinstance(node, sp.Add) else None
             if part is not None and part not in sums:
-                sums[part] = sp.Symbol(f"c{len(sums)}", integer=bool(part.is_integer), real=True)
+                sums[part] = sp.Symbol(f"c{len(sums)}", integer=True)
         return sums
 
     @functools.cached_property
@@ -1621,7 +1624,7 @@ class Modifiers:
     def cuda_struct(self, name: str = "SpecMods", scale: float = 1.0, integer_type: str = "long long",
                     mask_only: bool = False) -> str:
         """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score);
-        tile_class computes its integer bounds in `integer_type` (_Program.c_code). `mask_only`: only what a
+        The tile tests compute their integer bounds in `integer_type` (_Program.c_code). `mask_only`: only what a
         mask kind's struct is asked for (visible, the tile tests), without the helpers or the score functions."""
         printer = _CPrinter("mask_mod", self._c_names())
         has_grad_one = self.score_grad is None or self.score_grad == 1
@@ -1640,8 +1643,8 @@ class Modifiers:
                 lines.append(f"  const void* summary_{tname};")
         for n, load in enumerate(self._hoisted_loads):
             lines.append(f"  {'int' if load.is_integer else 'float'} p{n};   // {load}, read once")
-        for n, (part, symbol) in enumerate(self._hoisted_sums.items()):
-            lines.append(f"  {'int' if symbol.is_integer else 'float'} c{n};   // {part}, once")
+        for n, part in enumerate(self._hoisted_sums):
+            lines.append(f"  int c{n};   // {part}, once")
         grad_members, grad_constructor = self._input_grad_members()
         lines += grad_members
         lines += ["",
@@ -1666,8 +1669,8 @@ class Modifiers:
         if self._hoisted_sums:
             plain = {k: v for k, v in self._c_names().items() if not isinstance(k, sp.Indexed)}
             summer = _CPrinter("mask_mod", plain)
-            for n, (part, symbol) in enumerate(self._hoisted_sums.items()):
-                lines.append(f"    c{n} = {summer.i(part) if symbol.is_integer else summer.f(part)};")
+            for n, part in enumerate(self._hoisted_sums):
+                lines.append(f"    c{n} = {summer.i(part)};")
         lines += grad_constructor
         if not self.tensors and not self.scalars:
             lines.append("    (void)args;")
@@ -1690,7 +1693,7 @@ class Modifiers:
                 continue
             ctype, dim = ("int" if dtype == "int32" else "float"), used[tname]
             lines += [f"  // {tname}'s min and max per fagen::SUMMARY_GRAIN positions along dimension {dim} (run-time",
-                      "  // summary): the bounds of a load over a tile's positions, for tile_class",
+                      "  // summary): the bounds of a load over a tile's positions, for the tile tests",
                       "  // (indices clamped into the tensor in long long, then counted in int: the warp-specialized backward's",
                       "  // producer walks with these at 40 registers, and spilled 72 B with the whole walk in long long)",
                       f"  __device__ __forceinline__ {ctype} summary_bound_{tname}(long long other_index, long long first_index, "

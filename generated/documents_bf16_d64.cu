@@ -89,7 +89,7 @@ struct SpecMods {
     return (load_doc((int)b, i) == load_doc((int)b, j));
   }
   // doc's min and max per fagen::SUMMARY_GRAIN positions along dimension 1 (run-time
-  // summary): the bounds of a load over a tile's positions, for tile_class
+  // summary): the bounds of a load over a tile's positions, for the tile tests
   // (indices clamped into the tensor in long long, then counted in int: the warp-specialized backward's
   // producer walks with these at 40 registers, and spilled 72 B with the whole walk in long long)
   __device__ __forceinline__ int summary_bound_doc(long long other_index, long long first_index, long long last_index, int which) const {

@@ -368,7 +368,7 @@ enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 // A mask_mod that reads an input at a query or key position (doc[b, i] == doc[b, j]) can only be
 // decided per tile from that input's values. summarise_input writes, for input k along dimension dim,
 // the (min, max) of every SUMMARY_GRAIN consecutive positions, for each index of its other dimension
-// (1-D inputs: one row), into args.mod_summary[k]; the generated tile_class bounds a tile's loads by
+// (1-D inputs: one row), into args.mod_summary[k]; the generated tile tests bound a tile's loads by
 // the entries its positions cover. One thread per entry: SUMMARY_GRAIN reads each, a grid-stride loop.
 constexpr int SUMMARY_GRAIN = 64;   // the tiles' own grain: a tile's bounds read 1-2 entries per axis
 

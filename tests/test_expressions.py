@@ -141,6 +141,12 @@ MASKS = [
     "ceil(j / 3) <= i",
     "j <= i if i > 10 else j >= i",
     "j < Nk - 1 - i",
+    "i + Nk - Nq != j",
+    "not (0 <= i + Nk - Nq - j < 5)",
+    "not ((j <= i) and (i - j < 3))",
+    "(i + Nk - Nq) // 3 == j // 3",
+    "i + Nk // 2 - Nq // 2 == j",
+    "(i + Nk / 2 - Nq / 2) // 2 <= j",
     *(text.format(window=5) for text in MASK_KIND_TEXT.values()),   # the mask kinds' own (fagen/render.py's Kind)
 ]
 
@@ -149,7 +155,7 @@ MASKS = [
 @given(data=st.data())
 def test_tile_class_is_sound(text, data):
     mods = modifiers(text, None, None)
-    seq_q, seq_k = 48, 40
+    seq_q, seq_k = data.draw(st.integers(1, 60)), data.draw(st.integers(1, 60))   # Nk - Nq of either sign
     i_lo = data.draw(st.integers(0, seq_q - 1))
     i_hi = data.draw(st.integers(i_lo, min(seq_q - 1, i_lo + 20)))
     j_lo = data.draw(st.integers(0, seq_k - 1))
@@ -391,6 +397,10 @@ HOST_SETS = COMPILE_SETS + [
     ("doc[b, i - 1] == doc[b, j + 1]", "score - doc[b, j] * 0.5", {"doc": "int32"}),
     # powers of two become a mask and shifts (negative operands included: Python's rounding toward -inf)
     ("(i - 9) // 4 == (j - 5) // 2 or (i - j) % 8 == 1", "score * ceil((j - 7) / 4) + (i - 11) % 2 + (j - 6) // 1", None),
+    # sums of lengths hoisted into int members (Nk - Nq), and ones that must not be (a scalar's, a rational one)
+    ("(i + Nk - Nq) // 3 == j // 3 and not (0 <= i + Nk - Nq - j < 5)", None, None),
+    ("i + s + Nk - Nq == j or i + Nk // 2 - Nq // 2 != j + 1", None, {"s": "scalar"}),
+    ("ceil((i + Nk - Nq) / 3) >= j and (i + Nk / 2 - Nq / 2) // 2 <= j", None, None),
 ]
 
 
@@ -422,10 +432,11 @@ def _host_inputs(mods, rng):
     return values, tensors
 
 
-def _run_on_host(tmp_path, mods, main: str, scale: float = 1.0):
-    """The spec's struct (for softmax scale `scale`) and `main` compiled with g++ and run: its output lines."""
+def _run_on_host(tmp_path, mods, main: str, scale: float = 1.0, struct: str = ""):
+    """The spec's struct (for softmax scale `scale`; or `struct`, C++ given as it is) and `main` compiled with g++
+    and run: its output lines."""
     source = tmp_path / "host.cpp"
-    source.write_text(HOST_SHIM + _summarise_input_source() + mods.cuda_struct("SpecMods", scale) + main)
+    source.write_text(HOST_SHIM + _summarise_input_source() + (struct or mods.cuda_struct("SpecMods", scale)) + main)
     build = subprocess.run(["g++", "-std=c++17", "-O1", "-o", str(tmp_path / "host"), str(source)],
                            capture_output=True, text=True)
     assert build.returncode == 0, build.stderr[-4000:]
@@ -448,7 +459,8 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
             + "".join(f'    printf("%.9g %.9g %.9g\\n", mods.score({s!r}f, i, j, i, j), mods.score_grad({s!r}f, i, j, i, j), '
                       f'mods.raw_score({s!r}f, i, j, i, j));\n' for s in scores)
             + "  }\n"
-            + "".join(f'  printf("%d\\n", mods.tile_class({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
+            + "".join(f'  printf("%d %d %d\\n", mods.tile_class({a}, {c}, {d}, {e}), (int)mods.tile_maybe_visible({a}, {c}, {d}, {e}), '
+                      f'(int)mods.tile_all_visible({a}, {c}, {d}, {e}));\n' for a, c, d, e in tiles)
             + "}\n")
     tau = 0.3   # raw_score(s) = score_mod(tau s) / tau: what the kernels apply to q.k
     lines = _run_on_host(tmp_path, mods, main, scale=tau)
@@ -468,7 +480,37 @@ def test_cuda_struct_agrees_with_numpy_on_the_host(tmp_path, mask, score, inputs
                 np.testing.assert_allclose(got_grad, want_grad[k], rtol=2e-5, atol=2e-5,
                                            err_msg=f"grad {ii} {jj} {scores[k]}")
     for tile in tiles:
-        assert int(next(lines)) == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile
+        tile_class, maybe, full = map(int, next(lines).split())
+        assert tile_class == mods.tile_class_python(*tile, b=b, h=h, seq_q=seq_q, seq_k=seq_k, values=values), tile
+        # the halves the kernels call: the same decisions, and sound against the mask itself
+        assert (maybe, full) == (tile_class != 0, tile_class == 2), tile
+        inside = visible[tile[0]:tile[1] + 1, tile[2]:tile[3] + 1]
+        assert (maybe or not inside.any()) and (not full or inside.all()), tile
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ is not on PATH")
+@pytest.mark.parametrize("kind", sorted(MASK_KIND_TEXT))
+def test_mask_kind_struct_agrees_with_the_masks_on_the_host(tmp_path, kind):
+    """The mask kinds' structs as printed (int, hoisted Nk - Nq, mask only), run on the host: visible() is the
+    bottom-right-aligned mask and the two tile tests decide every tile exactly, at Nq < Nk, Nq = Nk, Nq > Nk."""
+    window, size = 5, 4
+    for seq_q, seq_k in ((9, 14), (12, 12), (14, 9)):
+        tiles = [(a, min(a + size, seq_q) - 1, c, min(c + size, seq_k) - 1)
+                 for a in range(0, seq_q, size) for c in range(0, seq_k, size)]
+        main = ("int main() {\n  fagen::AttentionArgs args{};\n"
+                + f"  KindMask mask(args, 0, 0, {seq_q}, {seq_k});\n"
+                + f"  for (int i = 0; i < {seq_q}; ++i) for (int j = 0; j < {seq_k}; ++j) printf(\"%d\\n\", (int)mask.visible(i, j));\n"
+                + "".join(f'  printf("%d %d\\n", (int)mask.tile_maybe_visible({a}, {b}, {c}, {d}), '
+                          f'(int)mask.tile_all_visible({a}, {b}, {c}, {d}));\n' for a, b, c, d in tiles)
+                + "}\n")
+        lines = _run_on_host(tmp_path, None, main, struct=mask_kind_struct(kind, window))
+        distance = np.arange(seq_q)[:, None] + (seq_k - seq_q) - np.arange(seq_k)[None, :]
+        expected = (distance >= 0) & ((distance < window) if kind == "sliding_window" else True)
+        got = np.array([int(next(lines)) for _ in range(seq_q * seq_k)]).reshape(seq_q, seq_k)
+        np.testing.assert_array_equal(got, expected, err_msg=f"{kind} {seq_q} x {seq_k}")
+        for a, b, c, d in tiles:
+            inside = expected[a:b + 1, c:d + 1]
+            assert tuple(map(int, next(lines).split())) == (inside.any(), inside.all()), (kind, seq_q, seq_k, a, c)
 
 
 @pytest.mark.parametrize("score, inputs, derived, left_out", [
