@@ -509,7 +509,32 @@ def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
         raise ExpressionError(f"{field_name} must be a number expression, got the boolean {expr}")
     if expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
         raise ExpressionError(f"{field_name}: the expression is not finite ({expr})")
-    return expr, parser
+    return _integer_relations(expr), parser
+
+
+def _integer_relations(expr):
+    """Each comparison of integers written with fractions, (i - j) / 3 < 1, as its exact integer form, i - j < 3:
+    both sides times the denominators' least common multiple (positive, so the relation keeps its direction).
+    Otherwise the kernel would compare float32 values and the reference float64 ones, which disagree where a
+    fraction meets its bound exactly (5/3 - 2/3 < 1), and a tile's bounds, rounded, could call such a tile empty.
+    Only where the difference of the sides is a polynomial with rational coefficients in integer variables
+    (positions, lengths, int32 inputs); anything else is left as written."""
+    def exact(relation):
+        difference = sp.expand(relation.lhs - relation.rhs)
+        if difference.is_Number or difference.has(SCORE):
+            return relation
+        try:
+            poly = sp.Poly(difference)
+        except sp.PolynomialError:
+            return relation
+        if not all(gen.is_integer for gen in poly.gens) or not all(c.is_Rational for c in poly.coeffs()):
+            return relation
+        multiple = functools.reduce(sp.ilcm, [c.q for c in poly.coeffs()], 1)
+        if multiple == 1:
+            return relation
+        return relation.func(sp.expand(relation.lhs * multiple), sp.expand(relation.rhs * multiple))
+    return expr.replace(lambda node: isinstance(node, sp.Rel) and node.rel_op in ("<", "<=", ">", ">=", "==", "!="),
+                        exact)
 
 
 def parse(text: str, *, field: str, inputs: dict, boolean: bool) -> sp.Basic:

@@ -147,6 +147,10 @@ MASKS = [
     "(i + Nk - Nq) // 3 == j // 3",
     "i + Nk // 2 - Nq // 2 == j",
     "(i + Nk / 2 - Nq / 2) // 2 <= j",
+    # fractions of integers: compared exactly (as i - j < 3), not in float32 against a float64 reference
+    "(i - j) / 3 < 1",
+    "j * 2 / 3 <= i - 1 / 3",
+    "not ((i + 1) / 2 >= j)",
     *(text.format(window=5) for text in MASK_KIND_TEXT.values()),   # the mask kinds' own (fagen/render.py's Kind)
 ]
 
@@ -204,6 +208,27 @@ def test_tile_class_reads_points_at_run_time():
     assert mods.tile_class_python(8, 8, 1, 8, h=1, seq_q=200, seq_k=200, values=values) == FULL
     assert mods.tile_class_python(8, 8, 1, 8, h=2, seq_q=200, seq_k=200, values=values) == EMPTY
     assert mods.tile_class_python(8, 8, 1, 8, h=0, seq_q=200, seq_k=200, values={**values, "w": 3.0}) == PARTIAL
+
+
+@pytest.mark.parametrize("text, exact, python", [
+    ("(i - j) / 3 < 1", "i - j < 3", lambda i, j: (i - j) / 3 < 1),
+    ("j * 2 / 3 <= i - 1 / 3", "2*j <= 3*i - 1", lambda i, j: j * 2 / 3 <= i - 1 / 3),
+    ("doc[b, i] / 2 == j", "Eq(doc[b, i], 2*j)", None),
+    ("i + Nk / 2 - Nq / 2 != j", "Ne(Nk - Nq + 2*i, 2*j)", None),
+    ("x[i] / 2 < j", "x[i]/2 < j", None),          # a float input: left as written
+    ("i * 0.5 < j", "0.5*i < j", lambda i, j: i * 0.5 < j),   # a float coefficient: left as written
+])
+def test_comparisons_of_integer_fractions_are_made_exact(text, exact, python):
+    """A comparison of integers written with fractions is parsed as its integer form: the kernel and the float64
+    reference then agree where a fraction meets its bound exactly (i = 5, j = 2 in the first: 5/3 - 2/3 is not 1
+    in floating point), and both agree with the same comparison written in Python on ints."""
+    expr = parse(text, field="mask_mod", inputs={"doc": "int32", "x": "float32"} if "[" in text else {}, boolean=True)
+    assert str(expr) == exact
+    if python is not None:
+        grid = np.arange(40)
+        wanted = np.array([[python(int(a), int(c)) for c in grid] for a in grid])
+        np.testing.assert_array_equal(modifiers(text, None, None).mask_numpy(0, 0, grid[:, None], grid[None, :], 40, 40),
+                                      wanted)
 
 
 # ---- the mask kinds as expressions -----------------------------------------------------------
@@ -401,6 +426,7 @@ HOST_SETS = COMPILE_SETS + [
     ("(i + Nk - Nq) // 3 == j // 3 and not (0 <= i + Nk - Nq - j < 5)", None, None),
     ("i + s + Nk - Nq == j or i + Nk // 2 - Nq // 2 != j + 1", None, {"s": "scalar"}),
     ("ceil((i + Nk - Nq) / 3) >= j and (i + Nk / 2 - Nq / 2) // 2 <= j", None, None),
+    ("(i - j) / 3 < 1 and j * 2 / 3 <= i - 1 / 3 or doc[b, i] / 2 == j", None, {"doc": "int32"}),
 ]
 
 

@@ -31,6 +31,9 @@ FAMILIES = [
          layout="packed"),
     Spec(head_dim=64, dtype="fp16", mask_mod="i // 16 == j // 16 or j < 8", score_mod="score * 0.5 + 1",
          deterministic=True),
+    # comparisons of integer fractions, compared exactly (parsed as 2 (i - j) < 3 * 16 ...): kernel and float64
+    # reference agree on the pairs where a fraction meets its bound
+    Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="(i - j) * 2 / 3 < 16 or j * 2 / 3 <= 5 + 1 / 3"),
     # the wide mma.sync backward (d = 192): soft-capping's derivative and a document mask from a summary
     Spec(head_dim=192, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", score_mod="cap * tanh(score / cap)",
          inputs={"doc": "int32", "cap": "scalar"}),
