@@ -512,6 +512,10 @@ def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
     return _integer_relations(expr), parser
 
 
+#: The largest coefficient a comparison may get when its fractions are cleared (_integer_relations).
+MAX_EXACT_COEFFICIENT = 1024
+
+
 def _integer_relations(expr):
     """Each comparison of integers written with fractions, (i - j) / 3 < 1, as its exact integer form, i - j < 3:
     both sides times the denominators' least common multiple (positive, so the relation keeps its direction).
@@ -531,6 +535,11 @@ def _integer_relations(expr):
             return relation
         multiple = functools.reduce(sp.ilcm, [c.q for c in poly.coeffs()], 1)
         if multiple == 1:
+            return relation
+        # the kernels compute an integer form in int: positions (up to 2^20 and more) times a coefficient must
+        # stay below 2^31, so a large one (i / 100000 < j) stays a float comparison, as written
+        scaled = [abs(c * multiple) for monomial, c in zip(poly.monoms(), poly.coeffs()) if any(monomial)]
+        if max(scaled) > MAX_EXACT_COEFFICIENT or abs(poly.coeff_monomial(1) * multiple) >= 2 ** 30:
             return relation
         return relation.func(sp.expand(relation.lhs * multiple), sp.expand(relation.rhs * multiple))
     return expr.replace(lambda node: isinstance(node, sp.Rel) and node.rel_op in ("<", "<=", ">", ">=", "==", "!="),

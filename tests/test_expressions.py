@@ -217,6 +217,8 @@ def test_tile_class_reads_points_at_run_time():
     ("i + Nk / 2 - Nq / 2 != j", "Ne(Nk - Nq + 2*i, 2*j)", None),
     ("x[i] / 2 < j", "x[i]/2 < j", None),          # a float input: left as written
     ("i * 0.5 < j", "0.5*i < j", lambda i, j: i * 0.5 < j),   # a float coefficient: left as written
+    # a coefficient past MAX_EXACT_COEFFICIENT would overflow the kernels' int at long sequences: left as written
+    ("i / 100000 < j - 1", "i/100000 < j - 1", lambda i, j: i / 100000 < j - 1),
 ])
 def test_comparisons_of_integer_fractions_are_made_exact(text, exact, python):
     """A comparison of integers written with fractions is parsed as its integer form: the kernel and the float64
