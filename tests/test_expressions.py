@@ -246,23 +246,6 @@ def test_mask_kinds_are_the_bottom_right_aligned_masks(seq_q, seq_k, window):
         np.testing.assert_array_equal(got, mask, err_msg=kind)
 
 
-@given(data=st.data())
-def test_mask_kind_tiles_are_decided_exactly(data):
-    """Their tile decisions are exact, not only sound: an empty tile is never loaded, a full one never
-    tested per element, as the hand-written tests they replaced did."""
-    kind = data.draw(st.sampled_from(sorted(MASK_KIND_TEXT)))
-    window = data.draw(st.integers(1, 40))
-    seq_q, seq_k = data.draw(st.integers(1, 90)), data.draw(st.integers(1, 90))
-    i_lo = data.draw(st.integers(0, seq_q - 1))
-    i_hi = data.draw(st.integers(i_lo, seq_q - 1))
-    j_lo = data.draw(st.integers(0, seq_k - 1))
-    j_hi = data.draw(st.integers(j_lo, seq_k - 1))
-    mods = mask_kind(kind, window)
-    visible = mods.mask_numpy(0, 0, np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :], seq_q, seq_k)
-    expected = FULL if visible.all() else PARTIAL if visible.any() else EMPTY
-    assert mods.tile_class_python(i_lo, i_hi, j_lo, j_hi, seq_q=seq_q, seq_k=seq_k) == expected
-
-
 def test_mask_kind_structs_compute_in_int_from_one_member():
     """The kinds' structs read Nk - Nq once (a member, not both lengths per test), compare with their window
     as a constant and compute in int, as the hand-written tests did (each of those kept a kernel at the
@@ -710,15 +693,16 @@ def test_callables_that_cannot_be_traced_say_why(function, needle):
 
 # ---- the mask kinds as expressions: the derived tile decisions are exact ---------------------------
 @pytest.mark.parametrize("kind, text", [
-    ("causal", "j <= i + Nk - Nq"),
-    ("sliding_window", "0 <= i + Nk - Nq - j and i + Nk - Nq - j < 37"),
+    ("causal", MASK_KIND_TEXT["causal"]),
+    ("sliding_window", MASK_KIND_TEXT["sliding_window"].format(window=37)),
     ("padding", "j < length[b]"),
 ])
 @given(data=st.data())
 def test_mask_kinds_written_as_mask_mods_are_decided_exactly(kind, text, data):
-    """The hand-written kinds (templates/attention_common.cuh Visibility) decide every tile exactly;
-    written as mask_mods, interval arithmetic must too: EMPTY exactly when no pair is visible, FULL
-    exactly when all are (affine bounds are tight), so the machinery loses nothing on them."""
+    """causal and sliding_window are rendered from these expressions (MASK_KIND_TEXT), and padding (a key count
+    in the kernels) written as a mask_mod: interval arithmetic decides every tile of them exactly, EMPTY exactly
+    when no pair is visible, FULL exactly when all are (affine bounds are tight), as the hand-written tests
+    the kinds had before did: an empty tile is never loaded, a full one never tested per element."""
     mods = modifiers(text, None, {"length": "int32"} if "length" in text else None)
     seq_q, seq_k = data.draw(st.integers(1, 300)), data.draw(st.integers(1, 300))
     values = {"length": np.array([data.draw(st.integers(0, seq_k))], dtype=np.int32)}
