@@ -1881,6 +1881,25 @@ class Modifiers:
 
         return program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary)
 
+    def sees_a_band(self, length: int = 1 << 16, tile: int = 128, limit: int = 8) -> bool:
+        """Whether the mask_mod lets a row see keys in at most `limit` tiles of `tile` keys wherever the row is,
+        tested on the last rows of a `length`-long sequence: a band of keys around the row plus fixed ones (a
+        window with sinks), not a prefix or a triangle. False where the decision reads run-time input values
+        (document ids, prefix lengths), which are unknown here."""
+        if self.mask is None:
+            return False
+        rows = (length - tile, length - 1)
+        seen = 0
+        try:
+            for first in range(0, length, tile):
+                if self._run_tile_program("maybe", *rows, first, first + tile - 1, 0, 0, length, length, None):
+                    seen += 1
+                    if seen > limit:
+                        return False
+        except (ExpressionError, KeyError):
+            return False
+        return True
+
     # -- shapes -------------------------------------------------------------------------------
     def input_shapes(self, batch: int, heads: int, seq_q: int, seq_k: int) -> dict:
         """The smallest shape of each tensor input covering every index the expressions can form for

@@ -246,6 +246,19 @@ def test_mask_kinds_are_the_bottom_right_aligned_masks(seq_q, seq_k, window):
         np.testing.assert_array_equal(got, mask, err_msg=kind)
 
 
+@pytest.mark.parametrize("text, inputs, band", [
+    ("j <= i and (i - j < 256 or j < 4)", None, True),     # a window with sinks
+    ("abs(i - j) <= 100", None, True),
+    ("j <= i", None, False),                               # a triangle
+    ("j < 4 or (i - j) % 64 == 0", None, False),           # a lattice
+    ("j < prefix[b] or j <= i", {"prefix": "int32"}, False),   # run-time values: not known
+    (None, None, False),
+])
+def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
+    mods = modifiers(text, "score" if text is None else None, inputs)
+    assert mods.sees_a_band() is band
+
+
 def test_mask_kind_structs_compute_in_int_from_one_member():
     """The kinds' structs read Nk - Nq once (a member, not both lengths per test), compare with their window
     as a constant and compute in int, as the hand-written tests did (each of those kept a kernel at the

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from fagen.runtime import (GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, LaunchPlan, block_group, decode_splits,
+from fagen.runtime import (ALL_PROBLEMS, GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, LaunchPlan, block_group, decode_splits,
                            grouped_grid, problem_grid)
 from fagen.solver import solve
 from fagen.spec import Spec
@@ -134,6 +134,14 @@ def test_block_groups_follow_the_mask():
             for m in ("none", "sliding_window", "padding", "block_sparse")} == {1}
     prefix_lm = Spec(head_dim=64, mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
     assert block_group(prefix_lm) == 16   # a mask_mod counts as causal-like
+    # a band of keys plus fixed ones (window + sinks): few heavy blocks per problem, all problems' first
+    sinks = Spec(head_dim=64, mask_mod="j <= i and (i - j < 256 or j < 4)")
+    assert block_group(sinks) == ALL_PROBLEMS
+    assert grouped_grid(16, 64, block_group(sinks), {})[0] == 64   # one group of every problem
+    for triangle in ("j <= i", "(i - j) % 4 == 0", "j < 300 or j <= i"):   # triangles, a lattice, a prefix: many
+        assert block_group(Spec(head_dim=64, mask_mod=triangle)) == 16, triangle
+    documents = Spec(head_dim=64, mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    assert block_group(documents) == 16   # decided by run-time values: not known to be a band
     assert set(GROUPED_TEMPLATES) == {"forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2",
                                       "backward_wgmma_ws.cu.j2", "backward_wgmma_wide.cu.j2"}
 
