@@ -20,7 +20,6 @@ from importlib import import_module
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Union
 
-from fagen.expressions import mask_kind
 from fagen import render as rendering
 from fagen import solver
 from fagen.spec import Spec
@@ -194,9 +193,8 @@ def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rende
     }
     if spec.modifiers.active:   # the expressions as parsed, and the backward's derivative sympy derived
         report["modifiers"] = spec.modifiers.record()
-    kind = mask_kind(spec.mask, spec.window or 0)
-    if kind is not None:        # the mask kind as the expression its tests are generated from
-        report["mask_expression"] = kind.mask_text
+    if spec.kind_mask is not None:   # the mask kind as the expression its tests are generated from
+        report["mask_expression"] = spec.kind_mask.mask_text
     if compile_record is not None:
         report["compile"] = compile_record
     return report

@@ -1881,13 +1881,15 @@ class Modifiers:
 
         return program.run(result, {"i_lo": i_lo, "i_hi": i_hi, "j_lo": j_lo, "j_hi": j_hi}, point, summary)
 
-    def sees_a_band(self, length: int = 1 << 16, tile: int = 128, limit: int = 8) -> bool:
-        """Whether the mask_mod lets a row see keys in at most `limit` tiles of `tile` keys wherever the row is,
-        tested on the last rows of a `length`-long sequence: a band of keys around the row plus fixed ones (a
-        window with sinks), not a prefix or a triangle. False where the decision reads run-time input values
-        (document ids, prefix lengths), which are unknown here."""
+    @functools.cached_property
+    def sees_a_band(self) -> bool:
+        """Whether the mask_mod lets a row see keys in at most 8 tiles of 128 keys wherever the row is, tested
+        on the last rows of a 65536-long sequence: a band of keys around the row plus fixed ones (a window with
+        sinks), not a prefix or a triangle. False where the decision reads run-time input values (document ids,
+        prefix lengths), which are unknown here. Computed once (the tile program runs up to 512 times)."""
         if self.mask is None:
             return False
+        length, tile, limit = 1 << 16, 128, 8
         rows = (length - tile, length - 1)
         seen = 0
         try:

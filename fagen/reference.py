@@ -24,8 +24,6 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
-from fagen.expressions import mask_kind
-
 if TYPE_CHECKING:  # the spec is only read (mask, window, block_size, dropout, scale, loop_order)
     from fagen.spec import Spec
 
@@ -241,9 +239,8 @@ def _mask_kind(spec: "Spec", B: int, H: int, Nq: int, Nk: int, kv_lengths, block
     cols = np.arange(Nk)[None, :]
     if spec.mask == "none":
         return np.ones((1, 1, Nq, Nk), dtype=bool)
-    kind = mask_kind(spec.mask, spec.window or 0)
-    if kind is not None:   # causal, sliding_window: the expression the kernels are rendered from
-        return kind.mask_numpy(0, 0, rows, cols, Nq, Nk)[None, None]
+    if spec.kind_mask is not None:   # causal, sliding_window: the expression the kernels are rendered from
+        return spec.kind_mask.mask_numpy(0, 0, rows, cols, Nq, Nk)[None, None]
     if spec.mask == "padding":
         lengths = _check_kv_lengths(kv_lengths, B, Nk)
         return (cols[None, None] < lengths[:, None, None, None])

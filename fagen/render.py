@@ -13,7 +13,7 @@ from pathlib import Path
 
 import jinja2
 
-from fagen.expressions import mask_kind, mask_kind_struct
+from fagen.expressions import mask_kind_struct
 from fagen.reference import dropout_keep_scale, dropout_threshold
 from fagen.solver import Plan, Solution, family_named
 from fagen.sources import TEMPLATE_DIR
@@ -183,7 +183,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
         # causal / sliding_window as their expression (fagen/expressions.py MASK_KIND_TEXT), or no mask kind test
-        "kind_type": f"{mods_namespace(spec)}::KindMask" if _kind(spec) else "fagen::NoMods",
+        "kind_type": f"{mods_namespace(spec)}::KindMask" if spec.kind_mask else "fagen::NoMods",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
             f'extern "C" __global__ void __launch_bounds__({threads}) {name}_r{rows}'
@@ -200,14 +200,10 @@ def mods_namespace(spec: Spec) -> str:
     return f"fagen_mods_{spec.canonical_name}"
 
 
-def _kind(spec: Spec):
-    return mask_kind(spec.mask, spec.window or 0)
-
-
 def mods_source(spec: Spec) -> str:
     """The spec's mask kind when it is an expression (causal, sliding_window) and its mask_mod / score_mod,
     as C++ structs (fagen/expressions.py), once per file, or nothing."""
-    mods, kind = spec.modifiers, _kind(spec)
+    mods, kind = spec.modifiers, spec.kind_mask
     if not mods.active and kind is None:
         return ""
     lines = [f"// {key}: {value}" for key, value in mods.record().items() if value] if mods.active else []

@@ -328,7 +328,7 @@ ALL_PROBLEMS = 1 << 30
 def block_group(spec: Spec) -> int:
     if not spec.keys_grow_with_rows:
         return 1
-    return ALL_PROBLEMS if spec.modifiers.sees_a_band() else 16
+    return ALL_PROBLEMS if spec.modifiers.sees_a_band else 16
 
 
 def grouped_grid(blocks: int, problems: int, group: int, args) -> tuple:
@@ -478,7 +478,6 @@ class Kernel:
     def __init__(self, spec: Spec, target: Target, solution=None, *, record: Optional[dict] = None,
                  cubins: Optional[dict] = None, device: Optional[int] = None):
         self.spec, self.target = spec, target
-        self._block_group = None   # runtime.block_group, on the first grouped launch
         self._solution, self._rendered = solution, None
         if record is None:
             record, cubins = _build_record(spec, target, solution)
@@ -869,9 +868,7 @@ class Kernel:
         """The grid of a main kernel's `blocks` blocks per (sequence, head) pair: in groups of pairs for the
         templates built for it (GROUPED_TEMPLATES), one pair after another otherwise."""
         if plan.template in GROUPED_TEMPLATES:
-            if self._block_group is None:   # once per kernel (a band test runs the mask's tile program)
-                self._block_group = block_group(self.spec)
-            return grouped_grid(blocks, problems, self._block_group, args)
+            return grouped_grid(blocks, problems, block_group(self.spec), args)
         return problem_grid(blocks, problems, args)
 
     def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int,

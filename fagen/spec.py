@@ -249,6 +249,14 @@ class Spec(BaseModel):
         return _modifiers(self.mask_mod, self.score_mod, self.inputs)
 
     @property
+    def kind_mask(self):
+        """The mask kind as the expression its tests are generated from (fagen.expressions.mask_kind:
+        causal, sliding_window), or None for the kinds that are data (none, padding, block_sparse)."""
+        from fagen.expressions import mask_kind   # sympy: only specs with such a kind pay for importing it
+
+        return mask_kind(self.mask, self.window or 0)
+
+    @property
     def keys_grow_with_rows(self) -> bool:
         """Later query rows see more keys: causal, and any mask_mod (most hide the keys after the query:
         prefix-LM, windows with sinks, documents). The Hopper kernels then start the heaviest blocks first:

@@ -339,7 +339,8 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 
 // A spec without mask_mod / score_mod. A spec with them gets a generated struct of the same shape
 // (fagen/expressions.py, rendered into every template as SpecMods): visible(i, j) is the mask_mod,
-// tile_class (tile_maybe_visible, tile_all_visible) bounds it over a tile by interval arithmetic, score / score_grad are the score_mod and
+// tile_maybe_visible / tile_all_visible bound it over a tile by interval arithmetic (the generated struct
+// also has tile_class, both as one value, for the host tests), score / score_grad are the score_mod and
 // its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
 // on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
 // position (i, j) as ints and as floats (fi, fj), which a float expression of them reads.
@@ -347,10 +348,8 @@ struct NoMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
   __device__ __forceinline__ bool visible(int, int) const { return true; }
-  // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): TILE_EMPTY if no pair is visible,
-  // TILE_FULL if every pair is, TILE_PARTIAL when that cannot be decided without looking at each pair;
-  // tile_maybe_visible (not TILE_EMPTY) and tile_all_visible (TILE_FULL): its halves apart (the kernels ask one at a time)
-  __device__ __forceinline__ int tile_class(int, int, int, int) const { return 2; }
+  // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): may a pair be visible (false only when none
+  // is: TILE_EMPTY), is every pair visible (TILE_FULL)
   __device__ __forceinline__ bool tile_maybe_visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ bool tile_all_visible(int, int, int, int) const { return true; }
   __device__ __forceinline__ float score(float s, int, int, float, float) const { return s; }

@@ -256,7 +256,7 @@ def test_mask_kinds_are_the_bottom_right_aligned_masks(seq_q, seq_k, window):
 ])
 def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
     mods = modifiers(text, "score" if text is None else None, inputs)
-    assert mods.sees_a_band() is band
+    assert mods.sees_a_band is band
 
 
 def test_mask_kind_structs_compute_in_int_from_one_member():
