@@ -291,6 +291,15 @@ _HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine", "_summa
 #: The summary kernel's grid (templates/attention_common.cuh summarise_input loops over what it does not cover).
 SUMMARY_GRID = (64, 1, 1)
 
+#: The backward's row passes (_delta, _dq_convert, _kv_group_sum; attention_common.cuh for_row_chunks) loop over
+#: rows, so their grid only has to fill the GPU: at least 8 rows per block of 256 threads, at most this many blocks.
+ROW_PASS_BLOCKS = 4096
+
+
+def row_pass_grid(rows: int) -> tuple:
+    return (max(1, min(math.ceil(rows / 8), ROW_PASS_BLOCKS)), 1, 1)
+
+
 #: The most blocks a grid's y (or z) dimension holds.
 GRID_YZ_LIMIT = 65535
 
@@ -1604,16 +1613,14 @@ class Kernel:
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
         key_blocks = math.ceil(problems[3] / plan.block_c)
         grid = self._blocks_grid(plan, key_blocks, problems[0] * heads, args)
-        launches += [(main + "_delta", (math.ceil(rows / 8), 1, 1), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
+        launches += [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))
         else:
-            total = rows * self.spec.head_dim
-            launches.append((main + "_dq_convert", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
+            launches.append((main + "_dq_convert", row_pass_grid(rows), 256, 0))
         if grouped:
-            total = batch * tensors["k"].shape[1] * seq_k * self.spec.head_dim
-            launches.append((main + "_kv_group_sum", (min(math.ceil(total / 256), 65535), 1, 1), 256, 0))
+            launches.append((main + "_kv_group_sum", row_pass_grid(batch * tensors["k"].shape[1] * seq_k), 256, 0))
         arguments = args.packed()   # after problem_grid set args["problems"]
         functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
         for symbol, grid, threads, smem in launches:

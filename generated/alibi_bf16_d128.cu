@@ -1026,54 +1026,41 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
 
 // ---- fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_delta, _dq_convert and _kv_group_sum: made by templates/backward_common.cu.j2 ----
 // The small kernels every backward template launches around its main kernel.
-// D_i = rowsum(dO_i o O_i), one warp per row. The same warp clears the row's dq_accum (when the plan
-// has one: the main kernel adds into it with atomics), which saves the host a memset launch per call.
+// The row passes themselves are fagen::delta_rows, dq_convert_rows and kv_group_sum_rows
+// (attention_common.cuh): 16-byte vectors when every tensor they touch allows, else one element at a time.
+namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_rows {
+using elem_t = fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config::elem_t;
+constexpr int VEC = fagen::row_vector<elem_t, fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config::DATA_DIM, fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config::HEAD_DIM>();
+}  // namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_rows
+
+// D_i = rowsum(dO_i o O_i), and dq_accum cleared.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config;
-  using namespace fagen;
-  const long long row = (long long)blockIdx.x * 8 + threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
-  if (row >= args.batch * args.heads * args.seq_q) return;
-  const long long bh = row / args.seq_q, n = row % args.seq_q, b = bh / args.heads, h = bh % args.heads;
-  const elem_t* d_o = static_cast<const elem_t*>(args.d_o) + b * args.do_stride[0] + h * args.do_stride[1] + n * args.do_stride[2];
-  const elem_t* o = static_cast<const elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + n * args.o_stride[2];
-  float acc = 0.f;
-  for (int e = lane; e < DATA_DIM; e += 32) acc = fmaf(to_float(d_o[e]), to_float(o[e]), acc);
-  acc = warp_sum(acc);
-  if (lane == 0) args.delta[row] = acc;
-  if (args.dq_accum != nullptr)
-    for (int e = lane; e < HEAD_DIM; e += 32) args.dq_accum[row * HEAD_DIM + e] = 0.f;
+  using fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_rows::VEC;
+  if (fagen::rows_aligned<VEC, elem_t>(args.d_o, args.do_stride) && fagen::rows_aligned<VEC, elem_t>(args.o, args.o_stride))
+    fagen::delta_rows<VEC, DATA_DIM, HEAD_DIM, elem_t>(args);
+  else
+    fagen::delta_rows<1, DATA_DIM, HEAD_DIM, elem_t>(args);
 }
 
-// dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
+// dQ from the fp32 atomics buffer into the caller's dtype and strides.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_dq_convert(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config;
-  using namespace fagen;
-  const long long total = args.batch * args.heads * args.seq_q * DATA_DIM;
-  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
-    const long long n = row % args.seq_q, bh = row / args.seq_q, b = bh / args.heads, h = bh % args.heads;
-    elem_t* dq = static_cast<elem_t*>(args.dq) + b * args.dq_stride[0] + h * args.dq_stride[1] + n * args.dq_stride[2];
-    dq[e] = from_float<elem_t>(args.dq_accum[row * HEAD_DIM + e]);
-  }
+  using fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_rows::VEC;
+  if (fagen::rows_aligned<VEC, elem_t>(args.dq, args.dq_stride))
+    fagen::dq_convert_rows<VEC, DATA_DIM, HEAD_DIM, elem_t>(args);
+  else
+    fagen::dq_convert_rows<1, DATA_DIM, HEAD_DIM, elem_t>(args);
 }
 
-// Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which
-// the main kernel wrote into the dk/dv workspace. Added in fp32; one thread per output element.
+// Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config;
-  using namespace fagen;
-  const long long kv_heads = args.heads / args.kv_group;
-  const long long total = args.batch * kv_heads * args.seq_k * DATA_DIM;
-  for (long long idx = (long long)blockIdx.x * blockDim.x + threadIdx.x; idx < total; idx += (long long)gridDim.x * blockDim.x) {
-    const long long e = idx % DATA_DIM, row = idx / DATA_DIM;
-    const long long n = row % args.seq_k, b_hkv = row / args.seq_k, b = b_hkv / kv_heads, h_kv = b_hkv % kv_heads;
-    float dk_total = 0.f, dv_total = 0.f;
-    for (long long h = h_kv * args.kv_group; h < (h_kv + 1) * args.kv_group; ++h) {
-      dk_total += to_float(static_cast<const elem_t*>(args.dk)[b * args.dk_stride[0] + h * args.dk_stride[1] + n * args.dk_stride[2] + e]);
-      dv_total += to_float(static_cast<const elem_t*>(args.dv)[b * args.dv_stride[0] + h * args.dv_stride[1] + n * args.dv_stride[2] + e]);
-    }
-    static_cast<elem_t*>(args.dk_sum)[b * args.dk_sum_stride[0] + h_kv * args.dk_sum_stride[1] + n * args.dk_sum_stride[2] + e] = from_float<elem_t>(dk_total);
-    static_cast<elem_t*>(args.dv_sum)[b * args.dv_sum_stride[0] + h_kv * args.dv_sum_stride[1] + n * args.dv_sum_stride[2] + e] = from_float<elem_t>(dv_total);
-  }
+  using fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_rows::VEC;
+  if (fagen::rows_aligned<VEC, elem_t>(args.dk, args.dk_stride) && fagen::rows_aligned<VEC, elem_t>(args.dv, args.dv_stride) &&
+      fagen::rows_aligned<VEC, elem_t>(args.dk_sum, args.dk_sum_stride) &&
+      fagen::rows_aligned<VEC, elem_t>(args.dv_sum, args.dv_sum_stride))
+    fagen::kv_group_sum_rows<VEC, DATA_DIM, elem_t>(args);
+  else
+    fagen::kv_group_sum_rows<1, DATA_DIM, elem_t>(args);
 }

@@ -587,6 +587,168 @@ struct TileWalk {
   }
 };
 
+// ---- whole-row passes of the backward (_delta, _dq_convert, _kv_group_sum) -------------------
+// Memory-bound passes over (batch, heads, rows, d) tensors, so they are written for bandwidth: a thread
+// moves VEC contiguous elements (16 bytes of the caller's dtype) when every tensor's rows start 16-byte
+// aligned, else one element; LANES threads (a power of two, at most a warp) share a row, and a warp
+// takes 32 / LANES rows at a time. Row offsets are found once per row chunk with 32-bit division where
+// the sizes allow (64-bit division by a run-time value costs tens of instructions).
+template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T e[N]; };
+
+// The widest vector (at most 16 bytes of T) whose width divides both d's (the user's and the padded).
+template <typename T, int DATA_DIM, int HEAD_DIM>
+__host__ __device__ constexpr int row_vector() {
+  int vec = 16 / (int)sizeof(T);
+  while (vec > 1 && (DATA_DIM % vec != 0 || HEAD_DIM % vec != 0)) vec /= 2;
+  return vec;
+}
+
+template <int CHUNKS>
+__host__ __device__ constexpr int row_lanes() {
+  int lanes = 1;
+  while (lanes < CHUNKS && lanes < 32) lanes *= 2;
+  return lanes;
+}
+
+// Whether a tensor's rows all start on a VEC-element boundary (its base and its three strides).
+template <int VEC, typename T>
+__device__ __forceinline__ bool rows_aligned(const void* base, const long long* stride) {
+  return reinterpret_cast<uintptr_t>(base) % (VEC * sizeof(T)) == 0 && stride[0] % VEC == 0 && stride[1] % VEC == 0 &&
+         stride[2] % VEC == 0;
+}
+
+// Where flattened row r = (b * heads + h) * seq + n starts in a tensor of the given strides.
+__device__ __forceinline__ long long row_start(long long r, long long heads, long long seq, long long rows,
+                                               const long long* stride) {
+  long long b, h, n;
+  if (rows <= 0x7fffffffLL) {   // every index fits in 32 bits: unsigned division is a few instructions
+    const unsigned int rr = (unsigned int)r, s = (unsigned int)seq, hh = (unsigned int)heads;
+    const unsigned int bh = rr / s;
+    n = rr - bh * s;
+    b = bh / hh;
+    h = bh - (unsigned int)b * hh;
+  } else {
+    const long long bh = r / seq;
+    n = r - bh * seq;
+    b = bh / heads;
+    h = bh - b * heads;
+  }
+  return b * stride[0] + h * stride[1] + n * stride[2];
+}
+
+// Calls body(row, chunk) for every (row, chunk of VEC elements) of `rows` rows of CHUNKS chunks, and
+// reduce(row, valid) once per row and warp step with every lane of the warp present (for shuffles).
+template <int CHUNKS, typename Body, typename Reduce>
+__device__ __forceinline__ void for_row_chunks(long long rows, Body body, Reduce reduce) {
+  constexpr int LANES = row_lanes<CHUNKS>();
+  constexpr int ROWS_PER_WARP = 32 / LANES;
+  const int warps = blockDim.x / 32, lane = threadIdx.x % LANES;
+  const long long step = (long long)gridDim.x * warps * ROWS_PER_WARP;
+  for (long long warp_row = ((long long)blockIdx.x * warps + threadIdx.x / 32) * ROWS_PER_WARP; warp_row < rows;
+       warp_row += step) {   // the same bound for the whole warp
+    const long long row = warp_row + (threadIdx.x % 32) / LANES;
+    const bool valid = row < rows;
+    if (valid)
+      for (int c = lane; c < CHUNKS; c += LANES) body(row, c);
+    reduce(row, valid);
+  }
+}
+
+template <int LANES>
+__device__ __forceinline__ float lanes_sum(float x) {
+#pragma unroll
+  for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
+  return x;
+}
+
+// D_i = rowsum(dO_i o O_i); the same threads clear the row's dq_accum (when the plan has one: the main
+// kernel adds into it with atomics), which saves the host a memset launch per call.
+template <int VEC, int DATA_DIM, int HEAD_DIM, typename T>
+__device__ __forceinline__ void delta_rows(const AttentionArgs& args) {
+  constexpr int CHUNKS = DATA_DIM / VEC, LANES = row_lanes<CHUNKS>();
+  const long long rows = args.batch * args.heads * args.seq_q;
+  float acc = 0.f;
+  for_row_chunks<CHUNKS>(
+      rows,
+      [&](long long row, int c) {
+        const Pack<T, VEC> d_o = *reinterpret_cast<const Pack<T, VEC>*>(
+            static_cast<const T*>(args.d_o) + row_start(row, args.heads, args.seq_q, rows, args.do_stride) + c * VEC);
+        const Pack<T, VEC> o = *reinterpret_cast<const Pack<T, VEC>*>(
+            static_cast<const T*>(args.o) + row_start(row, args.heads, args.seq_q, rows, args.o_stride) + c * VEC);
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) acc = fmaf(to_float(d_o.e[e]), to_float(o.e[e]), acc);
+      },
+      [&](long long row, bool valid) {
+        const float total = lanes_sum<LANES>(acc);
+        acc = 0.f;
+        if (!valid) return;
+        if (threadIdx.x % LANES == 0) args.delta[row] = total;
+        if (args.dq_accum == nullptr) return;
+        float* accum = args.dq_accum + row * HEAD_DIM;
+        if (HEAD_DIM % 4 == 0)   // rows of whole float4s (every tensor-core plan); the SIMT plans' odd d one by one
+          for (int c = threadIdx.x % LANES; c < HEAD_DIM / 4; c += LANES)
+            reinterpret_cast<float4*>(accum)[c] = make_float4(0.f, 0.f, 0.f, 0.f);
+        else
+          for (int c = threadIdx.x % LANES; c < HEAD_DIM; c += LANES) accum[c] = 0.f;
+      });
+}
+
+// dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
+template <int VEC, int DATA_DIM, int HEAD_DIM, typename T>
+__device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
+  const long long rows = args.batch * args.heads * args.seq_q;
+  for_row_chunks<DATA_DIM / VEC>(
+      rows,
+      [&](long long row, int c) {
+        const Pack<float, VEC> accum = *reinterpret_cast<const Pack<float, VEC>*>(args.dq_accum + row * HEAD_DIM + c * VEC);
+        Pack<T, VEC> dq;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) dq.e[e] = from_float<T>(accum.e[e]);
+        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dq) +
+                                         row_start(row, args.heads, args.seq_q, rows, args.dq_stride) + c * VEC) = dq;
+      },
+      [](long long, bool) {});
+}
+
+// Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which the
+// main kernel wrote into the dk/dv workspace (query head h of KV head g is g * kv_group + i). Added in fp32.
+template <int VEC, int DATA_DIM, typename T>
+__device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
+  const long long kv_heads = args.heads / args.kv_group, rows = args.batch * kv_heads * args.seq_k;
+  const long long all_rows = args.batch * args.heads * args.seq_k;
+  for_row_chunks<DATA_DIM / VEC>(
+      rows,
+      [&](long long row, int c) {
+        // query head rows of this KV head's group: row (b * kv_heads + g) * seq_k + n is, for group member i,
+        // ((b * kv_heads + g) * kv_group + i) * seq_k + n of the per-query-head workspace
+        const long long bg = row / args.seq_k, n = row - bg * args.seq_k;
+        float dk_total[VEC] = {}, dv_total[VEC] = {};
+        for (long long i = 0; i < args.kv_group; ++i) {
+          const long long member = (bg * args.kv_group + i) * args.seq_k + n;
+          const Pack<T, VEC> dk = *reinterpret_cast<const Pack<T, VEC>*>(
+              static_cast<const T*>(args.dk) + row_start(member, args.heads, args.seq_k, all_rows, args.dk_stride) + c * VEC);
+          const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(
+              static_cast<const T*>(args.dv) + row_start(member, args.heads, args.seq_k, all_rows, args.dv_stride) + c * VEC);
+#pragma unroll
+          for (int e = 0; e < VEC; ++e) {
+            dk_total[e] += to_float(dk.e[e]);
+            dv_total[e] += to_float(dv.e[e]);
+          }
+        }
+        Pack<T, VEC> dk_sum, dv_sum;
+#pragma unroll
+        for (int e = 0; e < VEC; ++e) {
+          dk_sum.e[e] = from_float<T>(dk_total[e]);
+          dv_sum.e[e] = from_float<T>(dv_total[e]);
+        }
+        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dk_sum) +
+                                         row_start(row, kv_heads, args.seq_k, rows, args.dk_sum_stride) + c * VEC) = dk_sum;
+        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) +
+                                         row_start(row, kv_heads, args.seq_k, rows, args.dv_sum_stride) + c * VEC) = dv_sum;
+      },
+      [](long long, bool) {});
+}
+
 // ---- tile movement -------------------------------------------------------------------------
 // Copy rows [row0, row0 + ROWS) of one (batch, head) slice into shared memory with a row pitch;
 // rows past `valid_rows` are zero so that padded lanes contribute nothing.

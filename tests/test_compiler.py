@@ -344,7 +344,9 @@ def test_input_gradient_backward_compiles_without_spills(variant, arch):
     # rows that are not whole 16-byte chunks on each loader: wgmma (swizzled) and mma.sync (padded, sm_80)
     dict(head_dim=59, dtype="bf16", mask="causal"),
     dict(head_dim=111, dtype="fp16", mask="sliding_window", window=30, arch="sm_80"),
-], ids=["fp32-decode-d128", "d59-wgmma", "d111-mma-sm80"])
+    # the SIMT kernels at an unpadded odd d: the backward's row passes clear dq_accum rows of no whole float4
+    dict(head_dim=3, dtype="fp32", mask="padding"),
+], ids=["fp32-decode-d128", "d59-wgmma", "d111-mma-sm80", "d3-simt-fp32"])
 def test_head_dims_beyond_the_examples_compile(fields):
     """Specs no example covers, whose loaders take the paths for odd rows or narrow blocks."""
     from fagen.spec import Spec

@@ -68,7 +68,7 @@ GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
 def warm_cache():
     from fagen.runtime import precompile
 
-    precompile(SPECS + GRAD_SPECS + [spec for spec, *_ in MANY_PAIRS])
+    precompile(SPECS + GRAD_SPECS + [spec for spec, *_ in MANY_PAIRS] + [spec for spec, _ in ROW_PASS_CASES])
 
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.canonical_name)
@@ -249,3 +249,54 @@ def test_autograd_gradients_match_reference(spec):
         error = relative_error(as64(tensor.grad), expected, CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
         assert error <= TOLERANCES[spec.dtype], f"{name}: relative error {error:.3g}"
     assert np.isfinite(as64(o)).all()
+
+
+ROW_PASS_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 4),
+                  (Spec(head_dim=128, dtype="fp16", mask="none"), 2),
+                  (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70), 1)]
+
+
+@pytest.mark.parametrize("spec, kv_heads", ROW_PASS_CASES,
+                         ids=lambda x: x.canonical_name if isinstance(x, Spec) else f"kv{x}")
+def test_backward_row_passes_take_rows_that_are_not_16_byte_aligned(spec, kv_heads):
+    """The backward's row passes (_delta, _dq_convert, _kv_group_sum) move 16-byte vectors where every row of
+    the tensors they touch starts 16-byte aligned, else one element at a time. Both, in one call each: o a
+    view 8 bytes off its storage (the backward reads it as given), the caller's dq, dk, dv (out=) 4 bytes off,
+    with grouped KV heads so that the group sum writes those dk, dv. Against the float64 reference, and the
+    aligned call against the same reference."""
+    import numpy as np
+    import torch
+
+    import fagen
+    from fagen import reference
+    from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
+
+    kernel = fagen.compile(spec)
+    generator = torch.Generator(device="cuda").manual_seed(3)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    batch, heads, seq, d = 2, 4, 333, spec.head_dim
+    q, do = (torch.randn(batch, heads, seq, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
+    o, lse = kernel.forward(q, k, v)
+
+    def offset_like(tensor, elements):
+        """A tensor equal to `tensor` whose storage starts `elements` elements into a larger buffer."""
+        buffer = torch.full((tensor.numel() + 16,), float("nan"), dtype=tensor.dtype, device="cuda")
+        view = buffer[elements:elements + tensor.numel()].view(tensor.shape)
+        view.copy_(tensor)
+        return view
+
+    o_off = offset_like(o, 4)                        # 8 bytes off
+    out = tuple(offset_like(torch.full_like(t, float("nan")), 2) for t in (q, k, v))   # 4 bytes off, poisoned
+    assert all(t.data_ptr() % 16 for t in (o_off, *out))
+    aligned = kernel.backward(q, k, v, o, lse, do)
+    unaligned = kernel.backward(q, k, v, o_off, lse, do, out=out)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    magnitudes = {}
+    expected = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), spec, o=as64(o), magnitudes=magnitudes)
+    for name, mine_aligned, mine_unaligned, ref in zip(("dq", "dk", "dv"), aligned, unaligned, expected):
+        floor = CANCELLATION_FLOOR * magnitudes.get(name, 0.0)
+        for label, mine in (("aligned", mine_aligned), ("unaligned", mine_unaligned)):
+            assert np.isfinite(as64(mine)).all(), f"{name} ({label}): not finite"
+            error = relative_error(as64(mine), ref, floor)
+            assert error <= TOLERANCES[spec.dtype], f"{name} ({label}): relative error {error:.3g}"
