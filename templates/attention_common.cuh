@@ -617,23 +617,23 @@ __device__ __forceinline__ bool rows_aligned(const void* base, const long long* 
          stride[2] % VEC == 0;
 }
 
-// Where flattened row r = (b * heads + h) * seq + n starts in a tensor of the given strides.
-__device__ __forceinline__ long long row_start(long long r, long long heads, long long seq, long long rows,
-                                               const long long* stride) {
+// Flattened row r = (b * heads + h) * seq + n split into (b, h, n), and where it starts in a tensor.
+struct RowIndex {
   long long b, h, n;
+  __device__ __forceinline__ long long start(const long long* stride) const { return b * stride[0] + h * stride[1] + n * stride[2]; }
+};
+__device__ __forceinline__ RowIndex row_index(long long r, long long heads, long long seq, long long rows) {
   if (rows <= 0x7fffffffLL) {   // every index fits in 32 bits: unsigned division is a few instructions
     const unsigned int rr = (unsigned int)r, s = (unsigned int)seq, hh = (unsigned int)heads;
-    const unsigned int bh = rr / s;
-    n = rr - bh * s;
-    b = bh / hh;
-    h = bh - (unsigned int)b * hh;
-  } else {
-    const long long bh = r / seq;
-    n = r - bh * seq;
-    b = bh / heads;
-    h = bh - b * heads;
+    const unsigned int bh = rr / s, b = bh / hh;
+    return {b, bh - b * hh, rr - bh * s};
   }
-  return b * stride[0] + h * stride[1] + n * stride[2];
+  const long long bh = r / seq, b = bh / heads;
+  return {b, bh - b * heads, r - bh * seq};
+}
+__device__ __forceinline__ long long row_start(long long r, long long heads, long long seq, long long rows,
+                                               const long long* stride) {
+  return row_index(r, heads, seq, rows).start(stride);
 }
 
 // Calls body(row, chunk) for every (row, chunk of VEC elements) of `rows` rows of CHUNKS chunks, and
@@ -715,20 +715,16 @@ __device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
 template <int VEC, int DATA_DIM, typename T>
 __device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
   const long long kv_heads = args.heads / args.kv_group, rows = args.batch * kv_heads * args.seq_k;
-  const long long all_rows = args.batch * args.heads * args.seq_k;
   for_row_chunks<DATA_DIM / VEC>(
       rows,
       [&](long long row, int c) {
-        // query head rows of this KV head's group: row (b * kv_heads + g) * seq_k + n is, for group member i,
-        // ((b * kv_heads + g) * kv_group + i) * seq_k + n of the per-query-head workspace
-        const long long bg = row / args.seq_k, n = row - bg * args.seq_k;
+        // row (b, g, n) of KV head g sums rows (b, g * kv_group + i, n) of the per-query-head workspace
+        const RowIndex kv = row_index(row, kv_heads, args.seq_k, rows);
         float dk_total[VEC] = {}, dv_total[VEC] = {};
         for (long long i = 0; i < args.kv_group; ++i) {
-          const long long member = (bg * args.kv_group + i) * args.seq_k + n;
-          const Pack<T, VEC> dk = *reinterpret_cast<const Pack<T, VEC>*>(
-              static_cast<const T*>(args.dk) + row_start(member, args.heads, args.seq_k, all_rows, args.dk_stride) + c * VEC);
-          const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(
-              static_cast<const T*>(args.dv) + row_start(member, args.heads, args.seq_k, all_rows, args.dv_stride) + c * VEC);
+          const RowIndex member{kv.b, kv.h * args.kv_group + i, kv.n};
+          const Pack<T, VEC> dk = *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dk) + member.start(args.dk_stride) + c * VEC);
+          const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dv) + member.start(args.dv_stride) + c * VEC);
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             dk_total[e] += to_float(dk.e[e]);
@@ -741,10 +737,8 @@ __device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
           dk_sum.e[e] = from_float<T>(dk_total[e]);
           dv_sum.e[e] = from_float<T>(dv_total[e]);
         }
-        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dk_sum) +
-                                         row_start(row, kv_heads, args.seq_k, rows, args.dk_sum_stride) + c * VEC) = dk_sum;
-        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) +
-                                         row_start(row, kv_heads, args.seq_k, rows, args.dv_sum_stride) + c * VEC) = dv_sum;
+        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dk_sum) + kv.start(args.dk_sum_stride) + c * VEC) = dk_sum;
+        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) + kv.start(args.dv_sum_stride) + c * VEC) = dv_sum;
       },
       [](long long, bool) {});
 }
