@@ -1657,7 +1657,7 @@ class Modifiers:
 
     def cuda_struct(self, name: str = "SpecMods", scale: float = 1.0, integer_type: str = "long long",
                     mask_only: bool = False) -> str:
-        """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score);
+        """The C++ struct of these modifiers for a spec of softmax scale `scale` (tau, in raw_score).
         The tile tests compute their integer bounds in `integer_type` (_Program.c_code). `mask_only`: only what a
         mask kind's struct is asked for (visible, the tile tests), without the helpers or the score functions."""
         printer = _CPrinter("mask_mod", self._c_names())

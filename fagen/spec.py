@@ -252,7 +252,7 @@ class Spec(BaseModel):
     def kind_mask(self):
         """The mask kind as the expression its tests are generated from (fagen.expressions.mask_kind:
         causal, sliding_window), or None for the kinds that are data (none, padding, block_sparse)."""
-        from fagen.expressions import mask_kind   # sympy: only specs with such a kind pay for importing it
+        from fagen.expressions import mask_kind   # sympy: imported on first use, not with fagen.spec
 
         return mask_kind(self.mask, self.window or 0)
 
@@ -317,7 +317,7 @@ class Spec(BaseModel):
 
 @functools.lru_cache(maxsize=256)
 def _modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optional[tuple]):
-    from fagen.expressions import modifiers   # sympy: only specs with expressions pay for importing it
+    from fagen.expressions import modifiers   # sympy: imported on first use, not with fagen.spec
 
     return modifiers(mask_mod, score_mod, dict(inputs) if inputs else None)
 

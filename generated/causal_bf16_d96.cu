@@ -862,39 +862,21 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d96_bf16_causal_f
 // The small kernels every backward template launches around its main kernel.
 // The row passes themselves are fagen::delta_rows, dq_convert_rows and kv_group_sum_rows
 // (attention_common.cuh): 16-byte vectors when every tensor they touch allows, else one element at a time.
-namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_rows {
-using elem_t = fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config::elem_t;
-constexpr int VEC = fagen::row_vector<elem_t, fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config::DATA_DIM, fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config::HEAD_DIM>();
-}  // namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_rows
 
 // D_i = rowsum(dO_i o O_i), and dq_accum cleared.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config;
-  using fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_rows::VEC;
-  if (fagen::rows_aligned<VEC, elem_t>(args.d_o, args.do_stride) && fagen::rows_aligned<VEC, elem_t>(args.o, args.o_stride))
-    fagen::delta_rows<VEC, DATA_DIM, HEAD_DIM, elem_t>(args);
-  else
-    fagen::delta_rows<1, DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_dq_convert(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config;
-  using fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_rows::VEC;
-  if (fagen::rows_aligned<VEC, elem_t>(args.dq, args.dq_stride))
-    fagen::dq_convert_rows<VEC, DATA_DIM, HEAD_DIM, elem_t>(args);
-  else
-    fagen::dq_convert_rows<1, DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::dq_convert_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config;
-  using fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_rows::VEC;
-  if (fagen::rows_aligned<VEC, elem_t>(args.dk, args.dk_stride) && fagen::rows_aligned<VEC, elem_t>(args.dv, args.dv_stride) &&
-      fagen::rows_aligned<VEC, elem_t>(args.dk_sum, args.dk_sum_stride) &&
-      fagen::rows_aligned<VEC, elem_t>(args.dv_sum, args.dv_sum_stride))
-    fagen::kv_group_sum_rows<VEC, DATA_DIM, elem_t>(args);
-  else
-    fagen::kv_group_sum_rows<1, DATA_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
 }

@@ -180,11 +180,14 @@ __device__ __forceinline__ float warp_max(float x) {
   for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
   return x;
 }
-__device__ __forceinline__ float warp_sum(float x) {
+// The sum over each aligned group of LANES lanes (a power of two), every lane of the warp taking part.
+template <int LANES>
+__device__ __forceinline__ float lanes_sum(float x) {
 #pragma unroll
-  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
+  for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
   return x;
 }
+__device__ __forceinline__ float warp_sum(float x) { return lanes_sum<32>(x); }
 
 // exp2 of (x - m) where m may still be -inf for a row that has seen no visible key:
 // FlashAttention's convention, so that such rows give 0 instead of NaN.
@@ -654,17 +657,10 @@ __device__ __forceinline__ void for_row_chunks(long long rows, Body body, Reduce
   }
 }
 
-template <int LANES>
-__device__ __forceinline__ float lanes_sum(float x) {
-#pragma unroll
-  for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
-  return x;
-}
-
 // D_i = rowsum(dO_i o O_i); the same threads clear the row's dq_accum (when the plan has one: the main
 // kernel adds into it with atomics), which saves the host a memset launch per call.
 template <int VEC, int DATA_DIM, int HEAD_DIM, typename T>
-__device__ __forceinline__ void delta_rows(const AttentionArgs& args) {
+__device__ __forceinline__ void delta_rows_at_width(const AttentionArgs& args) {
   constexpr int CHUNKS = DATA_DIM / VEC, LANES = row_lanes<CHUNKS>();
   const long long rows = args.batch * args.heads * args.seq_q;
   float acc = 0.f;
@@ -695,7 +691,7 @@ __device__ __forceinline__ void delta_rows(const AttentionArgs& args) {
 
 // dQ from the fp32 atomics buffer (rows of HEAD_DIM, padding included) into the caller's dtype and strides.
 template <int VEC, int DATA_DIM, int HEAD_DIM, typename T>
-__device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
+__device__ __forceinline__ void dq_convert_rows_at_width(const AttentionArgs& args) {
   const long long rows = args.batch * args.heads * args.seq_q;
   for_row_chunks<DATA_DIM / VEC>(
       rows,
@@ -713,7 +709,7 @@ __device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
 // Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which the
 // main kernel wrote into the dk/dv workspace (query head h of KV head g is g * kv_group + i). Added in fp32.
 template <int VEC, int DATA_DIM, typename T>
-__device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
+__device__ __forceinline__ void kv_group_sum_rows_at_width(const AttentionArgs& args) {
   const long long kv_heads = args.heads / args.kv_group, rows = args.batch * kv_heads * args.seq_k;
   for_row_chunks<DATA_DIM / VEC>(
       rows,
@@ -741,6 +737,36 @@ __device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
         *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) + kv.start(args.dv_sum_stride) + c * VEC) = dv_sum;
       },
       [](long long, bool) {});
+}
+
+// The passes as the backward templates launch them: VEC-wide where every tensor the pass moves in Packs
+// has its rows on a VEC-element boundary, one element at a time where not.
+template <int DATA_DIM, int HEAD_DIM, typename T>
+__device__ __forceinline__ void delta_rows(const AttentionArgs& args) {
+  constexpr int VEC = row_vector<T, DATA_DIM, HEAD_DIM>();
+  if (rows_aligned<VEC, T>(args.d_o, args.do_stride) && rows_aligned<VEC, T>(args.o, args.o_stride))
+    delta_rows_at_width<VEC, DATA_DIM, HEAD_DIM, T>(args);
+  else
+    delta_rows_at_width<1, DATA_DIM, HEAD_DIM, T>(args);
+}
+
+template <int DATA_DIM, int HEAD_DIM, typename T>
+__device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
+  constexpr int VEC = row_vector<T, DATA_DIM, HEAD_DIM>();
+  if (rows_aligned<VEC, T>(args.dq, args.dq_stride))
+    dq_convert_rows_at_width<VEC, DATA_DIM, HEAD_DIM, T>(args);
+  else
+    dq_convert_rows_at_width<1, DATA_DIM, HEAD_DIM, T>(args);
+}
+
+template <int DATA_DIM, int HEAD_DIM, typename T>
+__device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
+  constexpr int VEC = row_vector<T, DATA_DIM, HEAD_DIM>();
+  if (rows_aligned<VEC, T>(args.dk, args.dk_stride) && rows_aligned<VEC, T>(args.dv, args.dv_stride) &&
+      rows_aligned<VEC, T>(args.dk_sum, args.dk_sum_stride) && rows_aligned<VEC, T>(args.dv_sum, args.dv_sum_stride))
+    kv_group_sum_rows_at_width<VEC, DATA_DIM, T>(args);
+  else
+    kv_group_sum_rows_at_width<1, DATA_DIM, T>(args);
 }
 
 // ---- tile movement -------------------------------------------------------------------------

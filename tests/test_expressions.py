@@ -239,11 +239,16 @@ def test_mask_kinds_are_the_bottom_right_aligned_masks(seq_q, seq_k, window):
     """causal and sliding_window as expressions: the masks PyTorch and FlashAttention mean for Nq != Nk,
     written here independently of the expression (key i + Nk - Nq is query i's own)."""
     i, j = np.arange(seq_q)[:, None], np.arange(seq_k)[None, :]
-    distance = i + (seq_k - seq_q) - j
-    expected = {"causal": distance >= 0, "sliding_window": (distance >= 0) & (distance < window)}
-    for kind, mask in expected.items():
+    for kind in ("causal", "sliding_window"):
         got = mask_kind(kind, window).mask_numpy(0, 0, i, j, seq_q, seq_k)
-        np.testing.assert_array_equal(got, mask, err_msg=kind)
+        np.testing.assert_array_equal(got, _bottom_right_mask(kind, seq_q, seq_k, window), err_msg=kind)
+
+
+def _bottom_right_mask(kind: str, seq_q: int, seq_k: int, window: int) -> np.ndarray:
+    """causal / sliding_window as PyTorch and FlashAttention mean them for Nq != Nk (key i + Nk - Nq is query
+    i's own), written without the expressions."""
+    distance = np.arange(seq_q)[:, None] + (seq_k - seq_q) - np.arange(seq_k)[None, :]
+    return (distance >= 0) & ((distance < window) if kind == "sliding_window" else True)
 
 
 @pytest.mark.parametrize("text, inputs, band", [
@@ -528,8 +533,7 @@ def test_mask_kind_struct_agrees_with_the_masks_on_the_host(tmp_path, kind):
                           f'(int)mask.tile_all_visible({a}, {b}, {c}, {d}));\n' for a, b, c, d in tiles)
                 + "}\n")
         lines = _run_on_host(tmp_path, None, main, struct=mask_kind_struct(kind, window))
-        distance = np.arange(seq_q)[:, None] + (seq_k - seq_q) - np.arange(seq_k)[None, :]
-        expected = (distance >= 0) & ((distance < window) if kind == "sliding_window" else True)
+        expected = _bottom_right_mask(kind, seq_q, seq_k, window)
         got = np.array([int(next(lines)) for _ in range(seq_q * seq_k)]).reshape(seq_q, seq_k)
         np.testing.assert_array_equal(got, expected, err_msg=f"{kind} {seq_q} x {seq_k}")
         for a, b, c, d in tiles:
