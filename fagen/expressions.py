@@ -1601,6 +1601,14 @@ class Modifiers:
             return add - part + self._hoisted_sums[part] if part in self._hoisted_sums else add
         return self.mask.replace(lambda node: isinstance(node, sp.Add), hoisted)
 
+    @property
+    def mask_only_without_position_loads(self) -> bool:
+        """A mask_mod alone (no score_mod) whose tensor reads, if any, are all hoisted (prefix[b]): its kernels
+        keep no per-score values of it in registers, only the few temporaries of its test on partial tiles
+        (the solver reserves a family's `light_mask_mod_registers` for it instead of `modifier_registers`)."""
+        return (self.mask is not None and self.score is None
+                and all(load in self._hoisted_loads for load in self.mask.atoms(sp.Indexed)))
+
     @functools.cached_property
     def _hoisted_loads(self) -> tuple:
         """Tensor loads whose indices depend on neither position nor score (ALiBi's slope[h], prefix[b]):

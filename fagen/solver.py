@@ -77,6 +77,8 @@ class Family:
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     packed_registers: object = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above; int or sympy)
     modifier_registers: object = MODIFIER_REGISTERS  # mask_mod / score_mod (see above; int or sympy)
+    # a mask_mod alone that reads no input per position (Modifiers.mask_only_without_position_loads); None: as above
+    light_mask_mod_registers: object = None
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -143,6 +145,9 @@ FAMILIES: tuple[Family, ...] = (
            # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills with 4; a bias table with dropout at d = 64,
            # Br = 128, Bc = 64 spills 4 B at two resident blocks (128 registers), which 12 rules out
            modifier_registers=12,
+           # prefix-LM, window + sinks, dilated at d = 64, Br = 64, Bc = 128: 168 registers at three resident blocks
+           # and no spills (ptxas, sm_90a), where 12 left them two
+           light_mask_mod_registers=0,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
@@ -493,7 +498,7 @@ def _exact_int(value) -> int:
 class _CompiledFamily(NamedTuple):   # a NamedTuple, not a dataclass: cheaper to define at import
     family: Family
     # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads, modifier
-    # registers, packed registers]
+    # registers, packed registers, light mask_mod registers]
     footprint: Callable
     smem_text: str        # the expressions as the infeasibility messages print them
     registers_text: str
@@ -507,9 +512,10 @@ def _compiled(family: Family) -> _CompiledFamily:
     if entry is None or entry.family is not family:
         # sympy's ceiling made opaque, so that lambdify calls _exact_ceiling instead of math.ceil on a float
         ceiling_of = sp.Function("exact_ceiling")
+        light = family.modifier_registers if family.light_mask_mod_registers is None else family.light_mask_mod_registers
         expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
                        (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads,
-                        family.modifier_registers, family.packed_registers)]
+                        family.modifier_registers, family.packed_registers, light)]
         footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
                                 modules=[{"exact_ceiling": _exact_ceiling}, "math"])
         entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
@@ -605,12 +611,14 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
     head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
-    smem, registers, dropout_regs, reads, modifier_regs, packed_regs = compiled.footprint(
+    smem, registers, dropout_regs, reads, modifier_regs, packed_regs, light_mask_mod_regs = compiled.footprint(
         block_r, block_c, head_dim, warps, spec.element_bytes)
     smem = _exact_int(smem)
+    modifiers = spec.modifiers
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
                           + (packed_regs if spec.layout == "packed" else 0)
-                          + (modifier_regs if spec.modifiers.active else 0))
+                          + (0 if not modifiers.active else light_mask_mod_regs
+                             if modifiers.mask_only_without_position_loads else modifier_regs))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

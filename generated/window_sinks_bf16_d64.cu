@@ -140,7 +140,7 @@ __device__ __forceinline__ void o_product(float (&d)[8][4], const unsigned (&a)[
 
 // The solver picked this plan for the blocks it expects per multiprocessor (a second one fills the tensor
 // cores while a block runs its softmax): held to that many, ptxas keeps within their registers.
-extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br64_bc128_w4(const fagen::AttentionArgs args) {
+extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br64_bc128_w4(const fagen::AttentionArgs args) {
   using namespace fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br64_bc128_w4_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];

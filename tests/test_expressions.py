@@ -264,6 +264,21 @@ def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
     assert mods.sees_a_band is band
 
 
+@pytest.mark.parametrize("mask, score, inputs, light", [
+    ("j <= i and (i - j < 256 or j < 4)", None, None, True),     # positions only
+    ("j < prefix[b] or j <= i", None, {"prefix": "int32"}, True),   # a load read once per block
+    ("(i - j) % 4 == 0 and j < limit[b, h]", None, {"limit": "int32"}, True),
+    ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}, False),    # a load per query and per key
+    ("j <= i + shift[b, i]", None, {"shift": "int32"}, False),
+    ("j <= i", "score + slope[h]", {"slope": "float32"}, False),  # a score_mod keeps its own registers
+    (None, "score * 0.5", None, False),
+])
+def test_mask_only_without_position_loads(mask, score, inputs, light):
+    """What the solver reserves fewer registers for (fagen/solver.py light_mask_mod_registers): a mask_mod alone
+    whose tensor reads are all hoisted out of the per-score work."""
+    assert modifiers(mask, score, inputs).mask_only_without_position_loads is light
+
+
 def test_mask_kind_structs_compute_in_int_from_one_member():
     """The kinds' structs read Nk - Nq once (a member, not both lengths per test), compare with their window
     as a constant and compute in int, as the hand-written tests did (each of those kept a kernel at the
@@ -402,6 +417,7 @@ using std::min; using std::max;
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 static inline float atomicAdd(float* address, float value) { const float old = *address; *address += value; return old; }
 static inline float __shfl_xor_sync(unsigned, float, int) { return 0.f; }   // one host "lane": no other lane adds
+static inline int __shfl_xor_sync(unsigned, int, int) { return 0; }
 namespace fagen {
 struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4];
                        void* mod_summary[4]; float* mod_grad[4]; };
@@ -457,7 +473,7 @@ def _host_inputs(mods, rng):
         shape = values[name].shape + (1,) * (2 - values[name].ndim)
         entries = shape[1 - dim] * -(-shape[dim] // 16)
         tensors.append(f"  static {ctype} u{k}[{2 * entries}]; args.mod_summary[{k}] = u{k};\n"
-                       f"  fagen::summarise_input<{ctype}>(args, {k}, {dim});\n")
+                       f"  fagen::summarise_input<{ctype}, 1>(args, {k}, {dim});\n")   # one host lane
     return values, tensors
 
 

@@ -109,12 +109,16 @@ def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
     return []
 
 
-def reserved_registers(family, values: dict, dropout: bool, packed: bool, modified: bool):
+def reserved_registers(family, values: dict, spec: Spec):
     """The family's register reservations a spec takes (Philox state, a packed batch's offsets, a mask_mod /
-    score_mod's state), each an int or an expression of the tile, at these tile values."""
+    score_mod's state: the light one for a mask_mod alone that reads no input per position, where the family
+    has one), each an int or an expression of the tile, at these tile values."""
+    modifiers = spec.modifiers
+    light = modifiers.mask_only_without_position_loads and family.light_mask_mod_registers is not None
     return sum(sp.sympify(term).subs(values) for term, holds in
-               ((family.dropout_registers, dropout), (family.packed_registers, packed),
-                (family.modifier_registers, modified)) if holds)
+               ((family.dropout_registers, spec.dropout > 0), (family.packed_registers, spec.layout == "packed"),
+                (family.modifier_registers, modifiers.active and not light),
+                (family.light_mask_mod_registers, light)) if holds)
 
 
 def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str, plan: Plan) -> None:
@@ -131,7 +135,7 @@ def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str
     assert plan.smem_bytes <= target.smem_per_block
     # Registers: the family's estimate (plus its Philox state under dropout, the sequence offsets of a packed batch,
     # a mask_mod / score_mod's state), under the per-thread ceiling.
-    reserved = reserved_registers(family, values, spec.dropout > 0, spec.layout == "packed", spec.modifiers.active)
+    reserved = reserved_registers(family, values, spec)
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.registers_estimate <= REGISTER_CEILING
     # The family's own tile rules: MMA row slabs per warp, the range of Bc, tensor-core multiples.
@@ -212,21 +216,26 @@ def test_block_sparse_tiles_divide_the_granularity(fields):
 
 
 # ---- the compiled footprints -------------------------------------------------------------------
+MODIFIER_FIELDS = ({}, {"score_mod": "score * 0.5"}, {"mask_mod": "j < prefix[b] or j <= i", "inputs": {"prefix": "int32"}},
+                   {"mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}})
+
+
 @settings(max_examples=200)
 @given(st.sampled_from(solver.FAMILIES), st.integers(1, 512), st.integers(1, 1024), st.sampled_from(range(32, 257, 8)),
-       st.sampled_from(DTYPES), st.booleans(), st.booleans(), st.booleans(), st.data())
+       st.sampled_from(DTYPES), st.booleans(), st.booleans(), st.sampled_from(MODIFIER_FIELDS), st.data())
 def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c, head_dim, dtype, dropout, packed,
-                                                       modified, data):
+                                                       modifiers, data):
     """Candidates are evaluated by functions lambdified once per family, in floats; they must give exactly
     what substituting into the sympy expressions gives, odd tiles (the paper policy's) included, with each
-    reservation (dropout, packed batches, a score_mod) that may itself be an expression of the tile."""
+    reservation (dropout, packed batches, a score_mod, a mask_mod with or without loads per position) that may
+    itself be an expression of the tile."""
     warps = data.draw(st.sampled_from(family.warps))
     spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0, layout="packed" if packed else "padded",
-                score_mod="score * 0.5" if modified else None)
+                **modifiers)
     plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
     values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes}   # padded d
     assert plan.head_dim == (solver.padded_head_dim(family, head_dim) or head_dim)
-    reserved = reserved_registers(family, values, dropout, packed, modified)
+    reserved = reserved_registers(family, values, spec)
     assert plan.smem_bytes == int(family.smem_bytes.subs(values))
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values) + reserved))
     assert plan.smem_reads == int(sp.ceiling(family.smem_reads.subs(values)))
@@ -517,13 +526,17 @@ def test_the_warp_specialized_forward_takes_d_128_without_a_mask_mod():
 def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_allow():
     """forward_wgmma's timed_first: at d = 64 (and what pads to 64) one warpgroup per 64-row block, 64 x 128, ranks
     ahead of the cost model's 128 x 64 (which counts K/V traffic first), over mask kinds, dropout, packed batches
-    and mask_mod / score_mod specs; the resident blocks stay the register estimate's (three without modifiers, two
-    with). Other head dims keep the cost model's order."""
+    and mask_mod / score_mod specs; the resident blocks stay the register estimate's (three without modifiers and
+    with a mask_mod that reads no input per position, two with one that does or with a score_mod). Other head
+    dims keep the cost model's order."""
     target = target_for("sm_90")
     for extra, resident in (({}, 12), ({"mask": "causal"}, 12), ({"mask": "causal", "dropout": 0.1}, 12),
                             ({"mask": "sliding_window", "window": 1024}, 12), ({"layout": "packed"}, 12),
                             ({"mask": "causal", "layout": "packed", "dropout": 0.1}, 8),
                             ({"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}}, 8),
+                            ({"mask_mod": "j < prefix[b] or j <= i", "inputs": {"prefix": "int32"}}, 12),
+                            ({"mask": "causal", "mask_mod": "j <= i and (i - j < 256 or j < 4)", "dropout": 0.1}, 12),
+                            ({"mask": "causal", "score_mod": "score + slope[h] * (j - i)", "inputs": {"slope": "float32"}}, 8),
                             ({"head_dim": 48}, 12)):
         spec = Spec(**{"head_dim": 64, "dtype": "bf16", **extra})
         solution = solve(spec, target)
