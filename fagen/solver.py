@@ -77,7 +77,7 @@ class Family:
     dropout_registers: object = 0    # the Philox state when dropout is on (int or sympy; calibrated against ptxas)
     packed_registers: object = PACKED_REGISTERS  # layout packed: the sequence's offsets and lengths (see above; int or sympy)
     modifier_registers: object = MODIFIER_REGISTERS  # mask_mod / score_mod (see above; int or sympy)
-    # a mask_mod alone that reads no input per position (Modifiers.mask_only_without_position_loads); None: as above
+    # a mask_mod alone of a few integer operations (Modifiers.light_mask_mod); None: as modifier_registers
     light_mask_mod_registers: object = None
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
@@ -618,7 +618,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
                           + (packed_regs if spec.layout == "packed" else 0)
                           + (0 if not modifiers.active else light_mask_mod_regs
-                             if modifiers.mask_only_without_position_loads else modifier_regs))
+                             if modifiers.light_mask_mod else modifier_regs))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

@@ -267,16 +267,23 @@ def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
 @pytest.mark.parametrize("mask, score, inputs, light", [
     ("j <= i and (i - j < 256 or j < 4)", None, None, True),     # positions only
     ("j < prefix[b] or j <= i", None, {"prefix": "int32"}, True),   # a load read once per block
-    ("(i - j) % 4 == 0 and j < limit[b, h]", None, {"limit": "int32"}, True),
-    ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}, False),    # a load per query and per key
+    ("(i - j) % 4 == 0 and j < limit[b, h]", None, {"limit": "int32"}, True),   # % by a power of two: a mask
+    ("i // 8 == (j + Nk - Nq) // 64", None, None, True),         # // by powers of two: shifts
+    ("(i - j) * 2 / 3 < 16", None, None, True),                  # parsed exactly: 2 (i - j) < 48
+    ("i + s >= j", None, {"s": "scalar"}, True),
+    ("(i - j) % 13 < 5", None, None, False),                     # a true division (ptxas: 8 B spilled)
+    ("i // 7 == j // 7", None, None, False),
+    ("cos((i - j) * 0.1) > 0.2 and j <= i", None, None, False),  # float arithmetic (8 B spilled)
+    ("abs(i - j) < 64", None, None, False),                      # functions: not counted
+    ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}, False),    # a load per query and per key (104 B spilled)
     ("j <= i + shift[b, i]", None, {"shift": "int32"}, False),
     ("j <= i", "score + slope[h]", {"slope": "float32"}, False),  # a score_mod keeps its own registers
     (None, "score * 0.5", None, False),
 ])
-def test_mask_only_without_position_loads(mask, score, inputs, light):
+def test_light_mask_mod(mask, score, inputs, light):
     """What the solver reserves fewer registers for (fagen/solver.py light_mask_mod_registers): a mask_mod alone
-    whose tensor reads are all hoisted out of the per-score work."""
-    assert modifiers(mask, score, inputs).mask_only_without_position_loads is light
+    of a few integer operations, its tensor reads all hoisted out of the per-score work."""
+    assert modifiers(mask, score, inputs).light_mask_mod is light
 
 
 def test_mask_kind_structs_compute_in_int_from_one_member():
