@@ -1601,30 +1601,32 @@ class Modifiers:
             return add - part + self._hoisted_sums[part] if part in self._hoisted_sums else add
         return self.mask.replace(lambda node: isinstance(node, sp.Add), hoisted)
 
-    @property
+    @functools.cached_property
     def light_mask_mod(self) -> bool:
-        """A mask_mod alone (no score_mod) that the kernels test in a few integer registers: positions, lengths,
-        scalars and loads hoisted out of the per-score work (prefix[b]), combined by +, -, integer products,
-        comparisons, and / or / not, and // or % by powers of two (shifts and masks). No load per position
-        (doc[b, j]: a value per key column held per thread), no float arithmetic, no other division: with those
-        the d = 64 forward spilled 8-104 B at three blocks per SM. The solver reserves a family's
-        `light_mask_mod_registers` for it instead of `modifier_registers`."""
+        """A mask_mod alone (no score_mod) that the kernels test in a few integer registers: positions, lengths
+        and int32 loads hoisted out of the per-score work (prefix[b]), combined by +, -, integer products,
+        comparisons, and / or / not, and // or % by powers of two (what _CPrinter prints as shifts and masks).
+        No load per position (doc[b, j]: a value per key column held per thread), nothing in float (scalars,
+        float32 inputs, floorf, py_fmod), no other division: with those the d = 64 forward spilled 8-104 B at
+        three blocks per SM. The solver reserves a family's `light_mask_mod_registers` for it instead of
+        `modifier_registers`."""
         return self.mask is not None and self.score is None and self._light(self.mask)
 
     def _light(self, expr) -> bool:
-        if isinstance(expr, sp.Indexed):
-            return expr in self._hoisted_loads
-        if isinstance(expr, (sp.Symbol, sp.Integer)) or expr in (sp.true, sp.false):
+        """Is every node of `expr` one of light_mask_mod's integer operations?"""
+        if isinstance(expr, (sp.Symbol, sp.Indexed)):
+            return expr.is_integer is True and (isinstance(expr, sp.Symbol) or expr in self._hoisted_loads)
+        if isinstance(expr, sp.Integer) or expr in (sp.true, sp.false):
             return True
-        if isinstance(expr, (sp.Mod, sp.floor, sp.ceiling)):
-            divisor = expr.args[1] if isinstance(expr, sp.Mod) else sp.fraction(sp.together(expr.args[0]))[1]
-            parts = [expr.args[0]] if isinstance(expr, sp.Mod) else list(sp.fraction(sp.together(expr.args[0])))
-            if not (isinstance(divisor, sp.Integer) and divisor > 0 and divisor & (divisor - 1) == 0):
-                return False
-            return all(self._light(part) for part in parts)
+        if isinstance(expr, sp.Mod):
+            value, divisor = expr.args
+            return _power_of_two(divisor) and self._light(value)
+        if isinstance(expr, (sp.floor, sp.ceiling)):
+            numerator, denominator = sp.fraction(sp.together(expr.args[0]))
+            return _power_of_two(denominator) and self._light(numerator)
         if isinstance(expr, (sp.Add, sp.Mul, sp.Rel, sp.And, sp.Or, sp.Not)):
             return all(self._light(arg) for arg in expr.args)
-        return False   # floats, rationals, functions, piecewise: more temporaries than the reservation covers
+        return False   # rationals, floats, functions, piecewise: more temporaries than the reservation covers
 
     @functools.cached_property
     def _hoisted_loads(self) -> tuple:

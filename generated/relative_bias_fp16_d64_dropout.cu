@@ -280,6 +280,15 @@ extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_fp16_causal_d
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
+  // Lazy rescaling at large head dims (as FlashAttention-4 does): a row keeps its running max m while a tile's
+  // max stays within 2^MAX_SLACK_LOG2 of it in P's units, so P~ <= 2^8 (no overflow in l, O or a 16-bit P), and
+  // O and l are rescaled only when some row of the warp outgrows that; softmax = e^(tau (S - m)) / l and LSE =
+  // tau m + log l hold for any such m. What it saves, after the first tiles, is almost every tile's
+  // O *= e^(tau (m_old - m_new)): HEAD_DIM / 2 multiplies per thread for BLOCK_C / 2 scores, 1.7 a score at
+  // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (BENCHMARKS.md).
+  constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
+  constexpr float MAX_SLACK_LOG2 = 8.f;
+  bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
   auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test (the mask
     // kind's per warp, the mask_mod's per block: mods_full); a score_mod visits every element:
@@ -301,18 +310,32 @@ extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_fp16_causal_d
       each_score([&](float& s, int row, int col, float frow, float fcol) { s = visibility.modified_score(s, row, col, frow, fcol); });
     if (!interior)
       each_score([&](float& s, int row, int col, float, float) { if (!visibility.visible_if(col < seq_k, row, col)) s = -INFINITY; });
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
+    auto row_tile_max = [&](int half) {   // the tile's max of the thread's row group + 8 * half
       float tile_max = -INFINITY;
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[t][2 * half], s_acc[t][2 * half + 1]));
       tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_max[half], tile_max);
-      const float m_scaled = safe_max(m_new) * SCALE_LOG2;
-      rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
-      row_max[half] = m_new;
-      row_sum[half] *= rescale[half];
+      return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+    };
+    float lazy_tile_max[2];
+    if (LAZY_RESCALE) {   // (a row with no visible key yet has m = -inf and grows at its first one; -inf - -inf
+                          // is NaN, which compares false: a row still without one keeps m = -inf)
+      lazy_tile_max[0] = row_tile_max(0);
+      lazy_tile_max[1] = row_tile_max(1);
+      rescale_output = __any_sync(0xffffffffu, (lazy_tile_max[0] - row_max[0]) * SCALE_LOG2 > MAX_SLACK_LOG2 ||
+                                                (lazy_tile_max[1] - row_max[1]) * SCALE_LOG2 > MAX_SLACK_LOG2);
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const float tile_max = LAZY_RESCALE ? lazy_tile_max[half] : row_tile_max(half);
+      float m_scaled = safe_max(row_max[half]) * SCALE_LOG2;   // kept (lazily) or moved to m_new's
+      if (!LAZY_RESCALE || rescale_output) {
+        const float m_new = fmaxf(row_max[half], tile_max);
+        m_scaled = safe_max(m_new) * SCALE_LOG2;
+        rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
+        row_max[half] = m_new;
+        row_sum[half] *= rescale[half];
+      }
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
         const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
@@ -333,12 +356,14 @@ extern "C" __global__ void __launch_bounds__(128, 2) fagen_fwd_d64_fp16_causal_d
     }
   };
   auto rescale_output_and_pack = [&](const float (&rescale)[2]) {  // once O's last product has landed
+    if (!LAZY_RESCALE || rescale_output) {
 #pragma unroll
-    for (int t = 0; t < O_TILES; ++t) {
-      o_acc[t][0] *= rescale[0];
-      o_acc[t][1] *= rescale[0];
-      o_acc[t][2] *= rescale[1];
-      o_acc[t][3] *= rescale[1];
+      for (int t = 0; t < O_TILES; ++t) {
+        o_acc[t][0] *= rescale[0];
+        o_acc[t][1] *= rescale[0];
+        o_acc[t][2] *= rescale[1];
+        o_acc[t][3] *= rescale[1];
+      }
     }
     // P~'s accumulator layout is already the register A operand of the next wgmma
 #pragma unroll

@@ -389,7 +389,9 @@ __device__ __forceinline__ void widen_if_nan(int, int&, int&) {}
 
 template <typename T, int LANES = 32>
 __device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
-  static_assert(LANES >= 1 && LANES <= 32 && (LANES & (LANES - 1)) == 0 && SUMMARY_GRAIN % LANES == 0, "LANES");
+  // a whole warp or one thread: with 2-16 lanes, two groups of one warp could leave the loop on different
+  // iterations, and the full-mask shuffles would run with lanes missing
+  static_assert(LANES == 1 || LANES == 32, "summarise_input: LANES is 32 (a warp) or 1 (the host build)");
   const T* input = static_cast<const T*>(args.mod_tensor[k]);
   T* summary = static_cast<T*>(args.mod_summary[k]);
   const long long size = args.mod_size[k][dim], stride = args.mod_stride[k][dim];

@@ -270,7 +270,10 @@ def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
     ("(i - j) % 4 == 0 and j < limit[b, h]", None, {"limit": "int32"}, True),   # % by a power of two: a mask
     ("i // 8 == (j + Nk - Nq) // 64", None, None, True),         # // by powers of two: shifts
     ("(i - j) * 2 / 3 < 16", None, None, True),                  # parsed exactly: 2 (i - j) < 48
-    ("i + s >= j", None, {"s": "scalar"}, True),
+    ("i + s >= j", None, {"s": "scalar"}, False),                # scalars are float
+    ("(i + s) % 8 < 4", None, {"s": "scalar"}, False),           # py_fmod
+    ("floor((i - j) * t[b]) < 64 and j <= i", None, {"t": "float32"}, False),   # floorf (8 B spilled)
+    ("-(i // 2) <= (j + 3) // 4 and i % 8 != 7", None, None, True),
     ("(i - j) % 13 < 5", None, None, False),                     # a true division (ptxas: 8 B spilled)
     ("i // 7 == j // 7", None, None, False),
     ("cos((i - j) * 0.1) > 0.2 and j <= i", None, None, False),  # float arithmetic (8 B spilled)
@@ -424,7 +427,7 @@ using std::min; using std::max;
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 static inline float atomicAdd(float* address, float value) { const float old = *address; *address += value; return old; }
 static inline float __shfl_xor_sync(unsigned, float, int) { return 0.f; }   // one host "lane": no other lane adds
-static inline int __shfl_xor_sync(unsigned, int, int) { return 0; }
+static inline int __shfl_xor_sync(unsigned, int, int) { return 0; }   // never called: summarise_input<T, 1> has no shuffle
 namespace fagen {
 struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4];
                        void* mod_summary[4]; float* mod_grad[4]; };
