@@ -175,19 +175,18 @@ template <> __device__ __forceinline__ __half from_float<__half>(float x) { retu
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) { return __float2bfloat16_rn(x); }
 
 // ---- reductions across a warp ----------------------------------------------------------------
-__device__ __forceinline__ float warp_max(float x) {
+// x combined by op over each aligned group of LANES lanes (a power of two), every lane of the warp taking
+// part (full-mask shuffles) and every lane of a group getting the result.
+template <int LANES, typename T, typename Op>
+__device__ __forceinline__ T lanes_combine(T x, Op op) {
 #pragma unroll
-  for (int lane_mask = 16; lane_mask > 0; lane_mask >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
+  for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) x = op(x, __shfl_xor_sync(0xffffffffu, x, lane_mask));
   return x;
 }
-// The sum over each aligned group of LANES lanes (a power of two), every lane of the warp taking part.
 template <int LANES>
-__device__ __forceinline__ float lanes_sum(float x) {
-#pragma unroll
-  for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) x += __shfl_xor_sync(0xffffffffu, x, lane_mask);
-  return x;
-}
+__device__ __forceinline__ float lanes_sum(float x) { return lanes_combine<LANES>(x, [](float a, float b) { return a + b; }); }
 __device__ __forceinline__ float warp_sum(float x) { return lanes_sum<32>(x); }
+__device__ __forceinline__ float warp_max(float x) { return lanes_combine<32>(x, [](float a, float b) { return fmaxf(a, b); }); }
 
 // exp2 of (x - m) where m may still be -inf for a row that has seen no visible key:
 // FlashAttention's convention, so that such rows give 0 instead of NaN.
@@ -414,11 +413,8 @@ __device__ void summarise_input(const AttentionArgs& args, int k, int dim) {
       high = max(high, value);
       widen_if_nan(value, low, high);
     }
-#pragma unroll
-    for (int lane_mask = LANES / 2; lane_mask > 0; lane_mask >>= 1) {
-      low = min(low, __shfl_xor_sync(0xffffffffu, low, lane_mask));
-      high = max(high, __shfl_xor_sync(0xffffffffu, high, lane_mask));
-    }
+    low = lanes_combine<LANES>(low, [](T a, T b) { return min(a, b); });
+    high = lanes_combine<LANES>(high, [](T a, T b) { return max(a, b); });
     if (lane == 0) {
       summary[2 * entry] = low;
       summary[2 * entry + 1] = high;

@@ -427,13 +427,13 @@ using std::min; using std::max;
 static inline float rsqrtf(float x) { return 1.f / sqrtf(x); }
 static inline float atomicAdd(float* address, float value) { const float old = *address; *address += value; return old; }
 static inline float __shfl_xor_sync(unsigned, float, int) { return 0.f; }   // one host "lane": no other lane adds
-static inline int __shfl_xor_sync(unsigned, int, int) { return 0; }   // never called: summarise_input<T, 1> has no shuffle
 namespace fagen {
 struct AttentionArgs { const void* mod_tensor[4]; long long mod_size[4][2]; long long mod_stride[4][2]; double mod_scalar[4];
                        void* mod_summary[4]; float* mod_grad[4]; };
 enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 struct Index { long long x; };
 static const Index blockIdx{0}, threadIdx{0}, blockDim{1}, gridDim{1};   // one host "thread" does every entry
+template <int LANES, typename T, typename Op> T lanes_combine(T x, Op) { return x; }   // one lane: nothing to combine
 }
 using fagen::threadIdx;   // (CUDA's is global)
 """
