@@ -1603,14 +1603,26 @@ class Modifiers:
 
     @functools.cached_property
     def light_mask_mod(self) -> bool:
-        """A mask_mod alone (no score_mod) that the kernels test in a few integer registers: positions, lengths
-        and int32 loads hoisted out of the per-score work (prefix[b]), combined by +, -, integer products,
-        comparisons, and / or / not, and // or % by powers of two (what _CPrinter prints as shifts and masks).
-        No load per position (doc[b, j]: a value per key column held per thread), nothing in float (scalars,
-        float32 inputs, floorf, py_fmod), no other division: with those the d = 64 forward spilled 8-104 B at
-        three blocks per SM. The solver reserves a family's `light_mask_mod_registers` for it instead of
-        `modifier_registers`."""
-        return self.mask is not None and self.score is None and self._light(self.mask)
+        """A mask_mod that the kernels test in a few integer registers: positions, lengths and int32 loads hoisted
+        out of the per-score work (prefix[b]), combined by +, -, integer products, comparisons, and / or / not, and
+        // or % by powers of two (what _CPrinter prints as shifts and masks). Not: a load per position (doc[b, j]:
+        a value per key column held per thread), anything in float (scalars, float32 inputs, floorf, py_fmod),
+        another division: with those, the d = 64 forward spilled 8-104 B at three blocks per SM. For a mask_mod
+        alone the solver reserves a family's `light_mask_mod_registers` instead of `modifier_registers`."""
+        return self.mask is not None and self._light(self.mask)
+
+    @property
+    def mask_mod_alone(self) -> bool:
+        """A mask_mod and no score_mod (the solver reserves fewer registers for some: fagen/solver.py
+        modifier_reservation)."""
+        return self.mask is not None and self.score is None
+
+    @functools.cached_property
+    def mask_reads_keys(self) -> bool:
+        """Does the mask_mod read an input at a key position (doc[b, j], t[h, i - j])? Tested per score, a thread
+        reads one value per key column it holds (32 on forward_wgmma's 128-key tiles), so forward_wgmma tests
+        such a mask_mod ahead of the tile's scores (MASK_READS_KEYS in the generated struct)."""
+        return self.mask is not None and any(J in load.free_symbols for load in self.mask.atoms(sp.Indexed))
 
     def _light(self, expr) -> bool:
         """Is every node of `expr` one of light_mask_mod's integer operations?"""
@@ -1692,7 +1704,8 @@ class Modifiers:
         lines = [f"struct {name} {{",
                  f"  static constexpr bool HAS_MASK = {'true' if self.mask is not None else 'false'}, "
                  f"HAS_SCORE = {'true' if self.score is not None else 'false'}, "
-                 f"SCORE_GRAD_IS_ONE = {'true' if has_grad_one else 'false'};",
+                 f"SCORE_GRAD_IS_ONE = {'true' if has_grad_one else 'false'}, "
+                 f"MASK_READS_KEYS = {'true' if self.mask_reads_keys else 'false'};",
                  "  long long b, h;", "  int seq_q, seq_k;"]
         for tname, dtype, ndim in self.tensors:
             ctype = "int" if dtype == "int32" else "float"

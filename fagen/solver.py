@@ -79,6 +79,9 @@ class Family:
     modifier_registers: object = MODIFIER_REGISTERS  # mask_mod / score_mod (see above; int or sympy)
     # a mask_mod alone of a few integer operations (Modifiers.light_mask_mod); None: as modifier_registers
     light_mask_mod_registers: object = None
+    # a mask_mod alone that reads its inputs at key positions (Modifiers.mask_reads_keys: doc[b, j]); None: as
+    # modifier_registers
+    key_mask_mod_registers: object = None
     min_block_c: int = 1             # smaller Bc pays two barriers per few keys
     max_block_c: int = 1 << 20       # a family may cap Bc where its register estimate stops holding
     dtypes: tuple[str, ...] = ("fp16", "bf16", "fp32")
@@ -148,6 +151,11 @@ FAMILIES: tuple[Family, ...] = (
            # prefix-LM, window + sinks, dilated at d = 64, Br = 64, Bc = 128: 168 registers at three resident blocks
            # and no spills (ptxas, sm_90a), where 12 left them two
            light_mask_mod_registers=0,
+           # documents at d = 64, Br = 64, Bc = 128, tested ahead of the tile (the template's MASK_AHEAD): 166 registers
+           # at three resident blocks and no spills, where 12 left it two (255 registers, 32 B spilled). 8, not 0:
+           # with 4 of a packed batch's beside it, it spilled 140 B at three blocks; at d = 96 (Br = 128, Bc = 64 at
+           # two blocks of 8 warps, 128 registers) 192 B
+           key_mask_mod_registers=8,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
            # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
@@ -498,7 +506,7 @@ def _exact_int(value) -> int:
 class _CompiledFamily(NamedTuple):   # a NamedTuple, not a dataclass: cheaper to define at import
     family: Family
     # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads, modifier
-    # registers, packed registers, light mask_mod registers]
+    # registers, packed registers, light mask_mod registers, key-reading mask_mod registers]
     footprint: Callable
     smem_text: str        # the expressions as the infeasibility messages print them
     registers_text: str
@@ -513,9 +521,10 @@ def _compiled(family: Family) -> _CompiledFamily:
         # sympy's ceiling made opaque, so that lambdify calls _exact_ceiling instead of math.ceil on a float
         ceiling_of = sp.Function("exact_ceiling")
         light = family.modifier_registers if family.light_mask_mod_registers is None else family.light_mask_mod_registers
+        keys = family.modifier_registers if family.key_mask_mod_registers is None else family.key_mask_mod_registers
         expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
                        (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads,
-                        family.modifier_registers, family.packed_registers, light)]
+                        family.modifier_registers, family.packed_registers, light, keys)]
         footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
                                 modules=[{"exact_ceiling": _exact_ceiling}, "math"])
         entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
@@ -605,20 +614,32 @@ def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Famil
             and (f.deterministic or not spec.deterministic)]
 
 
+def modifier_reservation(modifiers, general, light, keys):
+    """The registers a family reserves for a spec's mask_mod / score_mod: `light` for a mask_mod alone of a few
+    integer operations, `keys` for a mask_mod alone that reads its inputs at key positions, `general` otherwise."""
+    if not modifiers.active:
+        return 0
+    if modifiers.mask_mod_alone:
+        if modifiers.light_mask_mod:
+            return light
+        if modifiers.mask_reads_keys:
+            return keys
+    return general
+
+
 def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
              block_r: int, block_c: int, warps: int, head_dim: Optional[int] = None) -> tuple[Plan, list[str]]:
     """The plan for these tiles and the list of constraints it breaks (empty: feasible); computed at
     `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
     head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
-    smem, registers, dropout_regs, reads, modifier_regs, packed_regs, light_mask_mod_regs = compiled.footprint(
+    smem, registers, dropout_regs, reads, modifier_regs, packed_regs, light_regs, key_regs = compiled.footprint(
         block_r, block_c, head_dim, warps, spec.element_bytes)
     smem = _exact_int(smem)
     modifiers = spec.modifiers
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)
                           + (packed_regs if spec.layout == "packed" else 0)
-                          + (0 if not modifiers.active else light_mask_mod_regs
-                             if modifiers.light_mask_mod else modifier_regs))
+                          + modifier_reservation(modifiers, modifier_regs, light_regs, key_regs))
     threads = 32 * warps
     broken = []
     if regs > target.registers_per_thread:

@@ -8,7 +8,7 @@
 // mask causal: j <= i + Nk - Nq
 namespace fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19 {
 struct KindMask {
-  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   long long b, h;
   int seq_q, seq_k;
   int c0;   // Nk - Nq, once
@@ -40,7 +40,7 @@ struct KindMask {
 };
 
 struct SpecMods {
-  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   long long b, h;
   int seq_q, seq_k;
 

@@ -156,11 +156,21 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_fp16_none_fa2
   constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
+  // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS) is tested ahead of its
+  // tile, before S_j's wgmma is issued, into a bit per score (accumulator_visibility; the template calls it):
+  // tested here, a thread held its 32 keys' values beside S's accumulators and the in-flight P~ and O, and spilled
+  // at two blocks per SM. The mask kinds and other mask_mods are tested here, per score.
+  constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS;
+  bool ahead_interior = true;                // MASK_AHEAD: the warp's tile needs no per-score test
+  unsigned ahead_bits[2] = {~0u, ~0u};       // MASK_AHEAD, !ahead_interior: bit 2 t + e of half, as accumulator_visibility
   auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test (the mask
     // kind's per warp, the mask_mod's per block: mods_full); a score_mod visits every element:
     // S = score_mod(S), then the mask
-    const bool interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
+    // (MASK_AHEAD: the same test, made ahead. Written out here: called as a function or lambda, the same test made
+    // ptxas schedule the d = 64 causal kernel differently)
+    const bool interior = MASK_AHEAD ? ahead_interior
+                                     : col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
     // fn(score, row, key, row as float, key as float) on each of the thread's elements of S_j
     auto each_score = [&](auto&& fn) {
       const float frow0 = (float)(warp_row0 + group), fcol0 = (float)(col0 + quad * 2);   // the score_mod's fi, fj
@@ -175,8 +185,15 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_fp16_none_fa2
     // tests were predicated rather than skipped: 5 instructions per score more for `score + slope[h]`)
     if (Mods::HAS_SCORE)
       each_score([&](float& s, int row, int col, float frow, float fcol) { s = visibility.modified_score(s, row, col, frow, fcol); });
-    if (!interior)
+    if (!interior && MASK_AHEAD) {
+#pragma unroll
+      for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e)
+          if (!((ahead_bits[e / 2] >> (2 * t + e % 2)) & 1u)) s_acc[t][e] = -INFINITY;
+    } else if (!interior) {
       each_score([&](float& s, int row, int col, float, float) { if (!visibility.visible_if(col < seq_k, row, col)) s = -INFINITY; });
+    }
     auto row_tile_max = [&](int half) {   // the tile's max of the thread's row group + 8 * half
       float tile_max = -INFINITY;
 #pragma unroll
@@ -253,6 +270,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_fp16_none_fa2
     if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
     load_rows(v_stage(i), v, args.v_stride[2], j);
     tc::cp_async_commit();
+    if (MASK_AHEAD) {   // (see the softmax) the mask of S_j while only O and P~ hold accumulators
+      const int col0 = j * BLOCK_C;
+      ahead_interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
+      if (!ahead_interior) accumulator_visibility<BLOCK_C>(visibility, warp_row0, col0, seq_k, ahead_bits);
+    }
     issue_scores(i);
     if (i > 0) issue_output(i - 1);
     if (i > 0) {

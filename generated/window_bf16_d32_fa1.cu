@@ -7,7 +7,7 @@
 // mask sliding_window: 0 <= i + Nk - Nq - j < 128
 namespace fagen_mods_d32_bf16_slidingwindow128_fa1_sm90 {
 struct KindMask {
-  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  static constexpr bool HAS_MASK = true, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   long long b, h;
   int seq_q, seq_k;
   int c0;   // Nk - Nq, once

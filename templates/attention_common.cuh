@@ -345,9 +345,11 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 // also has tile_class, both as one value, for the host tests), score / score_grad are the score_mod and
 // its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
 // on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
-// position (i, j) as ints and as floats (fi, fj), which a float expression of them reads.
+// position (i, j) as ints and as floats (fi, fj), which a float expression of them reads. MASK_READS_KEYS: the
+// mask_mod reads an input at a key position (doc[b, j]), which forward_wgmma tests ahead of the tile's scores
+// (accumulator_visibility) rather than per score in its softmax.
 struct NoMods {
-  static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true;
+  static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
   __device__ __forceinline__ bool visible(int, int) const { return true; }
   // Over rows [i_lo, i_hi] x keys [j_lo, j_hi] (inclusive): may a pair be visible (false only when none
@@ -523,6 +525,37 @@ struct Visibility {
     return score_gradient(s, row, col, (float)row, (float)col, scale);
   }
 };
+
+// The visibility of a warp's 16 x COLS tile of scores in the tensor cores' accumulator layout (lane (group,
+// quad) holds rows row0 + group + 8 half and keys col0 + 8 t + 2 quad + e, e = 0, 1), as a bit per score the
+// lane holds: bit 2 t + e of bits[half]. The lanes split the test by key instead (lane l tests key 32 m + l
+// against each of the 16 rows) and each row's ballot goes to the lanes that hold it, so that a lane reads the
+// inputs of COLS / 32 keys and of the warp's rows (the same address across the warp), where testing its own
+// scores reads COLS / 4 keys' (doc[b, j]: 32 values held at once on a 128-key tile). For a mask_mod that reads
+// its inputs at key positions, tested before its tile's scores are issued (forward_wgmma). Uniform over the warp.
+template <int COLS, typename V>
+__device__ __forceinline__ void accumulator_visibility(const V& visibility, int row0, int col0, int seq_k, unsigned (&bits)[2]) {
+  static_assert(COLS % 8 == 0 && COLS <= 128, "whole 8-key tiles; a lane's COLS / 4 keys of a row fit one word");
+  constexpr int WORDS = (COLS + 31) / 32;   // (Bc = 112: the last ballot's keys past the tile are not used)
+  const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
+  unsigned rows_of_lane[2][WORDS];   // rows group, group + 8: the key-by-lane ballots of their keys
+#pragma unroll
+  for (int r = 0; r < 16; ++r) {
+#pragma unroll
+    for (int m = 0; m < WORDS; ++m) {
+      const int col = col0 + 32 * m + lane;
+      const unsigned row_bits = __ballot_sync(0xffffffffu, visibility.visible_if(col < seq_k, row0 + r, col));
+      if (r % 8 == group) rows_of_lane[r / 8][m] = row_bits;
+    }
+  }
+  // key 8 t + 2 quad + e is bit 8 (t % 4) + 2 quad + e of word t / 4
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    bits[half] = 0u;
+#pragma unroll
+    for (int t = 0; t < COLS / 8; ++t) bits[half] |= ((rows_of_lane[half][t / 4] >> (8 * (t % 4) + 2 * quad)) & 3u) << (2 * t);
+  }
+}
 
 // A block's walk over the tiles of its loop: key tiles of a query block (KEYS, the forwards) or query tiles
 // of a key block (the backwards); tiles without a visible pair are never loaded. The mask kinds' tests are

@@ -193,11 +193,6 @@ KNOWN_SPILLS = {
     # document ids: the per-score test reads two ids, and the tile walk's classification reads the run-time
     # summary (a loop over its entries), inside the mma.sync forward
     ("documents_bf16_d64", "sm_80", "forward"): "24 / 48 B at 255 registers",
-    # the same in forward_wgmma: one warpgroup per 64-row block at two resident blocks (the solver's timed_first
-    # plan at d = 64) spills 36 / 48 B at 255 registers and is kept, as it ran faster than 128 x 64 at two blocks,
-    # which spilled 8 / 8 B at 128 (H200, 4 x 16 x 8192, the bench's documents: 545 -> 481 us, dev/gpu/plan_time.py);
-    # before that, 128 x 64 at two blocks ran 1.44x faster than at one without spills (H100: 962 -> 669 us)
-    ("documents_bf16_d64", "sm_90", "forward"): "36 / 48 B at 255 registers",
     # the same change of the transposed-scores step moved this FA1 backward (no mask_mod: the same tests, only
     # written as visible_if(row < seq_q && key < seq_k, ...)) across the 255-register edge it sits on (see the
     # Problem struct's note above); not timed (no sm_80 GPU here)

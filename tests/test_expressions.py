@@ -280,13 +280,31 @@ def test_sees_a_band_tells_a_band_of_keys_from_a_triangle(text, inputs, band):
     ("abs(i - j) < 64", None, None, False),                      # functions: not counted
     ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}, False),    # a load per query and per key (104 B spilled)
     ("j <= i + shift[b, i]", None, {"shift": "int32"}, False),
-    ("j <= i", "score + slope[h]", {"slope": "float32"}, False),  # a score_mod keeps its own registers
-    (None, "score * 0.5", None, False),
+    ("j <= i", "score + slope[h]", {"slope": "float32"}, True),   # (a score_mod beside it: the solver's general reservation)
+    (None, "score * 0.5", None, False),                          # no mask_mod
 ])
 def test_light_mask_mod(mask, score, inputs, light):
-    """What the solver reserves fewer registers for (fagen/solver.py light_mask_mod_registers): a mask_mod alone
-    of a few integer operations, its tensor reads all hoisted out of the per-score work."""
-    assert modifiers(mask, score, inputs).light_mask_mod is light
+    """What the solver reserves fewer registers for (fagen/solver.py modifier_reservation) where it is alone: a
+    mask_mod of a few integer operations, its tensor reads all hoisted out of the per-score work."""
+    mods = modifiers(mask, score, inputs)
+    assert mods.light_mask_mod is light
+    assert mods.mask_mod_alone is (mask is not None and score is None)
+
+
+@pytest.mark.parametrize("mask, inputs, reads_keys", [
+    ("doc[b, i] == doc[b, j]", {"doc": "int32"}, True),
+    ("j <= i and t[h, i - j] > 0", {"t": "float32"}, True),       # a table at the distance: per key as well
+    ("j <= i + shift[b, i]", {"shift": "int32"}, False),          # per query row only
+    ("j < prefix[b] or j <= i", {"prefix": "int32"}, False),       # hoisted
+    ("(i - j) % 13 < 5", None, False),
+    (None, None, False),
+])
+def test_mask_reads_keys(mask, inputs, reads_keys):
+    """A mask_mod that reads an input at a key position, which forward_wgmma tests ahead of the tile's scores: the
+    generated struct says so (MASK_READS_KEYS), and the solver reserves key_mask_mod_registers for it alone."""
+    mods = modifiers(mask, None if mask else "score * 0.5", inputs)
+    assert mods.mask_reads_keys is reads_keys
+    assert f"MASK_READS_KEYS = {'true' if reads_keys else 'false'};" in mods.cuda_struct()
 
 
 def test_mask_kind_structs_compute_in_int_from_one_member():

@@ -111,14 +111,17 @@ def feasible_plans(spec: Spec, pass_name: str) -> list[Plan]:
 
 def reserved_registers(family, values: dict, spec: Spec):
     """The family's register reservations a spec takes (Philox state, a packed batch's offsets, a mask_mod /
-    score_mod's state: the light one for a mask_mod alone of a few integer operations, where the family has
-    one), each an int or an expression of the tile, at these tile values."""
+    score_mod's state: for a mask_mod alone, the light one of a few integer operations or the one of a mask_mod
+    that reads inputs at key positions, where the family has them), each an int or an expression of the tile, at
+    these tile values."""
     modifiers = spec.modifiers
-    light = modifiers.light_mask_mod and family.light_mask_mod_registers is not None
+    alone = modifiers.mask_mod_alone
+    light = alone and modifiers.light_mask_mod and family.light_mask_mod_registers is not None
+    keys = alone and modifiers.mask_reads_keys and family.key_mask_mod_registers is not None
     return sum(sp.sympify(term).subs(values) for term, holds in
                ((family.dropout_registers, spec.dropout > 0), (family.packed_registers, spec.layout == "packed"),
-                (family.modifier_registers, modifiers.active and not light),
-                (family.light_mask_mod_registers, light)) if holds)
+                (family.modifier_registers, modifiers.active and not light and not keys),
+                (family.light_mask_mod_registers, light), (family.key_mask_mod_registers, keys)) if holds)
 
 
 def check_plan_constraints(spec: Spec, solution: solver.Solution, pass_name: str, plan: Plan) -> None:
@@ -527,12 +530,16 @@ def test_d64_forward_takes_the_timed_64_row_plan_at_the_residency_its_registers_
     """forward_wgmma's timed_first: at d = 64 (and what pads to 64) one warpgroup per 64-row block, 64 x 128, ranks
     ahead of the cost model's 128 x 64 (which counts K/V traffic first), over mask kinds, dropout, packed batches
     and mask_mod / score_mod specs; the resident blocks stay the register estimate's (three without modifiers and
-    with a light mask_mod, two with any other mask_mod or a score_mod). Other head dims keep the cost model's order."""
+    with a light mask_mod alone, or one that reads its inputs at key positions (documents), unless packed; two with
+    any other mask_mod or a score_mod). Other head dims keep the cost model's order."""
     target = target_for("sm_90")
     for extra, resident in (({}, 12), ({"mask": "causal"}, 12), ({"mask": "causal", "dropout": 0.1}, 12),
                             ({"mask": "sliding_window", "window": 1024}, 12), ({"layout": "packed"}, 12),
                             ({"mask": "causal", "layout": "packed", "dropout": 0.1}, 8),
-                            ({"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}}, 8),
+                            ({"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}}, 12),
+                            ({"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"},
+                              "layout": "packed"}, 8),
+                            ({"mask_mod": "j <= i + shift[b, i]", "inputs": {"shift": "int32"}}, 8),
                             ({"mask_mod": "j < prefix[b] or j <= i", "inputs": {"prefix": "int32"}}, 12),
                             ({"mask": "causal", "mask_mod": "j <= i and (i - j < 256 or j < 4)", "dropout": 0.1}, 12),
                             ({"mask": "causal", "score_mod": "score + slope[h] * (j - i)", "inputs": {"slope": "float32"}}, 8),
