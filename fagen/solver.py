@@ -151,10 +151,10 @@ FAMILIES: tuple[Family, ...] = (
            # prefix-LM, window + sinks, dilated at d = 64, Br = 64, Bc = 128: 168 registers at three resident blocks
            # and no spills (ptxas, sm_90a), where 12 left them two
            light_mask_mod_registers=0,
-           # documents at d = 64, Br = 64, Bc = 128, tested ahead of the tile (the template's MASK_AHEAD): 166 registers
-           # at three resident blocks and no spills, where 12 left it two (255 registers, 32 B spilled). 8, not 0:
-           # with 4 of a packed batch's beside it, it spilled 140 B at three blocks; at d = 96 (Br = 128, Bc = 64 at
-           # two blocks of 8 warps, 128 registers) 192 B
+           # documents at d = 64, Br = 64, Bc = 128: at three resident blocks the template tests it ahead of the tile
+           # (MASK_AHEAD), 166 registers and no spills, where 12 left it two (255 registers, 32 B spilled). 8, not
+           # 0: beside a packed batch's 4 or dropout's 8 it keeps two blocks (spilled 140 B at three, packed); at
+           # d = 96 (0: Br = 128, Bc = 64 at two blocks of 8 warps, 128 registers) 192 B
            key_mask_mod_registers=8,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
            # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so

@@ -320,6 +320,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     wg::fence_async_proxy();   // seen by the generic proxy; the tensor cores read through the async one
   };
 
+  constexpr bool MASK_AHEAD = false;   // no mask_mod here (the solver's: the walk cannot follow one)
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
@@ -332,11 +333,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
-  // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS) is tested ahead of its
-  // tile, before S_j's wgmma is issued, into a bit per score (accumulator_visibility; the template calls it):
-  // tested here, a thread held its 32 keys' values beside S's accumulators and the in-flight P~ and O, and spilled
-  // at two blocks per SM. The mask kinds and other mask_mods are tested here, per score.
-  constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS;
+  // MASK_AHEAD (the including template's): S_j's mask was tested ahead of the tile, into a bit per score
+  // (accumulator_visibility), which replaces the per-score test below
   bool ahead_interior = true;                // MASK_AHEAD: the warp's tile needs no per-score test
   unsigned ahead_bits[2] = {~0u, ~0u};       // MASK_AHEAD, !ahead_interior: bit 2 t + e of half, as accumulator_visibility
   auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
@@ -430,7 +428,6 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     for (int kk = 0; kk < P_STEPS; ++kk) tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
   };
 
-  static_assert(!MASK_AHEAD, "no mask_mod here (solver: the walk cannot follow one), so none to test ahead");
 
   // Per visible block j (i counts them): S_j = Q K_j^T and then O += P~_{j-1} V_{j-1} on the tensor cores,
   // the softmax of S_j overlapping the second; a stage is handed back as soon as its product landed.

@@ -220,6 +220,12 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
     wg::commit();
   };
+  // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS), tested per score in the
+  // softmax, has a thread hold its 32 keys' values beside S's accumulators and the in-flight P~ and O. Where that
+  // costs the third resident block (d = 64), it is tested ahead of the tile instead, before S_j's wgmma is issued,
+  // into a bit per score (accumulator_visibility): more instructions (a ballot per row and 32 keys), timed 4-8%
+  // slower than the per-score test at two blocks per SM and 6-9% faster for the third block (BENCHMARKS.md).
+  constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS && 3 >= 3;
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
@@ -232,11 +238,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
-  // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS) is tested ahead of its
-  // tile, before S_j's wgmma is issued, into a bit per score (accumulator_visibility; the template calls it):
-  // tested here, a thread held its 32 keys' values beside S's accumulators and the in-flight P~ and O, and spilled
-  // at two blocks per SM. The mask kinds and other mask_mods are tested here, per score.
-  constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS;
+  // MASK_AHEAD (the including template's): S_j's mask was tested ahead of the tile, into a bit per score
+  // (accumulator_visibility), which replaces the per-score test below
   bool ahead_interior = true;                // MASK_AHEAD: the warp's tile needs no per-score test
   unsigned ahead_bits[2] = {~0u, ~0u};       // MASK_AHEAD, !ahead_interior: bit 2 t + e of half, as accumulator_visibility
   auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
@@ -346,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
     load_rows(v_stage(i), v, args.v_stride[2], j);
     tc::cp_async_commit();
-    if (MASK_AHEAD) {   // (see the softmax) the mask of S_j while only O and P~ hold accumulators
+    if (MASK_AHEAD) {   // (see MASK_AHEAD) the mask of S_j while only O and P~ hold accumulators
       const int col0 = j * BLOCK_C;
       ahead_interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
       if (!ahead_interior) accumulator_visibility<BLOCK_C>(visibility, warp_row0, col0, seq_k, ahead_bits);

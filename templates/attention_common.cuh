@@ -347,7 +347,7 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 // on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
 // position (i, j) as ints and as floats (fi, fj), which a float expression of them reads. MASK_READS_KEYS: the
 // mask_mod reads an input at a key position (doc[b, j]), which forward_wgmma tests ahead of the tile's scores
-// (accumulator_visibility) rather than per score in its softmax.
+// (accumulator_visibility) rather than per score in its softmax where that buys a third resident block.
 struct NoMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
