@@ -124,11 +124,6 @@ _DQ_TILES_OVER_WARPS = ("the dQ tiles (Br/16 x d/8) split over W warps in pairs 
                         lambda r, c, hd, w: (r // 16) % w == 0 if r // 16 >= w
                         else w % (r // 16) == 0 and (hd // 8) % (2 * w // (r // 16)) == 0)
 
-# The warp-specialized forward: producer and consumers walk the visible tiles each on their own, and a mask_mod's
-# walk (TileWalk's shared bits) is filled by the whole block. (The warp-specialized backward's producer walks alone
-# and hands the walk over with each stage.)
-_NO_MASK_MOD = ("no mask_mod (the template's tile walk cannot follow one)", lambda spec: not spec.mask_mod)
-
 FAMILIES: tuple[Family, ...] = (
     # Hopper warpgroup MMA (wgmma, sm_90a): one 64-row slab of Q per warpgroup; Q_i and two cp.async
     # stages of K_j, V_j in swizzled shared memory (+1 KB to align the swizzle atoms), read by
@@ -183,15 +178,18 @@ FAMILIES: tuple[Family, ...] = (
     # N = 8192 2571-2589 -> 2042-2184, none N = 4096 1276 -> 948, causal 16 x 16 x 1024 236 -> 196, causal with
     # dropout 863 -> 757, sliding window 1024 at 8192 890 -> 734. Elsewhere it was slower or mixed (causal, 4 x 16
     # x 4096 unless noted): d = 32 612 -> 728, d = 96 576 -> 719, d = 160 1070 -> 1103, d = 192 1307 -> 1393,
-    # d = 256 1170 -> 1758; d = 64 415 -> 395-400 but 141 -> 145-152 at 16 x 16 x 1024.
+    # d = 256 1170 -> 1758; d = 64 415 -> 395-400 but 141 -> 145-152 at 16 x 16 x 1024. With the library's mask_mods
+    # at d = 128 (dev/gpu/ws_mask_mods.sh, 4 x 16, N = 2048 / 8192): documents 130 -> 120 / 754 -> 660, prefix-LM
+    # 195 -> 156 / 2580 -> 2177, window + sinks 117 -> 98 / 458 -> 374, dilated 203 -> 162 / 2611 -> 2203.
     Family("forward_wgmma_ws", "forward_wgmma_ws.cu.j2", ("forward",),
-           smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024 + 72,   # + the mbarriers
+           smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024 + 72 + 12,   # + the mbarriers, the walk's hand-over words
            registers=sp.Integer(168),   # every thread of the block at launch: 64 K registers over 384 threads
            smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
-           preference=-1, occupancy_first=True, tag="_ws", spec_rules=(_NO_MASK_MOD,),
+           preference=-1, occupancy_first=True, tag="_ws",
+           walk_warps=4,   # the producer warpgroup walks alone (templates/forward_wgmma_ws.cu.j2)
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
                   # O and S accumulators, P~ in pairs, 32 of state: the consumers' 224 registers
                   ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",

@@ -343,6 +343,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_causal_f
   // (accumulator_visibility), which replaces the per-score test below
   bool ahead_interior = true;                // MASK_AHEAD: the warp's tile needs no per-score test
   unsigned ahead_bits[2] = {~0u, ~0u};       // MASK_AHEAD, !ahead_interior: bit 2 t + e of half, as accumulator_visibility
+  auto test_mask_ahead = [&](int col0, bool mods_full) {   // S_j's mask into ahead_interior, ahead_bits
+    ahead_interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
+    if (!ahead_interior) accumulator_visibility<BLOCK_C>(visibility, warp_row0, col0, seq_k, ahead_bits);
+  };
   auto softmax = [&](int col0, bool mods_full, float (&rescale)[2]) {
     // only tiles that cross a mask edge or the end of the keys pay for the per-element test (the mask
     // kind's per warp, the mask_mod's per block: mods_full); a score_mod visits every element:
@@ -450,11 +454,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_causal_f
     if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
     load_rows(v_stage(i), v, args.v_stride[2], j);
     tc::cp_async_commit();
-    if (MASK_AHEAD) {   // (see MASK_AHEAD) the mask of S_j while only O and P~ hold accumulators
-      const int col0 = j * BLOCK_C;
-      ahead_interior = col0 + BLOCK_C <= seq_k && mods_full && visibility.tile_all_visible<false>(warp_row0, 16, col0, BLOCK_C);
-      if (!ahead_interior) accumulator_visibility<BLOCK_C>(visibility, warp_row0, col0, seq_k, ahead_bits);
-    }
+    if (MASK_AHEAD) test_mask_ahead(j * BLOCK_C, mods_full);   // (see MASK_AHEAD) while only O and P~ hold accumulators
     issue_scores(i);
     if (i > 0) issue_output(i - 1);
     if (i > 0) {

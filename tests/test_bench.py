@@ -380,7 +380,19 @@ def test_module_cli_parses_the_modifiers_command(monkeypatch):
     assert bench_main.main(["modifiers", "--seq-lens", "1024", "--json", "x.json"]) == 0
     (args, kwargs), = calls
     assert args == ([1024], 4, 16) and kwargs["json"] == "x.json" and kwargs["first_call"] is False
-    assert kwargs["spec_file"] == modifiers.SPEC_FILE and kwargs["variants"] is None
+    assert kwargs["spec_file"] == modifiers.SPEC_FILE and kwargs["variants"] is None and kwargs["head_dim"] is None
+
+
+def test_modifiers_variants_at_another_head_dim_keep_their_flex_version():
+    """`--head-dim 128`: the library's d = 64 mask_mods timed at d = 128, each against its own Flex functions."""
+    from fagen.bench import modifiers
+
+    specs = modifiers._load(modifiers.SPEC_FILE, ["documents_bf16_d64", "prefix_lm_bf16_d64"], head_dim=128)
+    assert [(s.variant_name, s.head_dim) for s in specs] == [("documents_bf16_d64_at_d128", 128),
+                                                              ("prefix_lm_bf16_d64_at_d128", 128)]
+    assert specs[0].mask_mod == "doc[b, i] == doc[b, j]" and specs[0].mask == "causal"
+    assert modifiers.flex_mods(specs[1], {"prefix": None}).per_batch
+    assert not modifiers.flex_mods(modifiers._load(modifiers.SPEC_FILE, ["dilated_fp16_d64_sm80"], 96)[0], {}).per_batch
 
 
 # ---- corners (issue 13): the masks Flex gets are fagen's -------------------------------------

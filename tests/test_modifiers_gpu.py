@@ -37,6 +37,11 @@ FAMILIES = [
     # the wide mma.sync backward (d = 192): soft-capping's derivative and a document mask from a summary
     Spec(head_dim=192, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", score_mod="cap * tanh(score / cap)",
          inputs={"doc": "int32", "cap": "scalar"}),
+    # the warp-specialized forward (d = 128): its producer walks the tiles and hands the walk over with each K stage;
+    # a document mask tested ahead of the tile, and a mask_mod of a few operations under a score_mod
+    Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
+    Spec(head_dim=128, dtype="fp16", mask_mod="j < prefix[b] or j <= i", score_mod="score - slope[h] * (i - j)",
+         inputs={"prefix": "int32", "slope": "float32"}),
     # 64-byte swizzle panels (d = 96 on both wgmma passes) under a document mask's block-wide tile walk
     Spec(head_dim=96, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
     # gradients of score_mod's tensor inputs (fagen.testing checks them with input_grads=True): a derivative
@@ -206,11 +211,11 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
             assert call.launches[0][4].endswith("_summary")
 
 
-@pytest.mark.parametrize("head_dim", [64, 96])
+@pytest.mark.parametrize("head_dim", [64, 96, 128])
 def test_tile_walk_past_one_block_of_tiles(head_dim):
     """A block classifies THREADS tiles at a time (TileWalk); a longer walk refills its bits. At N = 20000 the
-    d = 64 forward walks 313 key tiles (Bc = 64, 256 threads) and the d = 96 backward 313 query tiles (Br = 64,
-    128 threads): o, dq, dk, dv against SDPA in fp32 with the same mask as a boolean tensor (causal, within
+    d = 64 forward walks 157 key tiles (Bc = 128, 128 threads), the d = 96 backward 313 query tiles (Br = 64,
+    128 threads) and the d = 128 warp-specialized forward 157 key tiles (its producer's 128 threads): o, dq, dk, dv against SDPA in fp32 with the same mask as a boolean tensor (causal, within
     documents that cross the refill boundaries)."""
     import torch
     import torch.nn.functional as F

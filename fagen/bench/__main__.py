@@ -59,6 +59,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     modifiers.add_argument("--heads", type=int, default=16)
     modifiers.add_argument("--spec-file", help="default: examples/modifiers.yaml")
     modifiers.add_argument("--variants", help="comma-separated variant names (default: every variant of the file)")
+    modifiers.add_argument("--head-dim", type=int, help="time every variant at this head dim instead of its own")
     modifiers.add_argument("--first-call", action="store_true",
                            help="also time a first call (cold compile + forward + backward) of fagen and of Flex, "
                                 "each in a fresh process, at N=2048")
@@ -93,7 +94,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         modifiers_bench.run_modifiers([int(x) for x in args.seq_lens.split(",")], args.batch, args.heads,
                                       spec_file=args.spec_file or modifiers_bench.SPEC_FILE,
                                       variants=args.variants.split(",") if args.variants else None,
-                                      first_call=args.first_call, json=args.json_path)
+                                      first_call=args.first_call, json=args.json_path, head_dim=args.head_dim)
         return 0
     if args.command == "corners":
         from fagen.bench.corners import CORNERS, run_corners

@@ -197,7 +197,17 @@ def _no_dropout(spec: Spec) -> Spec:
     return spec.model_copy(update={"dropout": 0.0, "name": spec.variant_name + "_nodrop"})
 
 
-def _load(spec_file, variants: Optional[Sequence[str]] = None) -> list[Spec]:
+#: a variant timed at another head dim than its spec file's (`--head-dim`): its name, this, the head dim
+AT_HEAD_DIM = "_at_d"
+
+
+def flex_mods(spec: Spec, inputs: dict) -> FlexMods:
+    """FLEX_VARIANTS' functions of a variant, or of the variant it was made from at another head dim."""
+    return FLEX_VARIANTS[spec.variant_name.split(AT_HEAD_DIM)[0]](inputs)
+
+
+def _load(spec_file, variants: Optional[Sequence[str]] = None, head_dim: Optional[int] = None) -> list[Spec]:
+    """The variants of the file (those named), at `head_dim` in place of each spec's where given."""
     from fagen.spec import load_specs
 
     specs = load_specs(spec_file)
@@ -211,6 +221,9 @@ def _load(spec_file, variants: Optional[Sequence[str]] = None) -> list[Spec]:
     if missing:
         raise SystemExit(f"no FlexAttention version of {', '.join(missing)}: add it to FLEX_VARIANTS "
                          f"in fagen/bench/modifiers.py")
+    if head_dim is not None:
+        specs = [s.model_copy(update={"head_dim": head_dim, "name": f"{s.variant_name}{AT_HEAD_DIM}{head_dim}"})
+                 for s in specs]
     return specs
 
 
@@ -221,19 +234,22 @@ def _fmt(value: Optional[float], spec: str, unit: str) -> str:
 # ==== the timed run ===============================================================================
 def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads: int = 16,
                   spec_file=SPEC_FILE, variants: Optional[Sequence[str]] = None, first_call: bool = False,
-                  warmup: int = 10, repeats: int = 30, json: Optional[str] = None) -> dict:
+                  warmup: int = 10, repeats: int = 30, json: Optional[str] = None,
+                  head_dim: Optional[int] = None) -> dict:
     import torch
     from rich.markup import escape
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     from fagen import runtime
 
-    specs = _load(spec_file, variants)
+    if first_call and head_dim is not None:
+        raise SystemExit("--first-call times the spec file's variants as they are: leave out --head-dim")
+    specs = _load(spec_file, variants, head_dim)
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
     allow_flex_recompiles(torch)
-    meta = {**environment(torch), "batch": batch, "heads": heads, "seq_lens": list(seq_lens),
+    meta = {**environment(torch), "batch": batch, "heads": heads, "seq_lens": list(seq_lens), "head_dim": head_dim,
             "spec_file": str(spec_file), "tolerance": TOLERANCE}
     console.print(escape(f"fagen bench modifiers on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}: "
                          f"{len(specs)} variants of {spec_file}, B={batch} H={heads}, N in {list(seq_lens)}"))
@@ -265,7 +281,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
             # Flex first: its o and gradients are what fagen is checked against
             expected, flex_state = None, None
             try:
-                mods = FLEX_VARIANTS[spec.variant_name](case.inputs)
+                mods = flex_mods(spec, case.inputs)
                 row["flex_block_mask_us"] = timed(lambda: _block_mask(create_block_mask, mods, batch, seq_len), 2, 10)
                 block_mask = _block_mask(create_block_mask, mods, batch, seq_len)
                 leaves = tuple(t.detach().clone().requires_grad_(True) for t in (case.q, case.k, case.v))
@@ -414,7 +430,7 @@ def _first_call_child(which: str, variant: str, seq_len: int = FIRST_CALL_SEQ_LE
     elif which == "flex":
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        mods = FLEX_VARIANTS[spec.variant_name](case.inputs)
+        mods = flex_mods(spec, case.inputs)
         leaves = tuple(t.detach().clone().requires_grad_(True) for t in (case.q, case.k, case.v))
         torch.cuda.synchronize()
         start = time.perf_counter()
