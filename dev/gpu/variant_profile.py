@@ -2,7 +2,7 @@
 and the same spec without its mask_mod / score_mod (the mask kind alone) on both sides, so that what the
 modifier costs each library shows apart from the base kernel's speed.
 
-    python3 dev/gpu/variant_profile.py documents_bf16_d64 prefix_lm_bf16_d64 --seq-lens 2048 8192
+    python3 dev/gpu/variant_profile.py documents_bf16_d64 prefix_lm_bf16_d64 --seq-lens 2048 8192 [--head-dim 128]
 """
 import argparse
 
@@ -36,18 +36,19 @@ def main():
     parser.add_argument("--seq-lens", type=int, nargs="+", default=[2048, 8192])
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, help="the variants at this head dim (fagen.bench modifiers --head-dim)")
     args = parser.parse_args()
     runtime.ensure_context()
     mb.allow_flex_recompiles(torch)
     flex = torch.compile(flex_attention, dynamic=False)
-    for spec in mb._load(mb.SPEC_FILE, args.variants):
+    for spec in mb._load(mb.SPEC_FILE, args.variants, args.head_dim):
         # the base: every variant of the library is causal or narrower, so plain causal is its mask kind alone
         base_spec = Spec(**{**spec.model_dump(exclude_none=True), "mask_mod": None, "score_mod": None,
                             "inputs": None, "mask": "causal", "name": spec.variant_name + "_base"})
         kernels = {"variant": runtime.compile(spec), "base": runtime.compile(base_spec)}
         for n in args.seq_lens:
             case = mb.make_case(spec, args.batch, args.heads, n, seed=n)
-            mods = mb.FLEX_VARIANTS[spec.variant_name](case.inputs)
+            mods = mb.flex_mods(spec, case.inputs)
             flex_cases = {"variant": (mods.score_mod, mb._block_mask(create_block_mask, mods, args.batch, n))}
             flex_cases["base"] = (None, create_block_mask(mb._causal, None, None, n, n, device="cuda"))
             print(f"==== {spec.variant_name} N={n} B={args.batch} H={args.heads} (base: causal)")
