@@ -125,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   auto v_full = [&](int s) { return barriers + 8 * (3 + 4 * s); };
   auto v_empty = [&](int s) { return barriers + 8 * (4 + 4 * s); };
   volatile int* handed = reinterpret_cast<volatile int*>(reinterpret_cast<char*>(shared_raw) +
-                                                         (v_empty(STAGES) - tc::shared_address(shared_raw)));
+                                                         (barriers + 8 * (1 + 4 * STAGES) - tc::shared_address(shared_raw)));
   volatile int* handed_stage = handed + 1;
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json as json_module
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -203,7 +204,9 @@ AT_HEAD_DIM = "_at_d"
 
 def flex_mods(spec: Spec, inputs: dict) -> FlexMods:
     """FLEX_VARIANTS' functions of a variant, or of the variant it was made from at another head dim."""
-    return FLEX_VARIANTS[spec.variant_name.split(AT_HEAD_DIM)[0]](inputs)
+    name = spec.variant_name
+    made_from = re.fullmatch(rf"(.+){AT_HEAD_DIM}\d+", name)
+    return FLEX_VARIANTS[name if name in FLEX_VARIANTS or not made_from else made_from.group(1)](inputs)
 
 
 def _load(spec_file, variants: Optional[Sequence[str]] = None, head_dim: Optional[int] = None) -> list[Spec]:
