@@ -1,0 +1,56 @@
+"""Device time per kernel of one spec's forward (and backward), by torch.profiler (CUPTI): what a launch costs
+on the GPU, apart from the host's time per call that CUDA-event timings of small shapes include.
+
+    python3 dev/gpu/kernel_times.py "{head_dim: 128, dtype: bf16, mask: causal}" --shapes 8x16x1024 4x16x2048 [--backward]
+"""
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+import torch
+import yaml
+from torch.profiler import ProfilerActivity, profile
+
+from fagen import runtime
+from fagen.bench.modifiers import make_case
+from fagen.spec import Spec
+
+
+def device_times(fn, reps: int = 20) -> list:
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    rows = [(e.device_time_total / reps, e.key) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
+    return sorted(rows, reverse=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("spec")
+    parser.add_argument("--shapes", nargs="+", default=["4x16x2048"], help="BxHxN")
+    parser.add_argument("--backward", action="store_true")
+    args = parser.parse_args()
+    spec = Spec(**yaml.safe_load(args.spec))
+    kernel = runtime.compile(spec)
+    for shape in args.shapes:
+        batch, heads, seq = map(int, shape.split("x"))
+        case = make_case(spec, batch, heads, seq, seed=seq)
+        extra = {"inputs": case.inputs} if case.inputs else {}
+        o, lse = kernel.forward(case.q, case.k, case.v, **extra)
+        passes = [("forward", lambda: kernel.forward(case.q, case.k, case.v, **extra))]
+        if args.backward:
+            passes.append(("backward", lambda: kernel.backward(case.q, case.k, case.v, o, lse, case.do, **extra)))
+        for name, fn in passes:
+            rows = device_times(fn)
+            print(f"{spec.variant_name} {shape} {name}: {sum(t for t, _ in rows):.1f} us on the device: "
+                  + ", ".join(f"{key[-28:]} {t:.1f}" for t, key in rows))
+
+
+if __name__ == "__main__":
+    main()
