@@ -346,8 +346,9 @@ __device__ __forceinline__ int visible_keys(const AttentionArgs& args, long long
 // its derivative in the score (sympy's), in natural units (score = tau * q.k); raw_score is the score_mod
 // on the raw product q.k, in its units (score_mod(tau s) / tau, tau folded in by sympy). Each takes the
 // position (i, j) as ints and as floats (fi, fj), which a float expression of them reads. MASK_READS_KEYS: the
-// mask_mod reads an input at a key position (doc[b, j]), which forward_wgmma tests ahead of the tile's scores
-// (accumulator_visibility) rather than per score in its softmax where that buys a third resident block.
+// mask_mod reads an input at a key position (doc[b, j]), which the wgmma forwards test ahead of the tile's scores
+// (accumulator_visibility) rather than per score in their softmax: forward_wgmma where that buys a third resident
+// block, forward_wgmma_ws always (per score it spilled the consumers' registers).
 struct NoMods {
   static constexpr bool HAS_MASK = false, HAS_SCORE = false, SCORE_GRAD_IS_ONE = true, MASK_READS_KEYS = false;
   __device__ NoMods(const AttentionArgs&, long long, long long, int, int) {}
@@ -532,7 +533,8 @@ struct Visibility {
 // against each of the 16 rows) and each row's ballot goes to the lanes that hold it, so that a lane reads the
 // inputs of COLS / 32 keys and of the warp's rows (the same address across the warp), where testing its own
 // scores reads COLS / 4 keys' (doc[b, j]: 32 values held at once on a 128-key tile). For a mask_mod that reads
-// its inputs at key positions, tested before its tile's scores are issued (forward_wgmma). Uniform over the warp.
+// its inputs at key positions, tested before its tile's scores are issued (forward_wgmma, forward_wgmma_ws).
+// Uniform over the warp.
 template <int COLS, typename V>
 __device__ __forceinline__ void accumulator_visibility(const V& visibility, int row0, int col0, int seq_k, unsigned (&bits)[2]) {
   static_assert(COLS % 8 == 0 && COLS <= 128, "whole 8-key tiles; a lane's COLS / 4 keys of a row fit one word");

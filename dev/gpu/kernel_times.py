@@ -18,16 +18,20 @@ from fagen.bench.modifiers import make_case
 from fagen.spec import Spec
 
 
-def device_times(fn, reps: int = 20) -> list:
+def kernel_table(fn, reps: int = 10) -> list:
+    """[(kernel name (70 characters), (device µs per call, launches per call))], slowest first: fn's kernels as
+    torch.profiler (CUPTI) sees them over `reps` calls, after one call outside the profile."""
     fn()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    rows = [(e.device_time_total / reps, e.key) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.count]
-    return sorted(rows, reverse=True)
+    rows = {}
+    for event in prof.key_averages():
+        if event.device_type == torch.autograd.DeviceType.CUDA and event.count:
+            rows[event.key[:70]] = (event.device_time_total / reps, event.count / reps)
+    return sorted(rows.items(), key=lambda kv: -kv[1][0])
 
 
 def main() -> None:
@@ -47,9 +51,9 @@ def main() -> None:
         if args.backward:
             passes.append(("backward", lambda: kernel.backward(case.q, case.k, case.v, o, lse, case.do, **extra)))
         for name, fn in passes:
-            rows = device_times(fn)
-            print(f"{spec.variant_name} {shape} {name}: {sum(t for t, _ in rows):.1f} us on the device: "
-                  + ", ".join(f"{key[-28:]} {t:.1f}" for t, key in rows))
+            rows = kernel_table(fn, 20)
+            print(f"{spec.variant_name} {shape} {name}: {sum(t for _, (t, _) in rows):.1f} us on the device: "
+                  + ", ".join(f"{key[-28:]} {t:.1f}" for key, (t, _) in rows))
 
 
 if __name__ == "__main__":

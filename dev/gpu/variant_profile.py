@@ -8,26 +8,12 @@ import argparse
 
 import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-from torch.profiler import ProfilerActivity, profile
 
+from dev.gpu.kernel_times import kernel_table
 from fagen import runtime
 from fagen.bench import modifiers as mb
 from fagen.bench.timing import time_us_after_first_call
 from fagen.spec import Spec
-
-
-def kernel_table(fn, reps=10):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    rows = {}
-    for event in prof.key_averages():
-        if event.device_type == torch.autograd.DeviceType.CUDA and event.count:
-            rows[event.key[:70]] = (event.device_time_total / reps, event.count / reps)
-    return sorted(rows.items(), key=lambda kv: -kv[1][0])
 
 
 def main():
