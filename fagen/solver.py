@@ -104,6 +104,9 @@ class Family:
     extra_tiles: tuple = ()
     tile_walk: bool = False          # the template keeps TileWalk's bits in static shared memory (walk_bytes)
     walk_warps: int = 0              # the warps that walk the tiles (TileWalk's THREADS / 32); 0: every warp
+    # static shared memory besides TileWalk's: row pointers the template keeps there through its main loop
+    # (block_values_in_shared, templates/attention_common.cuh), 8 bytes each
+    shared_pointer_bytes: int = 0
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
     spec_rules: tuple = ()           # (description, predicate(spec)): specs the template is not offered for
 
@@ -198,9 +201,13 @@ FAMILIES: tuple[Family, ...] = (
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
+           shared_pointer_bytes=16,   # O's and LSE's rows (block_values_in_shared)
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
-           # Q fragments (bf16 pairs), O and S accumulators of the warp's Br/W rows, spread over 32 lanes
-           registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
+           # Q fragments (bf16 pairs), O and S accumulators of the warp's Br/W rows, spread over 32 lanes, + 16 for
+           # a second 16-row slab per warp: ptxas on sm_80 at two slabs (W = 4, Br = 128) spilled 8-56 B where Q, O
+           # and S took 200-208 registers (d = 112 at Bc = 32, d = 96 at Bc = 64) and none at 176-200 (d = 32, 48
+           # at Bc = 128), whatever else it used up to 255
+           registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD + 16 * (Br / (16 * W) - 1),
            # every warp reads all of K_j and V_j from shared memory: bytes per (query row, key) pair
            smem_reads=2 * 2 * d * W / Br,
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1, 2), dropout_registers=56, min_block_c=32, max_block_c=128,
@@ -209,6 +216,7 @@ FAMILIES: tuple[Family, ...] = (
     # The same template with Q_w re-read from shared memory at every k-step: frees the Q registers so
     # that large head dims can still run two 16-row slabs per warp (each K/V fragment feeds two MMAs).
     Family("forward_fa2_mma_qsmem", "forward_fa2_mma.cu.j2", ("forward",),
+           shared_pointer_bytes=16,   # O's and LSE's rows (block_values_in_shared)
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
            registers=Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
            smem_reads=2 * 2 * d * W / Br + 2 * d / Bc,
@@ -318,6 +326,7 @@ FAMILIES: tuple[Family, ...] = (
     # in registers; Q_i, dO_i, LSE_i, D_i in two cp.async stages, dS^T through shared memory for dQ
     # (fp32 atomics, hence no deterministic mode).
     Family("backward_fa2_mma", "backward_fa2_mma.cu.j2", ("backward",),
+           shared_pointer_bytes=56,   # the rows of Q, dO, LSE, D, dQ, dK, dV (block_values_in_shared)
            smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + Bc * (Br + 8)),
            # dK, dV (16 x d each) + S^T, dP^T (16 x Br each) over 32 lanes; the dQ tile reuses S^T's registers.
            # The overhead and the dropout term (Philox draws interleaved across the Br/2 scores a lane holds)
@@ -336,6 +345,7 @@ FAMILIES: tuple[Family, ...] = (
     # keys (the template's KV_M); P_drop^T and dS^T go through shared memory (Bc x Br each) from one layout
     # to the other. A fallback: ranked after the families that keep S^T in the registers that use it.
     Family("backward_fa2_mma_wide", "backward_fa2_mma_wide.cu.j2", ("backward",),
+           shared_pointer_bytes=56,   # the rows of Q, dO, LSE, D, dQ, dK, dV (block_values_in_shared)
            smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + 2 * Bc * (Br + 8)),
            # dK, dV (16 keys x d/SPLIT each) + S^T, dP^T (16 keys x Br/SPLIT each) over 32 lanes, SPLIT = 16W/Bc,
            # + a 16 x 64 dQ chunk (32, where the dims split that way) + loop state and addresses
@@ -603,6 +613,13 @@ def walk_bytes(family: Family, spec: Spec, warps: int) -> int:
     return 2 * 4 * (family.walk_warps or warps) if spec.mask_mod else 4
 
 
+def static_bytes(family: Family, spec: Spec, warps: int) -> int:
+    """The template's static shared memory, on top of the dynamic footprint: TileWalk's and the row pointers',
+    which ptxas lays out in 16-byte units (what it reports: 56 B of pointers and a 4-byte word take 64)."""
+    total = walk_bytes(family, spec, warps) + family.shared_pointer_bytes
+    return -(-total // 16) * 16 if family.shared_pointer_bytes else total
+
+
 def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Family]:
     """Families that implement this pass for this spec, fastest first. The paper's tiles are arbitrary
     integers, so that policy needs a family that takes any tile."""
@@ -660,7 +677,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
         broken.append("Br, Bc multiples of 16 (tensor-core tiles)")
     if spec.mask == "block_sparse" and (spec.block_size % block_r or spec.block_size % block_c):
         broken.append(f"Br and Bc divide block_size {spec.block_size}")
-    static_smem = walk_bytes(family, spec, warps)
+    static_smem = static_bytes(family, spec, warps)
     if smem + static_smem > target.smem_per_block:
         broken.append(f"shared memory {smem} + {static_smem} static <= {target.smem_per_block}")
     blocks_by_smem = target.smem_per_sm // max(smem + static_smem, 1)

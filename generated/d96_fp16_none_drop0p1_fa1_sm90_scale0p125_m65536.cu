@@ -242,13 +242,24 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   if (PACKED && col0 >= seq_k) return;  // packed: the grid is sized for the longest sequence
   const int cols_here = min(BLOCK_C, seq_k - col0);
   const int warp_col0 = col0 + slab * 16;                          // this warp's 16 keys
-  const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
+  // The rows of dK, dV, used only after the loop, and of Q, dO, LSE, D and dQ's accumulator, used once a step:
+  // in shared memory through the loop (block_values_in_shared), the per-step ones only where S^T and dP^T take
+  // Br >= 64 registers each. (ptxas on sm_80, held in registers: 4-44 B spilled at Br = 64, 128; read from shared
+  // memory at each step: 4-28 B spilled at Br = 32, where they were spill-free in registers.)
+  struct RowPointers {
+    const elem_t* q; const elem_t* d_o; const float* lse; const float* delta; float* dq_accum; elem_t* dk; elem_t* dv;
+  };
+  const RowPointers rows_in_registers{
+      problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride),
+      problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride), args.lse + problem.row_offset,
+      args.delta + problem.row_offset, args.dq_accum + problem.row_offset * HEAD_DIM,
+      problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride),
+      problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride)};
+  __shared__ RowPointers row_pointers_slot;
+  const RowPointers& rows_in_shared = block_values_in_shared(row_pointers_slot, rows_in_registers);
+  const RowPointers& rows_of = BLOCK_R >= 64 ? rows_in_shared : rows_in_registers;   // the per-step ones
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-  const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const float* lse = args.lse + problem.row_offset;
-  const float* delta = args.delta + problem.row_offset;
-  float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
@@ -260,13 +271,13 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, q, args.q_stride[2], row0, rows, DATA_DIM);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, rows_of.q, args.q_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, DATA_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
       float* dst = (r < BLOCK_R ? t.lse : t.delta) + stage * BLOCK_R + row;
-      tc::cp_async_4(dst, (r < BLOCK_R ? lse : delta) + (valid ? row0 + row : 0), valid);
+      tc::cp_async_4(dst, (r < BLOCK_R ? rows_of.lse : rows_of.delta) + (valid ? row0 + row : 0), valid);
     }
   };
 
@@ -492,7 +503,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
         for (int e_half = 0; e_half < 2; ++e_half) {
           const int row = row0 + (slab0 + m) * 16 + group + e_half * 8;
           if (row >= seq_q) continue;
-          float* dq_row = dq_accum + (long long)row * HEAD_DIM + tile0 * 8 + quad * 2;
+          float* dq_row = rows_of.dq_accum + (long long)row * HEAD_DIM + tile0 * 8 + quad * 2;
 #pragma unroll
           for (int n = 0; n < DQ_N; ++n) {
 #if __CUDA_ARCH__ >= 900  // one vector atomic for the lane's two adjacent dims
@@ -512,8 +523,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
   // dK_j = tau dK_w, dV_j = dV_w: each lane writes its two adjacent dims as one 32-bit store
-  elem_t* dk = problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
-  elem_t* dv = problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = warp_col0 + group + half * 8;
@@ -521,9 +530,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
       const int dim = n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
+      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
                                        dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
                                        dv_acc[n][2 * half + 1]);
     }
   }

@@ -183,7 +183,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
   const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-  elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
@@ -197,6 +196,12 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, cols, DATA_DIM);
     tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols, DATA_DIM);
   };
+
+  // O's and LSE's rows, used only after the loop: in shared memory through it (block_values_in_shared)
+  struct OutputRows { elem_t* o; float* lse; };
+  __shared__ OutputRows output_rows_slot;
+  const OutputRows& output_rows = block_values_in_shared(
+      output_rows_slot, OutputRows{problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride), args.lse + problem.row_offset});
 
   // Q_i and the first visible K_j, V_j in flight together.
   tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
@@ -374,12 +379,12 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     const int row = warp_row0 + m * 16 + group + half * 8;
     if (row >= seq_q) continue;
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    elem_t* o_row = o + (long long)row * args.o_stride[2];
+    elem_t* o_row = output_rows.o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
     }
-    if (quad == 0) args.lse[problem.row_offset + row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
+    if (quad == 0) output_rows.lse[row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
   }
 }
 
@@ -470,13 +475,24 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
   if (PACKED && col0 >= seq_k) return;  // packed: the grid is sized for the longest sequence
   const int cols_here = min(BLOCK_C, seq_k - col0);
   const int warp_col0 = col0 + slab * 16;                          // this warp's 16 keys
-  const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
+  // The rows of dK, dV, used only after the loop, and of Q, dO, LSE, D and dQ's accumulator, used once a step:
+  // in shared memory through the loop (block_values_in_shared), the per-step ones only where S^T and dP^T take
+  // Br >= 64 registers each. (ptxas on sm_80, held in registers: 4-44 B spilled at Br = 64, 128; read from shared
+  // memory at each step: 4-28 B spilled at Br = 32, where they were spill-free in registers.)
+  struct RowPointers {
+    const elem_t* q; const elem_t* d_o; const float* lse; const float* delta; float* dq_accum; elem_t* dk; elem_t* dv;
+  };
+  const RowPointers rows_in_registers{
+      problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride),
+      problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride), args.lse + problem.row_offset,
+      args.delta + problem.row_offset, args.dq_accum + problem.row_offset * HEAD_DIM,
+      problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride),
+      problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride)};
+  __shared__ RowPointers row_pointers_slot;
+  const RowPointers& rows_in_shared = block_values_in_shared(row_pointers_slot, rows_in_registers);
+  const RowPointers& rows_of = BLOCK_R >= 64 ? rows_in_shared : rows_in_registers;   // the per-step ones
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-  const elem_t* d_o = problem.query_rows(static_cast<const elem_t*>(args.d_o), args.do_stride);
-  const float* lse = args.lse + problem.row_offset;
-  const float* delta = args.delta + problem.row_offset;
-  float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
@@ -488,13 +504,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
   };
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, q, args.q_stride[2], row0, rows, DATA_DIM);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, rows_of.q, args.q_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, DATA_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
       float* dst = (r < BLOCK_R ? t.lse : t.delta) + stage * BLOCK_R + row;
-      tc::cp_async_4(dst, (r < BLOCK_R ? lse : delta) + (valid ? row0 + row : 0), valid);
+      tc::cp_async_4(dst, (r < BLOCK_R ? rows_of.lse : rows_of.delta) + (valid ? row0 + row : 0), valid);
     }
   };
 
@@ -720,7 +736,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
         for (int e_half = 0; e_half < 2; ++e_half) {
           const int row = row0 + (slab0 + m) * 16 + group + e_half * 8;
           if (row >= seq_q) continue;
-          float* dq_row = dq_accum + (long long)row * HEAD_DIM + tile0 * 8 + quad * 2;
+          float* dq_row = rows_of.dq_accum + (long long)row * HEAD_DIM + tile0 * 8 + quad * 2;
 #pragma unroll
           for (int n = 0; n < DQ_N; ++n) {
 #if __CUDA_ARCH__ >= 900  // one vector atomic for the lane's two adjacent dims
@@ -740,8 +756,6 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
   // dK_j = tau dK_w, dV_j = dV_w: each lane writes its two adjacent dims as one 32-bit store
-  elem_t* dk = problem.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
-  elem_t* dv = problem.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = warp_col0 + group + half * 8;
@@ -749,9 +763,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 #pragma unroll
     for (int n = 0; n < D_TILES; ++n) {
       const int dim = n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
+      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
                                        dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
                                        dv_acc[n][2 * half + 1]);
     }
   }

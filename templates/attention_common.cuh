@@ -162,6 +162,18 @@ struct Problem {
   }
 };
 
+// The block's values that its main loop does not touch at every instruction -- global row pointers used once a
+// step (the backward's next Q_i, dO_i loads and dQ's atomics) or only after the loop (the forward's O and LSE
+// rows) -- kept in shared memory instead of registers. At the edge of the register file, with the accumulators
+// live through the loop, ptxas otherwise puts such values in local memory (sm_80's mma.sync templates spilled
+// 8-76 B so). Thread 0 writes `slot`; the barrier publishes it before anyone reads.
+template <typename T>
+__device__ __forceinline__ const T& block_values_in_shared(T& slot, const T& value) {
+  if (threadIdx.x == 0) slot = value;
+  __syncthreads();
+  return slot;
+}
+
 enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_SLIDING_WINDOW = 2, MASK_PADDING = 3, MASK_BLOCK_SPARSE = 4 };
 
 // ---- element conversion --------------------------------------------------------------------

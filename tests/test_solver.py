@@ -410,14 +410,15 @@ def test_targets_are_plain_data():
 @pytest.mark.parametrize("head_dim, arch, family, computed", [
     (40, "sm_90", "forward_wgmma", 64), (72, "sm_90", "forward_wgmma", 96), (120, "sm_90", "forward_wgmma_ws", 128),
     (110, "sm_90", "forward_wgmma_ws", 128), (59, "sm_90", "forward_wgmma", 64), (64, "sm_90", "forward_wgmma", 64),
-    # an odd d loads element by element (rows not 4-byte aligned): the least padding, 112 on mma.sync
-    (111, "sm_90", "forward_fa2_mma", 112),
+    # an odd d loads element by element (rows not 4-byte aligned): the least padding, 112 on mma.sync (Q re-read
+    # from shared memory: Q, O and S of two 16-row slabs per warp do not fit at Bc = 32)
+    (111, "sm_90", "forward_fa2_mma_qsmem", 112),
     # twice the columns is too many: d <= 16 stays on mma.sync at 16
     (8, "sm_90", "forward_fa2_mma", 16), (3, "sm_90", "forward_fa2_mma", 16),
     # 64-byte swizzle panels: an odd number of 32-column halves runs on wgmma unpadded
     (32, "sm_90", "forward_wgmma", 32), (90, "sm_90", "forward_wgmma", 96), (160, "sm_90", "forward_wgmma", 160),
     # without wgmma, the next multiple of 16
-    (40, "sm_80", "forward_fa2_mma", 48), (72, "sm_80", "forward_fa2_mma", 80), (111, "sm_80", "forward_fa2_mma", 112)])
+    (40, "sm_80", "forward_fa2_mma", 48), (72, "sm_80", "forward_fa2_mma", 80), (111, "sm_80", "forward_fa2_mma_qsmem", 112)])
 def test_head_dims_pad_to_the_nearest_tensor_core_template(head_dim, arch, family, computed):
     """Any d runs on tensor cores padded to the family's multiple, the least padding first, except that on
     sm_90 wgmma at up to a third more columns beats mma.sync for an even d (PREFERRED_PADDING: 72 computes as
