@@ -187,15 +187,40 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.detach().float().cpu().numpy().astype(np.float64)
 
 
+_kernels_under_test: dict = {}
+
+
+def kernel_under_test(spec):
+    """The kernel a GPU test of `spec` runs: `runtime.compile`'s, whose plans are this GPU's, except for a spec that
+    names an older arch than this GPU's (sm_80 on an H100 / H200): its own arch's plans (sm_80's mma.sync tiles)
+    compiled for this GPU, so that the GPU tests run them somewhere. (`runtime.compile` replaces a spec's arch by
+    the device's, as a user moving a spec to a newer GPU wants.)"""
+    from fagen.runtime import Kernel, _default_device, compile as compile_spec, device_target
+    from fagen.spec import ARCHS
+
+    target = device_target(_default_device())
+    if spec.arch == target.arch or target.arch not in ARCHS or ARCHS.index(spec.arch) > ARCHS.index(target.arch):
+        return compile_spec(spec)
+    key = (spec.canonical_json(), target.arch)
+    kernel = _kernels_under_test.get(key)
+    if kernel is None:
+        from fagen.solver import solve
+        from fagen.target import target_for
+
+        solution = solve(spec, target_for(spec.arch))
+        kernel = _kernels_under_test[key] = Kernel(spec.model_copy(update={"arch": target.arch}), target, solution)
+    return kernel
+
+
 def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False) -> dict:
     """Run forward (and backward) on fresh inputs with NaN-poisoned outputs; compare with reference.
 
     Returns {name: relative error}; raises AssertionError naming the worst output and the case."""
     import torch
 
-    from fagen.runtime import Kernel, compile as compile_spec
+    from fagen.runtime import Kernel
 
-    kernel = spec_or_kernel if isinstance(spec_or_kernel, Kernel) else compile_spec(spec_or_kernel)
+    kernel = spec_or_kernel if isinstance(spec_or_kernel, Kernel) else kernel_under_test(spec_or_kernel)
     spec = kernel.spec
     if case.packed:
         return _assert_packed_matches_reference(kernel, case, backward)

@@ -47,9 +47,10 @@ SPECS = _specs() + [  # head dims that are not multiples of 16
     Spec(head_dim=8, dtype="bf16", mask="padding"),
     Spec(head_dim=120, dtype="fp16", mask="none", dropout=0.2),
     Spec(head_dim=72, dtype="bf16", mask="causal", arch="sm_80"),
-    # sm_80's mma.sync plans, their row pointers in shared memory (block_values_in_shared): the backward's at
-    # Br = 128 (d = 64) and Br = 64 (d = 128), held in registers at Br = 32 (d = 128 with dropout); the forward's
-    # O and LSE rows, Q in registers (d = 64, 96) and re-read from shared memory (d = 128)
+    # sm_80's mma.sync plans (fagen.testing.kernel_under_test compiles a spec's older-arch plans for this GPU), their
+    # row pointers in shared memory (block_values_in_shared): the backward's at Br = 128 (d = 64) and Br = 64
+    # (d = 128), held in registers at Br = 32 (d = 128 with dropout); the forward's O and LSE rows, Q in registers
+    # (d = 64, 96) and re-read from shared memory (d = 128)
     Spec(head_dim=64, dtype="fp16", mask="none", arch="sm_80"),
     Spec(head_dim=96, dtype="bf16", mask="causal", arch="sm_80"),
     Spec(head_dim=128, dtype="bf16", mask="causal", arch="sm_80"),

@@ -8,7 +8,7 @@ save_cache() { tar czf "$OUT/cache.tgz" -C "$FAGEN_CACHE_DIR" . ; }
 # The whole GPU suite, then compute-sanitizer's memcheck and racecheck over dev/gpu/sanitize.py; logs in $OUT.
 gpu_suite() {
   echo "== pytest -m gpu (all)"
-  timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -8
+  timeout 420 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/ 2>&1 | tee "$OUT/pytest.log" | tail -8
   for tool in memcheck racecheck; do
     echo "== compute-sanitizer --tool $tool"
     compute-sanitizer --tool $tool --print-limit 10 python3 dev/gpu/sanitize.py 2>&1 | tee "$OUT/sanitize-$tool.log" \
