@@ -30,6 +30,12 @@ SPECS = [
     Spec(head_dim=192, dtype="bf16", mask="sliding_window", window=40),
     Spec(head_dim=160, dtype="fp16", mask="causal"),
     Spec(head_dim=192, dtype="fp16", mask="none", arch="sm_80"),
+    # sm_80's mma.sync plans (fagen.testing.kernel_under_test: compiled for this GPU) with their row pointers in shared
+    # memory (block_values_in_shared): the backward's per-step ones at Br = 128 (d = 64) and 64 (d = 128), in registers
+    # at Br = 32 (d = 128 with dropout)
+    Spec(head_dim=64, dtype="fp16", mask="none", arch="sm_80"),
+    Spec(head_dim=128, dtype="bf16", mask="causal", arch="sm_80"),
+    Spec(head_dim=128, dtype="fp16", mask="causal", dropout=0.2, arch="sm_80"),
     # head dims padded inside the tensor-core kernels: cp.async with zero columns (40); 4-byte cp.async with a
     # 2-byte last column where rows are 4-byte aligned, element loads where not (59, heads = 1 below); 4-byte
     # copies with threads sitting out and element loads in the odd heads (111 on sm_80: 56 words a row, 128 threads)
