@@ -179,6 +179,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "keep_scale": float_literal(dropout_keep_scale(spec.dropout)),
         "deterministic": "true" if spec.deterministic else "false",
         "packed": "true" if spec.layout == "packed" else "false",
+        # a backward block walks each query head of a K/V head's group (where the runtime sets args.fold_heads)
+        "folds_kv_group": "true" if plan.template == "backward_wgmma_ws.cu.j2" and spec.kv_group_foldable else "false",
         "input_grads": "true" if input_grads else "false",
         "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",

@@ -61,7 +61,7 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
               ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1),
               ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1),
-              ("mod_grad", "Q", 4)])
+              ("mod_grad", "Q", 4), ("fold_heads", "q", 1)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -316,6 +316,15 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
     return (blocks_x, -(-problems // slices), slices)
 
 
+#: The backward templates that can fold grouped KV heads (a block walks each query head of its K/V head's group,
+#: summing dK, dV in registers: no per-query-head workspace, no _kv_group_sum pass; templates/backward_wgmma_ws.cu.j2
+#: FOLDS_HEADS), where the spec allows it and the folded grid still has FOLD_WAVES blocks per multiprocessor.
+#: H200, bf16 backward, per query head -> folded (BENCHMARKS.md "Grouped KV heads folded"): 32 / 8 heads causal at
+#: 1024 blocks d = 64 N = 4096 -8%, N = 1024 -18%, d = 128 N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64
+#: blocks 3.3x slower (half the SMs idle).
+FOLDING_TEMPLATES = ("backward_wgmma_ws.cu.j2",)
+FOLD_WAVES = 3
+
 #: The templates whose grids run in groups of problems (grouped_grid), and the group size: where later rows
 #: see more keys (Spec.keys_grow_with_rows: causal, a mask_mod) the blocks are ordered heaviest first, so a
 #: group puts every problem's heavy blocks ahead of the light ones. Timed on an H100 (bf16, N = 4096, B x H =
@@ -374,9 +383,9 @@ class FastCall:
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main")
+    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main", "folded")
 
-    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = ()):
+    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = (), folded: bool = False):
         import ctypes
 
         self.values = (ctypes.c_uint64 * len(args.values)).from_buffer_copy(ARGS_STRUCT.pack(*args.values))
@@ -388,6 +397,7 @@ class FastCall:
         # shapes of fp32 scratch tensors allocated per call: their pointers follow o, lse (forward) or
         # delta, dq_accum (backward)
         self.workspaces = workspaces
+        self.folded = folded   # a grouped-KV backward whose blocks each walk a whole group (no dK, dV workspaces)
         # the kernel a failure is reported against (the first launch that is not a helper)
         self.main = next((launch[4] for launch in launches if not launch[4].endswith(_HELPER_KERNELS)),
                          launches[0][4])
@@ -873,6 +883,13 @@ class Kernel:
             return device, stream_handle(stream)
         return device, int(q.stream or 0)   # CAI: None = no stream given (legacy), 1 = legacy, 2 = per-thread
 
+    def _folds(self, plan: LaunchPlan, blocks: int) -> bool:
+        """Whether a grouped-KV backward runs a block per (sequence, K/V head) pair and key block, walking the
+        group's query heads (FOLDING_TEMPLATES, Spec.kv_group_foldable), given the `blocks` that makes: only
+        where those still fill the GPU FOLD_WAVES times over (fewer, longer blocks leave SMs idle at the end)."""
+        return (plan.template in FOLDING_TEMPLATES and self.spec.kv_group_foldable
+                and blocks >= FOLD_WAVES * self.target.sm_count)
+
     def _blocks_grid(self, plan: LaunchPlan, blocks: int, problems: int, args) -> tuple:
         """The grid of a main kernel's `blocks` blocks per (sequence, head) pair: in groups of pairs for the
         templates built for it (GROUPED_TEMPLATES), one pair after another otherwise."""
@@ -961,12 +978,12 @@ class Kernel:
         return names, pointers
 
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
-                  workspaces: tuple = ()) -> None:
+                  workspaces: tuple = (), folded: bool = False) -> None:
         functions = self._functions[device]
         if len(table) >= FAST_CALLS_KEPT:   # shapes that keep changing (a growing KV cache) start it over
             table.clear()
         table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
-                                            for symbol, grid, threads, smem in launches], workspaces)
+                                            for symbol, grid, threads, smem in launches], workspaces, folded)
 
     # ---- packed variable-length batches ----
     def _is_packed_call(self, cu_seqlens_q, cu_seqlens_k) -> bool:
@@ -1528,7 +1545,7 @@ class Kernel:
         grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
                     grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
-        if k.shape[1] != q.shape[1]:   # grouped KV heads: per-query-head dK, dV, then summed
+        if k.shape[1] != q.shape[1] and not call.folded:   # grouped KV heads: per-query-head dK, dV, then summed
             expanded = (*q.shape[:2], k.shape[2], k.shape[3])
             # held (not just their pointers taken) until the launches are queued: a tensor freed
             # at once would hand the second workspace the first one's memory
@@ -1576,6 +1593,9 @@ class Kernel:
         args["o_stride"] = tensors["o"].strides[:3]
         args["do_stride"] = tensors["d_o"].strides[:3]
         grouped = tensors["k"].shape[1] != heads
+        key_blocks = math.ceil(problems[3] / plan.block_c)
+        folded = grouped and sequences is None and self._folds(plan, problems[0] * tensors["k"].shape[1] * key_blocks)
+        args["fold_heads"] = heads // tensors["k"].shape[1] if folded else 1
         keep = []
         for key, grad, like in zip(("dq", "dk", "dv"), grads, ("q", "k", "v")):
             gt = as_device_tensor(key, grad)
@@ -1583,7 +1603,7 @@ class Kernel:
                 raise ArgumentError(f"out {key}: expected {self.spec.dtype} of shape {tensors[like].shape}")
             if plan.tensor_cores and self._pair_stores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
                 raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
-            if grouped and key != "dq":
+            if grouped and key != "dq" and not folded:
                 # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense
                 # (batch, heads, seq_k, d) workspace; _kv_group_sum adds each group into the output.
                 # (zeroed for packed batches: keys outside every sequence are summed too, and must add 0)
@@ -1611,15 +1631,14 @@ class Kernel:
         if dq_accum_at:
             args["dq_accum"] = base + 4 * dq_accum_at
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
-        key_blocks = math.ceil(problems[3] / plan.block_c)
-        grid = self._blocks_grid(plan, key_blocks, problems[0] * heads, args)
+        grid = self._blocks_grid(plan, key_blocks, problems[0] * (tensors["k"].shape[1] if folded else heads), args)
         launches += [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))
         else:
             launches.append((main + "_dq_convert", row_pass_grid(rows), 256, 0))
-        if grouped:
+        if grouped and not folded:
             launches.append((main + "_kv_group_sum", row_pass_grid(batch * tensors["k"].shape[1] * seq_k), 256, 0))
         arguments = args.packed()   # after problem_grid set args["problems"]
         functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
@@ -1629,12 +1648,12 @@ class Kernel:
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
-            outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped else ("dq", "dk", "dv")
+            outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped and not folded else ("dq", "dk", "dv")
             summaries = self._summary_workspaces(args) if self.modifiers.summaries else []
             self._remember(self._fast_backward, signature, args,
                            ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces
                            + tuple(slot for slot, _ in summaries) + names, launches, device,
-                           tuple(shape for _, shape in summaries))
+                           tuple(shape for _, shape in summaries), folded)
         del keep
         return grads
 

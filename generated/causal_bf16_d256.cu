@@ -398,6 +398,7 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+constexpr bool FOLDS_HEADS = false;    // (false: one query head per block)
 using Kind = fagen_mods_d256_bf16_causal_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
@@ -470,8 +471,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
+  // the grid: fagen/runtime.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, FOLDS_HEADS ? folded_problem(args) : (long long)grouped_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.y * BLOCK_C;
@@ -484,6 +486,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
+  // FOLDS_HEADS: the query heads this block walks in turn (1: the problem's own), and the step to the next one's
+  // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads)
+  const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  auto next_query_head = [&] {
+    q += args.q_stride[1];
+    d_o += args.do_stride[1];
+    lse += seq_q;
+    delta += seq_q;
+    dq_accum += (long long)seq_q * HEAD_DIM;
+  };
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
@@ -773,6 +785,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = keys.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
+  if (FOLDS_HEADS && args.fold_heads > 1) {   // the block walked its K/V head's group: that head's rows, the caller's
+    const long long to_kv_head = kv_head(args, keys.h) - keys.h;   // (from h, which the loop kept: no h_kv held)
+    dk += to_kv_head * args.dk_stride[1];
+    dv += to_kv_head * args.dv_stride[1];
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = warp_col0 + group + half * 8;

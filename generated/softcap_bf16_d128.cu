@@ -581,6 +581,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+// Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; Spec.kv_group_foldable)
+constexpr bool FOLDS_HEADS = false;
 using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d128_bf16_causal_fa2_sm90_mod60ec880b::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
@@ -659,8 +661,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   const unsigned dq_stage = ds_base + DS_BYTES + 2 * 2 * 4 * BLOCK_R + warp * DQ_STAGE_BYTES;   // 16-byte aligned
   // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
+  // the grid: fagen/runtime.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, FOLDS_HEADS ? folded_problem(args) : (long long)grouped_problem());
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   const int col0 = blockIdx.y * BLOCK_C;
@@ -673,6 +676,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const float* lse = args.lse + problem.row_offset;
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
+  // FOLDS_HEADS: the query heads this block walks in turn (1: the problem's own), and the step to the next one's
+  // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads)
+  const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  auto next_query_head = [&] {
+    q += args.q_stride[1];
+    d_o += args.do_stride[1];
+    lse += seq_q;
+    delta += seq_q;
+    dq_accum += (long long)seq_q * HEAD_DIM;
+  };
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)
   float input_grad_sums[Mods::INPUT_GRAD_SUMS] = {};
@@ -745,6 +758,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   auto ds_tile = [&](int) { return ds_base; };       // one dS^T tile: the barriers of a step free it
   auto scores_shared = [] { __syncthreads(); };
   auto row_block_read = [](int) {};
+  auto next_head = [](int&) { return false; };
   const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys
   constexpr int dim0 = 0;                                          // the warp's dK, dV: every dim
 
@@ -799,33 +813,34 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   };
   int staged_dq_row0 = -1;   // the first row of the warp's staged dQ tile, -1 while none is
   int stage = 0;
-  while (i < row_blocks) {
-    bool mods_full;   // the mask_mod sees every pair of row block i
-    int i_next;       // the visible row block after i (row_blocks: none)
-    next_row_block(i, stage, mods_full, i_next);
-    begin_row_block(i_next, stage);
-    const float* lse_tile = lse_tiles + stage * BLOCK_R;
-    const float* delta_tile = delta_tiles + stage * BLOCK_R;
-    const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
-    const unsigned long long q_cols = q_cols0 + stage * stage_step, do_cols = do_cols0 + stage * stage_step;
-    const int row0 = i * BLOCK_R;
-    const int warp_row0 = row0;                                    // every warp scores the whole row block
+  do {   // each query head the block walks: one, or its K/V head's group (next_head)
+    while (i < row_blocks) {
+      bool mods_full;   // the mask_mod sees every pair of row block i
+      int i_next;       // the visible row block after i (row_blocks: none)
+      next_row_block(i, stage, mods_full, i_next);
+      begin_row_block(i_next, stage);
+      const float* lse_tile = lse_tiles + stage * BLOCK_R;
+      const float* delta_tile = delta_tiles + stage * BLOCK_R;
+      const unsigned long long q_rows = q_rows0 + stage * stage_step, do_rows = do_rows0 + stage * stage_step;
+      const unsigned long long q_cols = q_cols0 + stage * stage_step, do_cols = do_cols0 + stage * stage_step;
+      const int row0 = i * BLOCK_R;
+      const int warp_row0 = row0;                                    // every warp scores the whole row block
 
-    // S^T = K_g Q_i^T and dP^T = V_g dO_i^T, two commit groups: P^T's exponentials run while dP^T is still on
-    // the tensor cores (where P_DURING_DP)
-    wg::fence_registers(s_acc);
-    wg::fence_registers(dp_acc);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
-    if (P_DURING_DP) wg::commit();
-#pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
-    wg::commit();
-    if (staged_dq_row0 >= 0) add_staged_dq(staged_dq_row0);   // the previous row block's dQ, during S^T, dP^T
-    wg::wait<P_DURING_DP ? 1 : 0>();   // S^T (groups complete in order; dP^T may still run)
-    wg::fence_registers(s_acc);
-    if (!P_DURING_DP) wg::fence_registers(dp_acc);
+      // S^T = K_g Q_i^T and dP^T = V_g dO_i^T, two commit groups: P^T's exponentials run while dP^T is still on
+      // the tensor cores (where P_DURING_DP)
+      wg::fence_registers(s_acc);
+      wg::fence_registers(dp_acc);
+      wg::fence();
+  #pragma unroll
+      for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
+      if (P_DURING_DP) wg::commit();
+  #pragma unroll
+      for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
+      wg::commit();
+      if (staged_dq_row0 >= 0) add_staged_dq(staged_dq_row0);   // the previous row block's dQ, during S^T, dP^T
+      wg::wait<P_DURING_DP ? 1 : 0>();   // S^T (groups complete in order; dP^T may still run)
+      wg::fence_registers(s_acc);
+      if (!P_DURING_DP) wg::fence_registers(dp_acc);
 
     // ---- from S^T to P^T: made by templates/backward_transposed_scores.cu.j2 ----
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
@@ -898,10 +913,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
         s_acc[n][e] = exp2f(fmaf(s_acc[n][e], SCALE_LOG2, -fmaxf(lse_tile[r] * LOG2E, -FLT_MAX)));
       }
 
-    if (P_DURING_DP) {
-      wg::wait<0>();   // dP^T
-      wg::fence_registers(dp_acc);
-    }
+      if (P_DURING_DP) {
+        wg::wait<0>();   // dP^T
+        wg::fence_registers(dp_acc);
+      }
 
     // ---- from dP^T to dS^T: made by templates/backward_score_grads.cu.j2 ----
 #pragma unroll
@@ -931,70 +946,72 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
                                             warp_col0 + group + (e / 2) * 8, input_grad_sums);
     }
 
-    // The accumulators of P_drop^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
-    // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
-    // The stores run while dV's products do; dK's products are issued after them, because the registers
-    // of an in-flight wgmma's A operand must not be accessed (read included) until its wait.
-#pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) {
-      tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
-      tc::accumulators_to_a<elem_t>(ds_frag[kk], dp_acc[2 * kk], dp_acc[2 * kk + 1]);
-    }
-    wg::fence_registers(dv_acc);
-    wg::fence_registers(dk_acc);
-    wg::fence_registers(p_frag);
-    wg::fence_registers(ds_frag);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
-    const int key_row = mma_warp * 16 + group;  // within K_j
-#pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk)
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
-        const int chunk = 2 * kk + half;
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
-        asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
+      // The accumulators of P_drop^T and dS^T are the A operands of dV_g += P_drop^T dO_i and dK_g += dS^T Q_i;
+      // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
+      // The stores run while dV's products do; dK's products are issued after them, because the registers
+      // of an in-flight wgmma's A operand must not be accessed (read included) until its wait.
+  #pragma unroll
+      for (int kk = 0; kk < R_STEPS; ++kk) {
+        tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
+        tc::accumulators_to_a<elem_t>(ds_frag[kk], dp_acc[2 * kk], dp_acc[2 * kk + 1]);
       }
-#pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
-    wg::commit();
-    wg::fence_async_proxy();
-    scores_shared();  // dS^T complete
-    wg::wait<0>();    // dV (it ran during the dS^T stores), dK: their A registers are free before dQ's accumulators
-    wg::fence_registers(dv_acc);
-    wg::fence_registers(dk_acc);
-    row_block_read(stage);   // Q_i, dO_i, LSE_i, D_i of this stage are no longer read
+      wg::fence_registers(dv_acc);
+      wg::fence_registers(dk_acc);
+      wg::fence_registers(p_frag);
+      wg::fence_registers(ds_frag);
+      wg::fence();
+  #pragma unroll
+      for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
+      const int key_row = mma_warp * 16 + group;  // within K_j
+  #pragma unroll
+      for (int kk = 0; kk < R_STEPS; ++kk)
+  #pragma unroll
+        for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
+          const int chunk = 2 * kk + half;
+          asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
+          asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
+        }
+  #pragma unroll
+      for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
+      wg::commit();
+      wg::fence_async_proxy();
+      scores_shared();  // dS^T complete
+      wg::wait<0>();    // dV (it ran during the dS^T stores), dK: their A registers are free before dQ's accumulators
+      wg::fence_registers(dv_acc);
+      wg::fence_registers(dk_acc);
+      row_block_read(stage);   // Q_i, dO_i, LSE_i, D_i of this stage are no longer read
 
-    // dQ_i += tau dS K_j for this warpgroup's rows (or dims)
-    wg::fence_registers(dq_acc);
-    wg::fence();
-#pragma unroll
-    for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * ds_stage_step + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
-    wg::commit();
-    wg::wait<0>();
-    wg::fence_registers(dq_acc);
-    wg::fence_registers(dv_acc);
-    wg::fence_registers(dk_acc);
-    {
-      // the lane's accumulators (rows group, group + 8; dims 8 n + 2 quad, + 1), scaled, into the warp's tile,
-      const unsigned lane_stage = dq_stage + group * DQ_STAGE_ROW_BYTES + quad * 8;
-#pragma unroll
-      for (int e_half = 0; e_half < 2; ++e_half)
-#pragma unroll
-        for (int n = 0; n < DQ_TILES; ++n)
-          asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(lane_stage + e_half * 8 * DQ_STAGE_ROW_BYTES + n * 32),
-                       "f"(dq_acc[n][2 * e_half] * SCALE), "f"(dq_acc[n][2 * e_half + 1] * SCALE) : "memory");
-      __syncwarp();
-      // ... which goes out as atomics now, or while the next row block's scores are computed
-      const int warp_dq_row0 = row0 + (DQ_BY_ROWS ? mma_group * 64 : 0) + warp_in_group * 16;
-      if (DQ_ATOMICS_LATE && i_next < row_blocks) staged_dq_row0 = warp_dq_row0;
-      else add_staged_dq(warp_dq_row0);
+      // dQ_i += tau dS K_j for this warpgroup's rows (or dims)
+      wg::fence_registers(dq_acc);
+      wg::fence();
+  #pragma unroll
+      for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * ds_stage_step + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
+      wg::commit();
+      wg::wait<0>();
+      wg::fence_registers(dq_acc);
+      wg::fence_registers(dv_acc);
+      wg::fence_registers(dk_acc);
+      {
+        // the lane's accumulators (rows group, group + 8; dims 8 n + 2 quad, + 1), scaled, into the warp's tile,
+        const unsigned lane_stage = dq_stage + group * DQ_STAGE_ROW_BYTES + quad * 8;
+  #pragma unroll
+        for (int e_half = 0; e_half < 2; ++e_half)
+  #pragma unroll
+          for (int n = 0; n < DQ_TILES; ++n)
+            asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(lane_stage + e_half * 8 * DQ_STAGE_ROW_BYTES + n * 32),
+                         "f"(dq_acc[n][2 * e_half] * SCALE), "f"(dq_acc[n][2 * e_half + 1] * SCALE) : "memory");
+        __syncwarp();
+        // ... which goes out as atomics now, or while the next row block's scores are computed
+        const int warp_dq_row0 = row0 + (DQ_BY_ROWS ? mma_group * 64 : 0) + warp_in_group * 16;
+        if (DQ_ATOMICS_LATE && i_next < row_blocks) staged_dq_row0 = warp_dq_row0;
+        else add_staged_dq(warp_dq_row0);
+      }
+      end_row_block();
+      stage ^= 1;
+      i = i_next;
     }
-    end_row_block();
-    stage ^= 1;
-    i = i_next;
-  }
+    staged_dq_row0 = -1;   // (the last row block's atomics went out at once)
+  } while (next_head(i));
   // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----
   tc::cp_async_wait<0>();
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
@@ -1004,6 +1021,11 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
   elem_t* dv = keys.key_grad_rows(static_cast<elem_t*>(args.dv), args.dv_stride);
+  if (FOLDS_HEADS && args.fold_heads > 1) {   // the block walked its K/V head's group: that head's rows, the caller's
+    const long long to_kv_head = kv_head(args, keys.h) - keys.h;   // (from h, which the loop kept: no h_kv held)
+    dk += to_kv_head * args.dk_stride[1];
+    dv += to_kv_head * args.dv_stride[1];
+  }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int key = warp_col0 + group + half * 8;

@@ -78,6 +78,10 @@ struct AttentionArgs {
   // zeroed contiguous float32 buffer of its shape that it adds dS' * d score_mod / d input into (the
   // generated Mods::add_input_grads, flush_input_grads); unread by the other builds.
   float* mod_grad[4];
+  // Grouped KV heads in the backward (templates whose FOLDS_HEADS is true): where > 1, the grid covers (sequence, K/V
+  // head) pairs and each block walks the fold_heads (= kv_group) query heads of its group in turn, writing dK, dV
+  // to the K/V head's rows itself (no workspace, no _kv_group_sum). 0 or 1: one query head per block.
+  long long fold_heads;
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -109,6 +113,14 @@ __device__ __forceinline__ void exit_if_spare(const AttentionArgs& args) {
 __device__ __forceinline__ unsigned grouped_problem() { return blockIdx.z * gridDim.x + blockIdx.x; }
 __device__ __forceinline__ void exit_if_spare_grouped(const AttentionArgs& args) {
   if (grouped_problem() >= args.problems) asm volatile("exit;");
+}
+// A backward block's first (sequence, query head) pair, b * heads + h: grouped_problem(), or where the grid covers
+// (sequence, K/V head) pairs (args.fold_heads > 1) the first query head of the pair's group. (32-bit divisions.)
+__device__ __forceinline__ long long folded_problem(const AttentionArgs& args) {
+  const unsigned pair = grouped_problem();
+  if (args.fold_heads <= 1) return pair;
+  const unsigned kv_heads = (unsigned)args.heads / (unsigned)args.kv_group;
+  return (long long)(pair / kv_heads) * args.heads + (long long)(pair % kv_heads) * args.kv_group;
 }
 
 // One (sequence, query head) pair, grid_problem() = b * heads + h. Padded batches: sequence b is rows

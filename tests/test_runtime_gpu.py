@@ -308,3 +308,54 @@ def test_backward_row_passes_take_rows_that_are_not_16_byte_aligned(spec, kv_hea
             assert np.isfinite(as64(mine)).all(), f"{name} ({label}): not finite"
             error = relative_error(as64(mine), ref, floor)
             assert error <= TOLERANCES[spec.dtype], f"{name} ({label}): relative error {error:.3g}"
+
+
+FOLD_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 333, 333),
+              (Spec(head_dim=128, dtype="fp16", mask="none"), 1, 200, 333),
+              (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70), 2, 333, 257),
+              (Spec(head_dim=128, dtype="bf16", mask="causal"), 1, 129, 400),
+              (Spec(head_dim=64, dtype="fp16", mask="padding"), 2, 190, 333)]   # kv_lengths (100, 333) below
+
+
+@pytest.mark.parametrize("spec, kv_heads, seq_q, seq_k", FOLD_CASES,
+                         ids=lambda x: x.canonical_name if isinstance(x, Spec) else str(x))
+def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_q, seq_k, monkeypatch):
+    """Grouped KV heads on backward_wgmma_ws with every block walking its K/V head's whole group of query heads
+    (runtime.FOLD_WAVES at 0: folded at any size, where by default only grids of 4 blocks per SM or more are):
+    dK, dV summed in registers and written by the kernel into the caller's poisoned tensors, no workspace and no
+    _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths. Against
+    the float64 reference: a call into given outputs, then the full path's and the remembered fast path's calls."""
+    import numpy as np
+    import torch
+
+    import fagen
+    from fagen import reference, runtime
+    from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
+
+    monkeypatch.setattr(runtime, "FOLD_WAVES", 0)
+    kernel = fagen.compile(spec)
+    assert kernel.plans["backward"].template in runtime.FOLDING_TEMPLATES and spec.kv_group_foldable
+    generator = torch.Generator(device="cuda").manual_seed(5)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    batch, heads, d = 2, 4, spec.head_dim
+    q, do = (torch.randn(batch, heads, seq_q, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
+    k, v = (torch.randn(batch, kv_heads, seq_k, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
+    lengths = {"kv_lengths": torch.tensor([100, seq_k], dtype=torch.int32, device="cuda")} if spec.mask == "padding" else {}
+    o, lse = kernel.forward(q, k, v, **lengths)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    magnitudes = {}
+    expected = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), spec, o=as64(o), magnitudes=magnitudes,
+                                            **{name: t.cpu().numpy() for name, t in lengths.items()})
+    before = set(kernel._fast_backward)
+    for call in ("full path, given outputs", "full path", "fast path"):
+        if call == "full path, given outputs":   # poisoned: the kernels must write every element
+            grads = kernel.backward(q, k, v, o, lse, do, out=tuple(torch.full_like(t, float("nan")) for t in (q, k, v)),
+                                    **lengths)
+        else:
+            grads = kernel.backward(q, k, v, o, lse, do, **lengths)
+        for name, mine, ref in zip(("dq", "dk", "dv"), grads, expected):
+            assert np.isfinite(as64(mine)).all(), f"{name} ({call}): not finite"
+            error = relative_error(as64(mine), ref, CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
+            assert error <= TOLERANCES[spec.dtype], f"{name} ({call}): relative error {error:.3g}"
+    remembered = [kernel._fast_backward[key] for key in set(kernel._fast_backward) - before]
+    assert remembered and all(call.folded for call in remembered), "the backward did not fold the group"

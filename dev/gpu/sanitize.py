@@ -81,6 +81,17 @@ def main():
             errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
             print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
                   flush=True)
+    # grouped KV heads folded: every backward block walks its K/V head's group (runtime.FOLD_WAVES at 0: at any
+    # size; a shape of its own, so that no call remembered unfolded above is taken)
+    from fagen import runtime
+
+    runtime.FOLD_WAVES = 0
+    for spec in (Spec(head_dim=64, dtype="bf16", mask="causal"),
+                 Spec(head_dim=128, dtype="fp16", mask="sliding_window", window=40)):
+        if not ONLY or any(w in spec.variant_name for w in ONLY):
+            case = dict(GROUPED, kv_heads=2, seq_q=140, seq_k=141)
+            errors = assert_matches_reference(spec, Case(**case), backward=True)
+            print(spec.variant_name, "folded", {k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
     # the torch adapter's head-dim padding kernel (fagen/pad_rows.py) on the layouts it is given, odd widths
     import torch
     from fagen import pad_rows
