@@ -1,0 +1,68 @@
+"""Grouped KV heads in the backward, A/B in one process: folded (a block per K/V head and key block walking the
+group's query heads) against a block per query head + _kv_group_sum, toggled by runtime.FOLD_WAVES on the same
+compiled kernel (fast-path tables cleared between modes), two rounds alternating; device time (torch.profiler) and
+CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
+
+    python3 dev/gpu/fold_ab.py
+"""
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # the repository root
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from fagen import runtime  # noqa: E402
+from fagen.spec import Spec  # noqa: E402
+from kernel_times import kernel_table  # noqa: E402
+
+
+def events_us(fn, reps=20):
+    fn(); torch.cuda.synchronize()
+    best = []
+    for _ in range(3):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps): fn()
+        b.record(); torch.cuda.synchronize()
+        best.append(a.elapsed_time(b) * 1000 / reps)
+    return min(best)
+
+CASES = [("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal"), 4, 32, 8, 4096),
+         ("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal"), 16, 32, 8, 1024),
+         ("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal"), 2, 32, 8, 8192),
+         ("d128 none", Spec(head_dim=128, dtype="bf16", mask="none"), 4, 32, 8, 4096),
+         ("d128 none", Spec(head_dim=128, dtype="bf16", mask="none"), 2, 32, 8, 8192),
+         ("d64 causal", Spec(head_dim=64, dtype="bf16", mask="causal"), 4, 32, 8, 4096),
+         ("d64 causal", Spec(head_dim=64, dtype="bf16", mask="causal"), 16, 32, 8, 1024),
+         ("d64 causal", Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 32, 8, 8192),
+         ("d128 causal 16/4", Spec(head_dim=128, dtype="bf16", mask="causal"), 4, 16, 4, 4096),
+         ("d128 causal MQA", Spec(head_dim=128, dtype="bf16", mask="causal"), 2, 32, 1, 4096),
+         ("d64 window 1024", Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=1024), 2, 32, 8, 8192)]
+for label, spec, b, h, hkv, n in CASES:
+    kernel = runtime.compile(spec)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
+    q, do = (torch.randn(b, h, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
+    k, v = (torch.randn(b, hkv, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
+    o, lse = kernel.forward(q, k, v)
+    res = {}
+    grads = {}
+    for mode, waves in (("per-head", 10**9), ("folded", 0), ("per-head", 10**9), ("folded", 0)):
+        runtime.FOLD_WAVES = waves
+        kernel._fast_backward.clear(); kernel._fast_backward_after.clear()
+        fn = lambda: kernel.backward(q, k, v, o, lse, do)
+        grads[mode] = fn()
+        dev = sum(t for _, (t, _) in kernel_table(fn, 10))
+        ev = events_us(fn)
+        folded = any(c.folded for c in kernel._fast_backward.values())
+        res.setdefault(mode, []).append((dev, ev, folded))
+    same = [float((x.float() - y.float()).abs().max()) for x, y in zip(grads["per-head"], grads["folded"])]
+    print(f"{label} B{b} H{h}/{hkv} N{n}: " + "; ".join(f"{m} device {min(r[0] for r in rs):.1f} us, events {min(r[1] for r in rs):.1f} us (folded={rs[0][2]})" for m, rs in res.items())
+          + f"; max |diff| dq dk dv {same[0]:.2e} {same[1]:.2e} {same[2]:.2e}", flush=True)
+    runtime.FOLD_WAVES = 4
+    kernel._fast_backward.clear()
+    blocks = b * hkv * -(-n // kernel.plans['backward'].block_c)
+    print(f"   default rule folds: {kernel._folds(kernel.plans['backward'], blocks)} ({blocks} blocks)", flush=True)
