@@ -887,8 +887,8 @@ class Kernel:
         """Whether a grouped-KV backward runs a block per (sequence, K/V head) pair and key block, walking the
         group's query heads (FOLDING_TEMPLATES, Spec.kv_group_foldable), given the `blocks` that makes: only
         where those still fill the GPU FOLD_WAVES times over (fewer, longer blocks leave SMs idle at the end)."""
-        return (plan.template in FOLDING_TEMPLATES and self.spec.kv_group_foldable
-                and blocks >= FOLD_WAVES * self.target.sm_count)
+        return (plan.template in FOLDING_TEMPLATES and self.spec.kv_group_foldable and not self.spec.deterministic
+                and blocks >= FOLD_WAVES * self.target.sm_count)   # (a deterministic _dq grid resets args.problems)
 
     def _blocks_grid(self, plan: LaunchPlan, blocks: int, problems: int, args) -> tuple:
         """The grid of a main kernel's `blocks` blocks per (sequence, head) pair: in groups of pairs for the

@@ -488,8 +488,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   // FOLDS_HEADS: the query heads this block walks in turn (1: the problem's own), and the step to the next one's
   // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads)
-  const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
-  auto next_query_head = [&] {
+  [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  [[maybe_unused]] auto next_query_head = [&] {
     q += args.q_stride[1];
     d_o += args.do_stride[1];
     lse += seq_q;

@@ -275,6 +275,9 @@ __device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long 
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
+// A folded block walks its group with the consumers' own walk: the producer's hand-over of a mask_mod's walk has no
+// head loop (Spec.kv_group_foldable leaves mask_mods out)
+static_assert(!(FOLDS_HEADS && Mods::HAS_MASK), "no mask_mod on a block that walks a K/V head's group");
 }  // namespace fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_config
 
 extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws(const fagen::AttentionArgs args) {
@@ -323,8 +326,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   // FOLDS_HEADS: the query heads this block walks in turn (1: the problem's own), and the step to the next one's
   // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads)
-  const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
-  auto next_query_head = [&] {
+  [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  [[maybe_unused]] auto next_query_head = [&] {
     q += args.q_stride[1];
     d_o += args.do_stride[1];
     lse += seq_q;

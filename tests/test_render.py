@@ -289,9 +289,10 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
             text = _with_includes(family.template, templates)
             # (the warpgroup-MMA backwards: or, where a block walks a K/V head's group, its first query head; never
             # for packed specs: FOLDS_HEADS is false there, Spec.kv_group_foldable)
-            expected = (("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, grouped_problem());",
-                         "exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, FOLDS_HEADS ? "
-                         "folded_problem(args) : (long long)grouped_problem());")
+            folded = ("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, FOLDS_HEADS ? "
+                      "folded_problem(args) : (long long)grouped_problem());")
+            expected = ((folded,) if family.template.startswith("backward_wgmma") else
+                        ("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, grouped_problem());",)
                         if family.template in GROUPED_TEMPLATES else
                         ("exit_if_spare(args);\n  const Problem<PACKED> problem(args, grid_problem());",))
             assert any(line in text for line in expected), family.template
@@ -339,3 +340,25 @@ def test_forward_wgmma_is_held_to_the_solvers_resident_blocks(variant, blocks):
         plan = solve(two_blocks).plans["forward"]
         assert plan.resident_warps // plan.warps == 2
         assert "Mods::MASK_READS_KEYS && 2 >= 3;" in render(two_blocks, solve(two_blocks)).pass_texts["forward"]
+
+
+@pytest.mark.parametrize("fields, folds", [
+    (dict(head_dim=64, mask="causal"), True),
+    (dict(head_dim=128, mask="padding"), True),
+    (dict(head_dim=96, mask="sliding_window", window=70), True),
+    (dict(head_dim=64, mask="causal", dropout=0.1), False),                                # a stream per head
+    (dict(head_dim=64, mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}), False),
+    (dict(head_dim=59, mask="causal"), False),                                             # spilled folded
+    (dict(head_dim=128, mask="causal", layout="packed"), False)])
+def test_backward_folds_kv_groups_only_where_nothing_but_the_rows_is_per_head(fields, folds):
+    """backward_wgmma_ws walks a K/V head's whole group in one block (FOLDS_HEADS, where the runtime sets
+    args.fold_heads) only for specs whose attention depends on the query head through its rows alone
+    (Spec.kv_group_foldable); the other warpgroup-MMA backwards never do."""
+    spec = Spec(dtype="bf16", arch="sm_90", **fields)
+    assert spec.kv_group_foldable is folds
+    plan = solve(spec).plans["backward"]
+    assert plan.family == "backward_wgmma_ws"
+    text = render(spec, solve(spec)).pass_texts["backward"]
+    assert f"constexpr bool FOLDS_HEADS = {'true' if folds else 'false'};" in text
+    wide = Spec(head_dim=192, dtype="bf16", mask="causal", arch="sm_90")
+    assert wide.kv_group_foldable and "constexpr bool FOLDS_HEADS = false;" in render(wide, solve(wide)).pass_texts["backward"]

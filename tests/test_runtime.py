@@ -197,3 +197,23 @@ def test_forward_keyed_checks_the_layout_as_forward_does():
     kernel.spec = Spec(head_dim=64, dtype="bf16")
     with pytest.raises(ArgumentError, match="are for specs with layout packed"):
         kernel.forward_keyed(None, None, None, cu_seqlens_q=[0, 4], cu_seqlens_k=[0, 4])
+
+
+def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_enough_blocks():
+    """Kernel._folds: a block per (sequence, K/V head) pair and key block walking the group's query heads only on
+    FOLDING_TEMPLATES, for Spec.kv_group_foldable specs, where that grid has FOLD_WAVES blocks per multiprocessor
+    (MQA with 64 blocks on 132 SMs ran 3.4x slower folded). No GPU: the rule reads the plan, spec and target."""
+    from types import SimpleNamespace
+
+    from fagen.runtime import FOLD_WAVES, FOLDING_TEMPLATES, Kernel
+
+    target = SimpleNamespace(sm_count=132)
+    ws = SimpleNamespace(template=FOLDING_TEMPLATES[0])
+    other = SimpleNamespace(template="backward_wgmma.cu.j2")
+    foldable = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal"), target=target)
+    dropout = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal", dropout=0.1), target=target)
+    enough = FOLD_WAVES * 132
+    assert Kernel._folds(foldable, ws, enough)
+    assert not Kernel._folds(foldable, ws, enough - 1)
+    assert not Kernel._folds(foldable, other, 10 * enough)
+    assert not Kernel._folds(dropout, ws, 10 * enough)

@@ -321,9 +321,10 @@ FOLD_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 333, 333),
                          ids=lambda x: x.canonical_name if isinstance(x, Spec) else str(x))
 def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_q, seq_k, monkeypatch):
     """Grouped KV heads on backward_wgmma_ws with every block walking its K/V head's whole group of query heads
-    (runtime.FOLD_WAVES at 0: folded at any size, where by default only grids of 4 blocks per SM or more are):
+    (runtime.FOLD_WAVES at 0: folded at any size, where by default only grids of FOLD_WAVES blocks per SM are):
     dK, dV summed in registers and written by the kernel into the caller's poisoned tensors, no workspace and no
-    _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths. Against
+    _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths, tensors
+    in (B, H, N, d) and as (B, N, H, d) viewed so (the head stride a folded block steps by). Against
     the float64 reference: a call into given outputs, then the full path's and the remembered fast path's calls."""
     import numpy as np
     import torch
@@ -340,6 +341,8 @@ def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_
     batch, heads, d = 2, 4, spec.head_dim
     q, do = (torch.randn(batch, heads, seq_q, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
     k, v = (torch.randn(batch, kv_heads, seq_k, d, generator=generator, device="cuda").to(dtype) for _ in range(2))
+    if kv_heads == 2:   # (B, N, H, d) activations seen as (B, H, N, d): q, k, v, dO with the head stride d
+        q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
     lengths = {"kv_lengths": torch.tensor([100, seq_k], dtype=torch.int32, device="cuda")} if spec.mask == "padding" else {}
     o, lse = kernel.forward(q, k, v, **lengths)
     as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
@@ -358,4 +361,6 @@ def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_
             error = relative_error(as64(mine), ref, CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
             assert error <= TOLERANCES[spec.dtype], f"{name} ({call}): relative error {error:.3g}"
     remembered = [kernel._fast_backward[key] for key in set(kernel._fast_backward) - before]
+    kernel._fast_backward.clear()   # (the folded calls stay out of later tests, which run at FOLD_WAVES)
+    kernel._fast_backward_after.clear()
     assert remembered and all(call.folded for call in remembered), "the backward did not fold the group"
