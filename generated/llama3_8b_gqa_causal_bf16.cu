@@ -824,10 +824,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       wg::fence_registers(s_acc);
       wg::fence_registers(dp_acc);
       wg::fence();
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
       if (P_DURING_DP) wg::commit();
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
       wg::commit();
       if (staged_dq_row0 >= 0) add_staged_dq(staged_dq_row0);   // the previous row block's dQ, during S^T, dP^T
@@ -943,7 +943,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       // dS^T also goes to shared memory (one row per key) for the dQ product that mixes every warpgroup's keys.
       // The stores run while dV's products do; dK's products are issued after them, because the registers
       // of an in-flight wgmma's A operand must not be accessed (read included) until its wait.
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < R_STEPS; ++kk) {
         tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
         tc::accumulators_to_a<elem_t>(ds_frag[kk], dp_acc[2 * kk], dp_acc[2 * kk + 1]);
@@ -953,18 +953,18 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       wg::fence_registers(p_frag);
       wg::fence_registers(ds_frag);
       wg::fence();
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_frag[kk], do_cols + Layout::mn_major_step(kk), 1);
       const int key_row = mma_warp * 16 + group;  // within K_j
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < R_STEPS; ++kk)
-  #pragma unroll
+#pragma unroll
         for (int half = 0; half < 2; ++half) {  // queries 16 kk + 8 half + 2 quad, + 1: one 16-byte chunk per 8 queries
           const int chunk = 2 * kk + half;
           asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row, chunk) + quad * 4), "r"(ds_frag[kk][2 * half]));
           asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(ds_tile(stage) + ScoreLayout::offset(BLOCK_C, key_row + 8, chunk) + quad * 4), "r"(ds_frag[kk][2 * half + 1]));
         }
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_frag[kk], q_cols + Layout::mn_major_step(kk), 1);
       wg::commit();
       wg::fence_async_proxy();
@@ -977,7 +977,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       // dQ_i += tau dS K_j for this warpgroup's rows (or dims)
       wg::fence_registers(dq_acc);
       wg::fence();
-  #pragma unroll
+#pragma unroll
       for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols0 + stage * ds_stage_step + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
       wg::commit();
       wg::wait<0>();
@@ -987,9 +987,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       {
         // the lane's accumulators (rows group, group + 8; dims 8 n + 2 quad, + 1), scaled, into the warp's tile,
         const unsigned lane_stage = dq_stage + group * DQ_STAGE_ROW_BYTES + quad * 8;
-  #pragma unroll
+#pragma unroll
         for (int e_half = 0; e_half < 2; ++e_half)
-  #pragma unroll
+#pragma unroll
           for (int n = 0; n < DQ_TILES; ++n)
             asm volatile("st.shared.v2.f32 [%0], { %1, %2 };\n" :: "r"(lane_stage + e_half * 8 * DQ_STAGE_ROW_BYTES + n * 32),
                          "f"(dq_acc[n][2 * e_half] * SCALE), "f"(dq_acc[n][2 * e_half + 1] * SCALE) : "memory");
