@@ -201,7 +201,7 @@ FAMILIES: tuple[Family, ...] = (
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),
-           shared_pointer_bytes=16,   # O's and LSE's rows (block_values_in_shared)
+           shared_pointer_bytes=32,   # the rows of K, V, O and LSE (block_values_in_shared)
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
            # Q fragments (bf16 pairs), O and S accumulators of the warp's Br/W rows, spread over 32 lanes, + 16 for
            # a second 16-row slab per warp: ptxas on sm_80 at two slabs (W = 4, Br = 128) spilled 8-56 B where Q, O
@@ -216,7 +216,7 @@ FAMILIES: tuple[Family, ...] = (
     # The same template with Q_w re-read from shared memory at every k-step: frees the Q registers so
     # that large head dims can still run two 16-row slabs per warp (each K/V fragment feeds two MMAs).
     Family("forward_fa2_mma_qsmem", "forward_fa2_mma.cu.j2", ("forward",),
-           shared_pointer_bytes=16,   # O's and LSE's rows (block_values_in_shared)
+           shared_pointer_bytes=32,   # the rows of K, V, O and LSE (block_values_in_shared)
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
            registers=Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD,
            smem_reads=2 * 2 * d * W / Br + 2 * d / Bc,

@@ -294,13 +294,15 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
 
-  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
+  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only. Those of the dK / dV
+  // and dQ products are derived where those start, from a fresh read of the lane index (tc::fresh_lane): held
+  // through the loop they were what ptxas spilled at 255 registers on sm_80 (8-12 B at d + Br = 192). With dropout
+  // (spill-free without this) they stay derived from `lane`: afresh, d = 64 spilled 20 B (ptxas' allocation is
+  // chaotic at the limit).
   constexpr int E = sizeof(elem_t);
   const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: K_w
   const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: V_w
-  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E, b_pair_trans = tc::b_pair_trans_lane_offset(lane, PITCH) * E;
-  const unsigned k_trans = tc::shared_address(t.k) + b_pair_trans;                                              // B: K_j
-  const unsigned ds_trans = tc::shared_address(t.ds) + tc::b_pair_lane_offset(lane, DS_PITCH) * E;             // A: dS
+  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E;
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -443,6 +445,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
     }
 
     // dV_w += P_drop^T dO_i and dK_w += dS^T Q_i: the accumulators of S^T / dS^T are A operands as they are
+    const unsigned b_pair_trans = tc::b_pair_trans_lane_offset(HAS_DROPOUT ? lane : tc::fresh_lane(), PITCH) * E;
 #pragma unroll
     for (int kk = 0; kk < BLOCK_R / 16; ++kk) {
       unsigned p_frag[4], ds_frag[4];
@@ -480,6 +483,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 #pragma unroll
           for (int e = 0; e < 4; ++e) dq_acc[m][n][e] = 0.f;
       const int slab0 = (warp % (Q_SLABS / DQ_M)) * DQ_M, tile0 = (warp / (Q_SLABS / DQ_M)) * DQ_N;
+      const int dq_lane = HAS_DROPOUT ? lane : tc::fresh_lane();
+      const unsigned k_trans = tc::shared_address(t.k) + tc::b_pair_trans_lane_offset(dq_lane, PITCH) * E;          // B: K_j
+      const unsigned ds_trans = tc::shared_address(t.ds) + tc::b_pair_lane_offset(dq_lane, DS_PITCH) * E;         // A: dS
 #pragma unroll
       for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
         unsigned ds_frag[DQ_M][4];

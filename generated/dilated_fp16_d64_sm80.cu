@@ -181,8 +181,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
   if (PACKED && row0 >= seq_q) return;  // packed: the grid is sized for the longest sequence
   const int rows_here = min(BLOCK_R, seq_q - row0);
   const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
-  const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
-  const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
@@ -190,18 +188,23 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
   auto next_visible = [&](int j) {  // block-sparse / causal / window / mask_mod skip: never loaded
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
+  // The rows of K and V, read once a step, and of O and LSE, used only after the loop: O's and LSE's in shared
+  // memory through it (block_values_in_shared), K's and V's there too where Q is re-read from shared memory (the
+  // plans at the register limit; ptxas on sm_80, held in registers: 8 B spilled at d = 160, Bc = 32).
+  struct BlockRows { const elem_t* k; const elem_t* v; elem_t* o; float* lse; };
+  const BlockRows rows_in_registers{problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride),
+                                    problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride),
+                                    problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride),
+                                    args.lse + problem.row_offset};
+  __shared__ BlockRows block_rows_slot;
+  const BlockRows& rows_in_shared = block_values_in_shared(block_rows_slot, rows_in_registers);
+  const BlockRows& key_rows_of = Q_IN_REGISTERS ? rows_in_registers : rows_in_shared;
   auto load_kv = [&](int j, int stage) {
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
     const int col0 = j * BLOCK_C, cols = min(BLOCK_C, seq_k - col0);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], col0, cols, DATA_DIM);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], col0, cols, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, key_rows_of.k, args.k_stride[2], col0, cols, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, key_rows_of.v, args.v_stride[2], col0, cols, DATA_DIM);
   };
-
-  // O's and LSE's rows, used only after the loop: in shared memory through it (block_values_in_shared)
-  struct OutputRows { elem_t* o; float* lse; };
-  __shared__ OutputRows output_rows_slot;
-  const OutputRows& output_rows = block_values_in_shared(
-      output_rows_slot, OutputRows{problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride), args.lse + problem.row_offset});
 
   // Q_i and the first visible K_j, V_j in flight together.
   tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
@@ -221,11 +224,15 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
   }
 
   const int warp_row0 = row0 + warp * 16 * M_TILES;
-  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
+  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only. Where Q is re-read
+  // from shared memory (without dropout), the P V product's is derived where it starts, from a fresh read of the
+  // lane index (tc::fresh_lane): held through the loop it was what ptxas spilled at 255 registers on sm_80 (8-12 B
+  // at d = 128, Br = 128, Bc = 64, once K's and V's rows were in shared memory). With dropout it stays derived from
+  // `lane` (afresh, d = 32 spilled 12 B under its 168-register bound).
   constexpr int E = sizeof(elem_t);
   const unsigned q_warp = tc::shared_address(q_tile) + (warp * M_TILES * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;
   const unsigned kv_base = tc::shared_address(kv_tiles);
-  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E, b_pair_trans = tc::b_pair_trans_lane_offset(lane, PITCH) * E;
+  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E;
   bool q_loaded = false;
   int stage = 0;
   while (j < col_blocks) {
@@ -344,6 +351,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     }
 
     // O_w += dropout(P~) V_j: P~'s accumulator layout is already the A-operand layout of the next MMA
+    const unsigned b_pair_trans = tc::b_pair_trans_lane_offset(Q_IN_REGISTERS || HAS_DROPOUT ? lane : tc::fresh_lane(), PITCH) * E;
 #pragma unroll
     for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
       unsigned p_frag[M_TILES][4];
@@ -379,12 +387,12 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     const int row = warp_row0 + m * 16 + group + half * 8;
     if (row >= seq_q) continue;
     const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    elem_t* o_row = output_rows.o + (long long)row * args.o_stride[2];
+    elem_t* o_row = rows_in_shared.o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
       tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
     }
-    if (quad == 0) output_rows.lse[row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
+    if (quad == 0) rows_in_shared.lse[row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
   }
 }
 
@@ -527,13 +535,15 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 #pragma unroll
     for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
 
-  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only.
+  // Each lane's shared-memory addresses (bytes); the loops below add compile-time offsets only. Those of the dK / dV
+  // and dQ products are derived where those start, from a fresh read of the lane index (tc::fresh_lane): held
+  // through the loop they were what ptxas spilled at 255 registers on sm_80 (8-12 B at d + Br = 192). With dropout
+  // (spill-free without this) they stay derived from `lane`: afresh, d = 64 spilled 20 B (ptxas' allocation is
+  // chaotic at the limit).
   constexpr int E = sizeof(elem_t);
   const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: K_w
   const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: V_w
-  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E, b_pair_trans = tc::b_pair_trans_lane_offset(lane, PITCH) * E;
-  const unsigned k_trans = tc::shared_address(t.k) + b_pair_trans;                                              // B: K_j
-  const unsigned ds_trans = tc::shared_address(t.ds) + tc::b_pair_lane_offset(lane, DS_PITCH) * E;             // A: dS
+  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E;
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -676,6 +686,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
     }
 
     // dV_w += P_drop^T dO_i and dK_w += dS^T Q_i: the accumulators of S^T / dS^T are A operands as they are
+    const unsigned b_pair_trans = tc::b_pair_trans_lane_offset(HAS_DROPOUT ? lane : tc::fresh_lane(), PITCH) * E;
 #pragma unroll
     for (int kk = 0; kk < BLOCK_R / 16; ++kk) {
       unsigned p_frag[4], ds_frag[4];
@@ -713,6 +724,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 #pragma unroll
           for (int e = 0; e < 4; ++e) dq_acc[m][n][e] = 0.f;
       const int slab0 = (warp % (Q_SLABS / DQ_M)) * DQ_M, tile0 = (warp / (Q_SLABS / DQ_M)) * DQ_N;
+      const int dq_lane = HAS_DROPOUT ? lane : tc::fresh_lane();
+      const unsigned k_trans = tc::shared_address(t.k) + tc::b_pair_trans_lane_offset(dq_lane, PITCH) * E;          // B: K_j
+      const unsigned ds_trans = tc::shared_address(t.ds) + tc::b_pair_lane_offset(dq_lane, DS_PITCH) * E;         // A: dS
 #pragma unroll
       for (int kk = 0; kk < BLOCK_C / 16; ++kk) {
         unsigned ds_frag[DQ_M][4];

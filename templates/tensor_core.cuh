@@ -26,6 +26,14 @@ __device__ __forceinline__ void ldmatrix_x4_trans(unsigned (&r)[4], unsigned add
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(address));
 }
 
+// The lane's index read afresh (asm volatile: not merged with earlier reads), for addresses that a phase
+// of a kernel at the register limit re-derives where it needs them instead of holding them through a loop.
+__device__ __forceinline__ int fresh_lane() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;\n" : "=r"(lane));
+  return lane;
+}
+
 // Lane offsets (in elements, rows of `pitch`) of the x4 loads that make each operand:
 //   A (16x16 of a row-major [m][k] tile):               rows lane % 16, columns 8 (lane / 16)
 //   B pair (two 16x8 "col" tiles of a row-major [n][k]): rows 8 (lane / 16) + lane % 8, columns 8 ((lane / 8) % 2)
