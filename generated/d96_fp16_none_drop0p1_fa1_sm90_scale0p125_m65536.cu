@@ -300,9 +300,6 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   // (spill-free without this) they stay derived from `lane`: afresh, d = 64 spilled 20 B (ptxas' allocation is
   // chaotic at the limit).
   constexpr int E = sizeof(elem_t);
-  const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: K_w
-  const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(lane, PITCH)) * E;   // A: V_w
-  const unsigned b_pair = tc::b_pair_lane_offset(lane, PITCH) * E;
   int stage = 0;
   while (i < row_blocks) {
     const bool mods_full = walk.mods_full(i);  // read before the walk moves past i
@@ -324,6 +321,12 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 
     // S^T = K_w Q_i^T and dP^T = V_w dO_i^T: one ldmatrix of Q (dO) feeds two 8-query n-tiles
     float s_acc[R_TILES][4], dp_acc[R_TILES][4];
+    // (afresh for the sliding window too, S's and dP's offsets: held, they were spilled there at d = 128, 8 B; for
+    // every mask kind, the d = 128 causal and no-mask kernels spilled again instead)
+    const int s_lane = MASK == MASK_SLIDING_WINDOW && !HAS_DROPOUT ? tc::fresh_lane() : lane;
+    const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: K_w
+    const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: V_w
+    const unsigned b_pair = tc::b_pair_lane_offset(s_lane, PITCH) * E;
 #pragma unroll
     for (int n = 0; n < R_TILES; ++n)
 #pragma unroll

@@ -175,8 +175,9 @@ struct Problem {
 };
 
 // The block's values that its main loop does not touch at every instruction -- global row pointers used once a
-// step (the backward's next Q_i, dO_i loads and dQ's atomics) or only after the loop (the forward's O and LSE
-// rows) -- kept in shared memory instead of registers. At the edge of the register file, with the accumulators
+// step (the backward's next Q_i, dO_i loads and dQ's atomics, the forward's next K_j, V_j loads where Q is re-read
+// from shared memory) or only after the loop (the forward's O and LSE rows, the backward's dK and dV rows) -- kept
+// in shared memory instead of registers. At the edge of the register file, with the accumulators
 // live through the loop, ptxas otherwise puts such values in local memory (sm_80's mma.sync templates spilled
 // 8-76 B so). Thread 0 writes `slot`; the barrier publishes it before anyone reads.
 template <typename T>

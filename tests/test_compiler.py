@@ -174,11 +174,6 @@ KNOWN_SPILLS = {
     # with Philox at 7 rounds (2026-11-23) the block-sparse dropout one became spill-free and this one, at 64
     # registers, started spilling
     ("d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536", "sm_80", "forward"): "8 / 8 B at 64 registers",
-    # backward_fa2_mma at the edge of its register model (d + Br = 192, 255 registers): what is left since the row
-    # pointers live in shared memory (2026-11-25) and the lane offsets of the dK / dV and dQ products are derived
-    # where those start (tc::fresh_lane; later on 2026-11-25: the d = 64 / 128 none and causal ones became spill-free, this
-    # one went from 16 / 20 B). Deriving the S product's offsets likewise cleared this one and made others spill.
-    ("d128_fp16_slidingwindow256_fa2_sm90", "sm_80", "backward"): "8 / 16 B at 255 registers",
     # Soft-capping's sm_90 backward spilled 32 B at 255 registers until backward_wgmma's dQ split was reworked for
     # d = 96, none after, and 8 B since tau is folded into the score_mod (raw_score: its tanh's two constants are
     # held through the loop); timed 1.3-1.4% faster so.
@@ -285,8 +280,8 @@ KNOWN_INPUT_GRAD_SPILLS = {
     # backward_fa2_mma (sm_80) with the bias table's per-element atomics and dropout, since the score_mod and the
     # mask became two passes over the tile (2026-11-24; on sm_90 the split made the score_mod backwards 4-6%
     # faster: ALiBi 7609 -> 7142 us at N = 8192, H200); 32 / 36 B until the lane offsets of the dK / dV and dQ
-    # products were derived where those start (2026-11-25; with dropout they are not, see the template). Not
-    # timed on sm_80 (no such GPU here).
+    # products were derived where those start (2026-11-25; with dropout from `lane`, not afresh: see the
+    # template). Not timed on sm_80 (no such GPU here).
     ("relative_bias_fp16_d64_dropout", "sm_80"): "24 / 24 B at 255 registers",
     # the build with ALiBi's slope gradients: on backward_wgmma 8 B at 255 registers since the row loads step one
     # source pointer per thread (wg::async_load_rows_swizzled, 2026-11-24: the usual backwards 2.5-6% faster on the

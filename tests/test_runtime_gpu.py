@@ -50,10 +50,14 @@ SPECS = _specs() + [  # head dims that are not multiples of 16
     # sm_80's mma.sync plans (fagen.testing.kernel_under_test compiles a spec's older-arch plans for this GPU), their
     # row pointers in shared memory (block_values_in_shared): the backward's at Br = 128 (d = 64) and Br = 64
     # (d = 128), held in registers at Br = 32 (d = 128 with dropout); the forward's O and LSE rows, Q in registers
-    # (d = 64, 96) and re-read from shared memory (d = 128)
+    # (d = 64, 96) and re-read from shared memory (d = 128, with K's and V's rows there too); the lane offsets each
+    # product derives afresh (tc::fresh_lane: the backwards without dropout, S's and dP's too for the window, and
+    # the forward's P V where Q is re-read)
     Spec(head_dim=64, dtype="fp16", mask="none", arch="sm_80"),
     Spec(head_dim=96, dtype="bf16", mask="causal", arch="sm_80"),
     Spec(head_dim=128, dtype="bf16", mask="causal", arch="sm_80"),
+    Spec(head_dim=128, dtype="fp16", mask="sliding_window", window=100, arch="sm_80"),
+    Spec(head_dim=160, dtype="bf16", mask="causal", arch="sm_80"),
     Spec(head_dim=128, dtype="fp16", mask="causal", dropout=0.2, arch="sm_80")]
 GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
     Spec(head_dim=64, dtype="fp16", mask="causal", dropout=0.1, deterministic=True),
