@@ -32,6 +32,7 @@ from typing import Any, Optional
 from fagen import cuda_driver as driver
 from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
 from fagen.compiler import cached_cubin, cubin_key
+from fagen.sources import FOLDING_TEMPLATES
 from fagen.spec import ARCHS, Spec, spec_from_dict
 from fagen.target import Target, from_device
 
@@ -316,13 +317,10 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
     return (blocks_x, -(-problems // slices), slices)
 
 
-#: The backward templates that can fold grouped KV heads (a block walks each query head of its K/V head's group,
-#: summing dK, dV in registers: no per-query-head workspace, no _kv_group_sum pass; templates/backward_wgmma_ws.cu.j2
-#: FOLDS_HEADS), where the spec allows it and the folded grid still has FOLD_WAVES blocks per multiprocessor.
-#: H200, bf16 backward, per query head -> folded (BENCHMARKS.md "Grouped KV heads folded"): 32 / 8 heads causal at
-#: 1024 blocks d = 64 N = 4096 -8%, N = 1024 -18%, d = 128 N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64
-#: blocks 3.3x slower (half the SMs idle).
-FOLDING_TEMPLATES = ("backward_wgmma_ws.cu.j2",)
+#: A grouped-KV backward of FOLDING_TEMPLATES (fagen/sources.py) folds where the spec allows it and the folded grid
+#: still has FOLD_WAVES blocks per multiprocessor. H200, bf16 backward, per query head -> folded (BENCHMARKS.md
+#: "Grouped KV heads folded"): 32 / 8 heads causal at 1024 blocks d = 64 N = 4096 -8%, N = 1024 -18%, d = 128
+#: N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64 blocks 3.3x slower (half the SMs idle).
 FOLD_WAVES = 3
 
 #: The templates whose grids run in groups of problems (grouped_grid), and the group size: where later rows
@@ -1592,10 +1590,12 @@ class Kernel:
         args["o"], args["d_o"], args["lse"] = tensors["o"].pointer, tensors["d_o"].pointer, lt.pointer
         args["o_stride"] = tensors["o"].strides[:3]
         args["do_stride"] = tensors["d_o"].strides[:3]
-        grouped = tensors["k"].shape[1] != heads
+        kv_heads = tensors["k"].shape[1]
+        grouped = kv_heads != heads
         key_blocks = math.ceil(problems[3] / plan.block_c)
-        folded = grouped and sequences is None and self._folds(plan, problems[0] * tensors["k"].shape[1] * key_blocks)
-        args["fold_heads"] = heads // tensors["k"].shape[1] if folded else 1
+        folded = grouped and sequences is None and self._folds(plan, problems[0] * kv_heads * key_blocks)
+        args["fold_heads"] = heads // kv_heads if folded else 1
+        summed = grouped and not folded   # dK, dV per query head into a workspace, then _kv_group_sum
         keep = []
         for key, grad, like in zip(("dq", "dk", "dv"), grads, ("q", "k", "v")):
             gt = as_device_tensor(key, grad)
@@ -1603,7 +1603,7 @@ class Kernel:
                 raise ArgumentError(f"out {key}: expected {self.spec.dtype} of shape {tensors[like].shape}")
             if plan.tensor_cores and self._pair_stores and (gt.pointer % 4 or any(stride % 2 for stride in gt.strides[:3])):
                 raise ArgumentError(f"out {key}: rows must start on 4-byte boundaries (even strides, aligned pointer)")
-            if grouped and key != "dq" and not folded:
+            if summed and key != "dq":
                 # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense
                 # (batch, heads, seq_k, d) workspace; _kv_group_sum adds each group into the output.
                 # (zeroed for packed batches: keys outside every sequence are summed too, and must add 0)
@@ -1631,15 +1631,15 @@ class Kernel:
         if dq_accum_at:
             args["dq_accum"] = base + 4 * dq_accum_at
         launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
-        grid = self._blocks_grid(plan, key_blocks, problems[0] * (tensors["k"].shape[1] if folded else heads), args)
+        grid = self._blocks_grid(plan, key_blocks, problems[0] * (kv_heads if folded else heads), args)
         launches += [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))
         else:
             launches.append((main + "_dq_convert", row_pass_grid(rows), 256, 0))
-        if grouped and not folded:
-            launches.append((main + "_kv_group_sum", row_pass_grid(batch * tensors["k"].shape[1] * seq_k), 256, 0))
+        if summed:
+            launches.append((main + "_kv_group_sum", row_pass_grid(batch * kv_heads * seq_k), 256, 0))
         arguments = args.packed()   # after problem_grid set args["problems"]
         functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
         for symbol, grid, threads, smem in launches:
@@ -1648,7 +1648,7 @@ class Kernel:
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
-            outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if grouped and not folded else ("dq", "dk", "dv")
+            outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if summed else ("dq", "dk", "dv")
             summaries = self._summary_workspaces(args) if self.modifiers.summaries else []
             self._remember(self._fast_backward, signature, args,
                            ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces

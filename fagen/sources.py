@@ -16,8 +16,13 @@ PACKAGE_TEMPLATES = Path(__file__).resolve().parent / "templates"   # an install
 SOURCE_TEMPLATES = Path(__file__).resolve().parent.parent / "templates"  # a source checkout
 TEMPLATE_DIR = PACKAGE_TEMPLATES if PACKAGE_TEMPLATES.is_dir() else SOURCE_TEMPLATES
 
+#: The backward templates that can fold grouped KV heads: a block walks each query head of its K/V head's group,
+#: summing dK, dV in registers (no per-query-head workspace, no _kv_group_sum pass; their FOLDS_HEADS). Read by the
+#: renderer (which builds the walk in) and the runtime (which decides, per call, whether to launch it so).
+FOLDING_TEMPLATES = ("backward_wgmma_ws.cu.j2",)
+
 #: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
-_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py")
+_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py", "sources.py")
 
 
 @functools.lru_cache(maxsize=1)
