@@ -38,6 +38,11 @@ using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod 
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
+// Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
+// on the tensor cores instead of before it: 2-6% faster at d = 160 and 256 and at d = 192 without a mask, but 1-4%
+// slower at d = 192 with a causal or window mask, and 4-7% slower at d <= 128, where other resident blocks fill the
+// tensor cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
+constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
@@ -103,6 +108,12 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
   auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
     const int col0 = j * BLOCK_C;
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
+  };
+  // K_{j+1} and V_j into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s)
+  auto issue_copies = [&](int i, int j, int j_next) {
+    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
+    load_rows(v_stage(i), v, args.v_stride[2], j);
+    tc::cp_async_commit();
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
     tc::cp_async_wait<0>();
@@ -274,11 +285,10 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
     const bool mods_full = walk.mods_full(j);  // read before the walk moves past j
     const int j_next = next_visible(j + 1);
     publish_loads();  // K_j and V_{j-1} are in; every warpgroup is done with K_{j-1} and V_{j-2}
-    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
-    load_rows(v_stage(i), v, args.v_stride[2], j);
-    tc::cp_async_commit();
+    if (!COPIES_AFTER_SCORES) issue_copies(i, j, j_next);
     if (MASK_AHEAD) test_mask_ahead(j * BLOCK_C, mods_full);   // (see MASK_AHEAD) while only O and P~ hold accumulators
     issue_scores(i);
+    if (COPIES_AFTER_SCORES) issue_copies(i, j, j_next);
     if (i > 0) issue_output(i - 1);
     if (i > 0) {
       wg::wait<1>();  // S_j is done; P~_{j-1} V_{j-1} may still run
