@@ -1617,6 +1617,13 @@ class Modifiers:
         modifier_reservation)."""
         return self.mask is not None and self.score is None
 
+    @property
+    def mask_alone_without_head(self) -> bool:
+        """A mask_mod, no score_mod, and h nowhere in it (not in an input's indices either: doc[b, i] == doc[b, j],
+        j < prefix[b]): every query head of a sequence sees the same mask, so a grouped-KV backward block may walk a
+        K/V head's whole group with one head's walk (Spec.kv_group_foldable)."""
+        return self.mask_mod_alone and H not in self.mask.free_symbols
+
     @functools.cached_property
     def mask_reads_keys(self) -> bool:
         """Does the mask_mod read an input at a key position (doc[b, j], t[h, i - j])? Tested per score, a thread

@@ -16,7 +16,7 @@ import jinja2
 from fagen.expressions import mask_kind_struct
 from fagen.reference import dropout_keep_scale, dropout_threshold
 from fagen.solver import Plan, Solution, family_named
-from fagen.sources import FOLDING_TEMPLATES, TEMPLATE_DIR
+from fagen.sources import TEMPLATE_DIR, folds_kv_group
 from fagen.spec import Spec
 
 COMMON_HEADER = "attention_common.cuh"
@@ -180,7 +180,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "deterministic": "true" if spec.deterministic else "false",
         "packed": "true" if spec.layout == "packed" else "false",
         # a backward block walks each query head of a K/V head's group (where the runtime sets args.fold_heads)
-        "folds_kv_group": "true" if plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable else "false",
+        "folds_kv_group": "true" if folds_kv_group(spec, plan) else "false",
         "input_grads": "true" if input_grads else "false",
         "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",

@@ -32,7 +32,7 @@ from typing import Any, Optional
 from fagen import cuda_driver as driver
 from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
 from fagen.compiler import cached_cubin, cubin_key
-from fagen.sources import FOLDING_TEMPLATES
+from fagen.sources import folds_kv_group
 from fagen.spec import ARCHS, Spec, spec_from_dict
 from fagen.target import Target, from_device
 
@@ -883,9 +883,9 @@ class Kernel:
 
     def _folds(self, plan: LaunchPlan, blocks: int) -> bool:
         """Whether a grouped-KV backward runs a block per (sequence, K/V head) pair and key block, walking the
-        group's query heads (FOLDING_TEMPLATES, Spec.kv_group_foldable), given the `blocks` that makes: only
-        where those still fill the GPU FOLD_WAVES times over (fewer, longer blocks leave SMs idle at the end)."""
-        return (plan.template in FOLDING_TEMPLATES and self.spec.kv_group_foldable and not self.spec.deterministic
+        group's query heads (its kernel built so: fagen/sources.py folds_kv_group), given the `blocks` that makes:
+        only where those still fill the GPU FOLD_WAVES times over (fewer, longer blocks leave SMs idle at the end)."""
+        return (folds_kv_group(self.spec, plan) and not self.spec.deterministic
                 and blocks >= FOLD_WAVES * self.target.sm_count)   # (a deterministic _dq grid resets args.problems)
 
     def _blocks_grid(self, plan: LaunchPlan, blocks: int, problems: int, args) -> tuple:

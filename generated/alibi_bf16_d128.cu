@@ -669,9 +669,9 @@ __device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long 
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// A folded block walks its group with the consumers' own walk: the producer's hand-over of a mask_mod's walk has no
-// head loop (Spec.kv_group_foldable leaves mask_mods out)
-static_assert(!(FOLDS_HEADS && Mods::HAS_MASK), "no mask_mod on a block that walks a K/V head's group");
+// A folded block walks its group's query heads in turn; with a mask_mod (one that does not read h:
+// Spec.kv_group_foldable), every head's walk is the first one's, which the producer walks and hands over again
+static_assert(!(FOLDS_HEADS && Mods::HAS_SCORE), "no score_mod on a block that walks a K/V head's group");
 }  // namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config
 
 extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws(const fagen::AttentionArgs args) {
@@ -780,21 +780,29 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     // stages empty). Thread 0 writes the hand-over words before its arrival, whose release publishes them.
     wg::release_registers<PRODUCER_REGISTERS>();
     if constexpr (Mods::HAS_MASK) {
-      int i = next_visible(0);
-      if (tid == 0) handed[0] = i;
-      if (i < row_blocks) load_key_block();
+      const int first = next_visible(0);
+      if (tid == 0) handed[0] = first;
+      if (first < row_blocks) load_key_block();
       wg::barrier_arrive_when_copied(kv_full);
-      for (int n = 0; i < row_blocks; ++n) {
-        const int s = n % 2;
-        wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
-        load_q_block(i, s);
-        // the walk while the copies fly
-        bool mods_full;
-        int i_next;
-        walk_row_block(i, s, mods_full, i_next);
-        if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
-        wg::barrier_arrive_when_copied(full(s));
-        i = i_next;
+      int n = 0;
+      for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads, the same walk each)
+        int i = first;
+        if (head > 0) {
+          next_query_head();
+          if (first < row_blocks) next_visible(0);   // the walk begun again (its tile tests), as the first head's
+        }
+        for (; i < row_blocks; ++n) {
+          const int s = n % 2;
+          wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+          load_q_block(i, s);
+          // the walk while the copies fly
+          bool mods_full;
+          int i_next;
+          walk_row_block(i, s, mods_full, i_next);
+          if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
+          wg::barrier_arrive_when_copied(full(s));
+          i = i_next;
+        }
       }
     } else {   // (this order: the walk's first step after K_j, V_j's copies; the mask_mod's order spilled at d = 59)
       load_key_block();
@@ -853,7 +861,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   auto next_head = [&](int& i) {   // FOLDS_HEADS: the group's next query head, from its first visible row block
     if (!FOLDS_HEADS || ++head >= heads_here) return false;
     next_query_head();
-    i = next_visible(0);
+    i = Mods::HAS_MASK ? handed[0] : next_visible(0);   // (handed[0] is written once: every head's first)
     return true;
   };
   const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys

@@ -172,9 +172,10 @@ constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
 constexpr float KEEP_SCALE = 1.111099808e+00f;
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
-// on the tensor cores instead of before it: 2-6% faster at d = 160 and 256 and at d = 192 without a mask, but 1-4%
-// slower at d = 192 with a causal or window mask, and 4-7% slower at d <= 128, where other resident blocks fill the
-// tensor cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
+// on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
+// mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
+// dropout it was 3% faster, left so), and up to 8% slower at d <= 128, where other resident blocks fill the tensor
+// cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");

@@ -115,9 +115,10 @@ constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
-// on the tensor cores instead of before it: 2-6% faster at d = 160 and 256 and at d = 192 without a mask, but 1-4%
-// slower at d = 192 with a causal or window mask, and 4-7% slower at d <= 128, where other resident blocks fill the
-// tensor cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
+// on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
+// mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
+// dropout it was 3% faster, left so), and up to 8% slower at d <= 128, where other resident blocks fill the tensor
+// cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
@@ -524,9 +525,9 @@ __device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long 
       : "l"(a), "l"(b), "r"(accumulate));
 }
 
-// A folded block walks its group with the consumers' own walk: the producer's hand-over of a mask_mod's walk has no
-// head loop (Spec.kv_group_foldable leaves mask_mods out)
-static_assert(!(FOLDS_HEADS && Mods::HAS_MASK), "no mask_mod on a block that walks a K/V head's group");
+// A folded block walks its group's query heads in turn; with a mask_mod (one that does not read h:
+// Spec.kv_group_foldable), every head's walk is the first one's, which the producer walks and hands over again
+static_assert(!(FOLDS_HEADS && Mods::HAS_SCORE), "no score_mod on a block that walks a K/V head's group");
 }  // namespace fagen_bwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc128_w12_ws_config
 
 extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc128_w12_ws(const fagen::AttentionArgs args) {
@@ -635,21 +636,29 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
     // stages empty). Thread 0 writes the hand-over words before its arrival, whose release publishes them.
     wg::release_registers<PRODUCER_REGISTERS>();
     if constexpr (Mods::HAS_MASK) {
-      int i = next_visible(0);
-      if (tid == 0) handed[0] = i;
-      if (i < row_blocks) load_key_block();
+      const int first = next_visible(0);
+      if (tid == 0) handed[0] = first;
+      if (first < row_blocks) load_key_block();
       wg::barrier_arrive_when_copied(kv_full);
-      for (int n = 0; i < row_blocks; ++n) {
-        const int s = n % 2;
-        wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
-        load_q_block(i, s);
-        // the walk while the copies fly
-        bool mods_full;
-        int i_next;
-        walk_row_block(i, s, mods_full, i_next);
-        if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
-        wg::barrier_arrive_when_copied(full(s));
-        i = i_next;
+      int n = 0;
+      for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads, the same walk each)
+        int i = first;
+        if (head > 0) {
+          next_query_head();
+          if (first < row_blocks) next_visible(0);   // the walk begun again (its tile tests), as the first head's
+        }
+        for (; i < row_blocks; ++n) {
+          const int s = n % 2;
+          wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+          load_q_block(i, s);
+          // the walk while the copies fly
+          bool mods_full;
+          int i_next;
+          walk_row_block(i, s, mods_full, i_next);
+          if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
+          wg::barrier_arrive_when_copied(full(s));
+          i = i_next;
+        }
       }
     } else {   // (this order: the walk's first step after K_j, V_j's copies; the mask_mod's order spilled at d = 59)
       load_key_block();
@@ -708,7 +717,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
   auto next_head = [&](int& i) {   // FOLDS_HEADS: the group's next query head, from its first visible row block
     if (!FOLDS_HEADS || ++head >= heads_here) return false;
     next_query_head();
-    i = next_visible(0);
+    i = Mods::HAS_MASK ? handed[0] : next_visible(0);   // (handed[0] is written once: every head's first)
     return true;
   };
   const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys

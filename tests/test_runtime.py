@@ -201,19 +201,28 @@ def test_forward_keyed_checks_the_layout_as_forward_does():
 
 def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_enough_blocks():
     """Kernel._folds: a block per (sequence, K/V head) pair and key block walking the group's query heads only on
-    FOLDING_TEMPLATES, for Spec.kv_group_foldable specs, where that grid has FOLD_WAVES blocks per multiprocessor
-    (MQA with 64 blocks on 132 SMs ran 3.4x slower folded). No GPU: the rule reads the plan, spec and target."""
+    FOLDING_TEMPLATES, for Spec.kv_group_foldable specs (a mask_mod not reading h only on 64-row blocks), where that
+    grid has FOLD_WAVES blocks per multiprocessor (MQA with 64 blocks on 132 SMs ran 3.4x slower folded). No GPU:
+    the rule reads the plan, spec and target."""
     from types import SimpleNamespace
 
-    from fagen.runtime import FOLD_WAVES, FOLDING_TEMPLATES, Kernel
+    from fagen.runtime import FOLD_WAVES, Kernel
+    from fagen.sources import FOLDING_TEMPLATES
 
     target = SimpleNamespace(sm_count=132)
-    ws = SimpleNamespace(template=FOLDING_TEMPLATES[0])
-    other = SimpleNamespace(template="backward_wgmma.cu.j2")
+    ws, ws_64_rows = (SimpleNamespace(template=FOLDING_TEMPLATES[0], block_r=rows) for rows in (128, 64))
+    other = SimpleNamespace(template="backward_wgmma.cu.j2", block_r=64)
     foldable = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal"), target=target)
     dropout = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal", dropout=0.1), target=target)
+    documents = SimpleNamespace(spec=Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]",
+                                          inputs={"doc": "int32"}), target=target)
+    per_head = SimpleNamespace(spec=Spec(head_dim=128, dtype="bf16", mask_mod="i - j < window[h]",
+                                         inputs={"window": "int32"}), target=target)
     enough = FOLD_WAVES * 132
     assert Kernel._folds(foldable, ws, enough)
     assert not Kernel._folds(foldable, ws, enough - 1)
     assert not Kernel._folds(foldable, other, 10 * enough)
     assert not Kernel._folds(dropout, ws, 10 * enough)
+    assert Kernel._folds(documents, ws_64_rows, enough)          # the same mask in every head of the group
+    assert not Kernel._folds(documents, ws, 10 * enough)         # 128-row blocks: the folded consumers spilled
+    assert not Kernel._folds(per_head, ws_64_rows, 10 * enough)  # a mask that reads h

@@ -318,7 +318,12 @@ FOLD_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 333, 333),
               (Spec(head_dim=128, dtype="fp16", mask="none"), 1, 200, 333),
               (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70), 2, 333, 257),
               (Spec(head_dim=128, dtype="bf16", mask="causal"), 1, 129, 400),
-              (Spec(head_dim=64, dtype="fp16", mask="padding"), 2, 190, 333)]   # kv_lengths (100, 333) below
+              (Spec(head_dim=64, dtype="fp16", mask="padding"), 2, 190, 333),   # kv_lengths (100, 333) below
+              # mask_mods that do not read h: every head of a group walks the first head's tiles (doc, prefix below)
+              (Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]",
+                    inputs={"doc": "int32"}), 2, 333, 333),
+              (Spec(head_dim=128, dtype="fp16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"}), 1, 257, 300),
+              (Spec(head_dim=128, dtype="bf16", mask_mod="j <= i and (i - j < 100 or j < 4)"), 2, 400, 400)]
 
 
 @pytest.mark.parametrize("spec, kv_heads, seq_q, seq_k", FOLD_CASES,
@@ -327,19 +332,21 @@ def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_
     """Grouped KV heads on backward_wgmma_ws with every block walking its K/V head's whole group of query heads
     (runtime.FOLD_WAVES at 0: folded at any size, where by default only grids of FOLD_WAVES blocks per SM are):
     dK, dV summed in registers and written by the kernel into the caller's poisoned tensors, no workspace and no
-    _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths, tensors
-    in (B, H, N, d) and as (B, N, H, d) viewed so (the head stride a folded block steps by). Against
+    _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths, mask_mods
+    that do not read h (documents, prefix-LM, window + sinks: the producer walks the first head's tiles once per
+    head), tensors in (B, H, N, d) and as (B, N, H, d) viewed so (the head stride a folded block steps by). Against
     the float64 reference: a call into given outputs, then the full path's and the remembered fast path's calls."""
     import numpy as np
     import torch
 
     import fagen
     from fagen import reference, runtime
+    from fagen.sources import folds_kv_group
     from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
 
     monkeypatch.setattr(runtime, "FOLD_WAVES", 0)
     kernel = fagen.compile(spec)
-    assert kernel.plans["backward"].template in runtime.FOLDING_TEMPLATES and spec.kv_group_foldable
+    assert folds_kv_group(spec, kernel.plans["backward"])
     generator = torch.Generator(device="cuda").manual_seed(5)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
     batch, heads, d = 2, 4, spec.head_dim
@@ -348,11 +355,18 @@ def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_
     if kv_heads == 2:   # (B, N, H, d) activations seen as (B, H, N, d): q, k, v, dO with the head stride d
         q, k, v, do = (t.transpose(1, 2).contiguous().transpose(1, 2) for t in (q, k, v, do))
     lengths = {"kv_lengths": torch.tensor([100, seq_k], dtype=torch.int32, device="cuda")} if spec.mask == "padding" else {}
+    positions = torch.arange(max(seq_q, seq_k), device="cuda")
+    inputs = {"doc": torch.stack([positions // 97, (positions + 30) // 150]).to(torch.int32),   # documents of 97 / 150
+              "prefix": torch.tensor([40, 200], dtype=torch.int32, device="cuda")}
+    inputs = {name: inputs[name] for name, _, _ in spec.modifiers.tensors}
+    if inputs:
+        lengths["inputs"] = inputs
     o, lse = kernel.forward(q, k, v, **lengths)
     as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
     magnitudes = {}
     expected = reference.attention_backward(as64(q), as64(k), as64(v), as64(do), spec, o=as64(o), magnitudes=magnitudes,
-                                            **{name: t.cpu().numpy() for name, t in lengths.items()})
+                                            kv_lengths=lengths["kv_lengths"].cpu().numpy() if "kv_lengths" in lengths else None,
+                                            inputs={name: t.cpu().numpy() for name, t in inputs.items()} or None)
     before = set(kernel._fast_backward)
     for call in ("full path, given outputs", "full path", "fast path"):
         if call == "full path, given outputs":   # poisoned: the kernels must write every element

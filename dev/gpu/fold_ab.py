@@ -4,12 +4,16 @@ compiled kernel (fast-path tables cleared between modes), two rounds alternating
 CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
 
     python3 dev/gpu/fold_ab.py
+    MASK_MODS=1 python3 dev/gpu/fold_ab.py          # the library's mask_mods that do not read h, at d = 128
+    FAGEN_TREE=.ab_old MASK_MODS=1 python3 ...      # the same cases on another tree (its kernels, this script)
+
+The mask_mods' inputs are `fagen bench modifiers`' (document ids of random lengths, a quarter-length prefix).
 """
 import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))   # the repository root
+sys.path.insert(0, os.environ.get("FAGEN_TREE") or os.path.dirname(os.path.dirname(HERE)))   # the tree timed
 sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
@@ -41,19 +45,32 @@ CASES = [("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal"), 4, 32,
          ("d128 causal 16/4", Spec(head_dim=128, dtype="bf16", mask="causal"), 4, 16, 4, 4096),
          ("d128 causal MQA", Spec(head_dim=128, dtype="bf16", mask="causal"), 2, 32, 1, 4096),
          ("d64 window 1024", Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=1024), 2, 32, 8, 8192)]
+if os.environ.get("MASK_MODS"):
+    documents = Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    prefix_lm = Spec(head_dim=128, dtype="bf16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
+    sinks = Spec(head_dim=128, dtype="bf16", mask_mod="j <= i and (i - j < 256 or j < 4)")
+    CASES = [("d128 documents", documents, 16, 32, 8, 1024), ("d128 documents", documents, 4, 32, 8, 2048),
+             ("d128 documents", documents, 2, 32, 8, 8192), ("d128 documents 16/4", documents, 4, 16, 4, 4096),
+             ("d128 documents MHA", documents, 4, 32, 32, 2048), ("d128 prefix-LM", prefix_lm, 4, 32, 8, 2048),
+             ("d128 window 256 + sinks", sinks, 4, 32, 8, 4096)]
+DEFAULT_WAVES = runtime.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
     kernel = runtime.compile(spec)
     g = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     q, do = (torch.randn(b, h, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
     k, v = (torch.randn(b, hkv, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
-    o, lse = kernel.forward(q, k, v)
+    extra = {}
+    if spec.inputs:
+        from fagen.bench.modifiers import make_case
+        extra["inputs"] = make_case(spec, b, h, n).inputs
+    o, lse = kernel.forward(q, k, v, **extra)
     res = {}
     grads = {}
     for mode, waves in (("per-head", 10**9), ("folded", 0), ("per-head", 10**9), ("folded", 0)):
         runtime.FOLD_WAVES = waves
         kernel._fast_backward.clear(); kernel._fast_backward_after.clear()
-        fn = lambda: kernel.backward(q, k, v, o, lse, do)
+        fn = lambda: kernel.backward(q, k, v, o, lse, do, **extra)
         grads[mode] = fn()
         dev = sum(t for _, (t, _) in kernel_table(fn, 10))
         ev = events_us(fn)
@@ -62,7 +79,7 @@ for label, spec, b, h, hkv, n in CASES:
     same = [float((x.float() - y.float()).abs().max()) for x, y in zip(grads["per-head"], grads["folded"])]
     print(f"{label} B{b} H{h}/{hkv} N{n}: " + "; ".join(f"{m} device {min(r[0] for r in rs):.1f} us, events {min(r[1] for r in rs):.1f} us (folded={rs[0][2]})" for m, rs in res.items())
           + f"; max |diff| dq dk dv {same[0]:.2e} {same[1]:.2e} {same[2]:.2e}", flush=True)
-    runtime.FOLD_WAVES = 4
+    runtime.FOLD_WAVES = DEFAULT_WAVES
     kernel._fast_backward.clear()
     blocks = b * hkv * -(-n // kernel.plans['backward'].block_c)
     print(f"   default rule folds: {kernel._folds(kernel.plans['backward'], blocks)} ({blocks} blocks)", flush=True)

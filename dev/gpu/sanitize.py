@@ -87,9 +87,12 @@ def main():
 
     runtime.FOLD_WAVES = 0
     for spec in (Spec(head_dim=64, dtype="bf16", mask="causal"),
-                 Spec(head_dim=128, dtype="fp16", mask="sliding_window", window=40)):
+                 Spec(head_dim=128, dtype="fp16", mask="sliding_window", window=40),
+                 # a mask_mod that does not read h: the producer walks the first head's tiles again for each head
+                 Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})):
         if not ONLY or any(w in spec.variant_name for w in ONLY):
             case = dict(GROUPED, kv_heads=2, seq_q=140, seq_k=141)
+            case.update(input_fields(spec, 4, 4, 140, 141, seed=5, scalars=[]))
             errors = assert_matches_reference(spec, Case(**case), backward=True)
             print(spec.variant_name, "folded", {k: f"{v:.2e}" for k, v in errors.items()}, flush=True)
     # the torch adapter's head-dim padding kernel (fagen/pad_rows.py) on the layouts it is given, odd widths
