@@ -26,12 +26,13 @@ def folds_kv_group(spec, plan) -> bool:
     """Whether the kernel of `plan` (a backward's LaunchPlan) is built to walk a K/V head's group of query heads
     (FOLDS_HEADS): a folding template, a spec whose attention depends on the query head through its rows alone
     (Spec.kv_group_foldable), and not a mask_mod on 128-row blocks (d = 64): there the consumers' head loop beside
-    the mask_mod's tests spilled 4-8 B (documents, dilated; ptxas, sm_90a), at 64-row blocks (d = 128) none."""
+    the mask_mod's tests spilled 4-8 B (documents, dilated; ptxas, sm_90a), at 64-row blocks (d = 96, 128) none."""
     return (plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
             and not (spec.modifiers.mask is not None and plan.block_r > 64))
 
 #: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
-_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py", "sources.py")
+_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py", "sources.py",
+                 "expressions.py")   # (the mask_mod / score_mod code, and what decides folds_kv_group)
 
 
 @functools.lru_cache(maxsize=1)
