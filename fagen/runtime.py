@@ -317,7 +317,7 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
     return (blocks_x, -(-problems // slices), slices)
 
 
-#: A grouped-KV backward of FOLDING_TEMPLATES (fagen/sources.py) folds where the spec allows it and the folded grid
+#: A grouped-KV backward folds where fagen/sources.py folds_kv_group built it so and the folded grid
 #: still has FOLD_WAVES blocks per multiprocessor. H200, bf16 backward, per query head -> folded (BENCHMARKS.md
 #: "Grouped KV heads folded"): 32 / 8 heads causal at 1024 blocks d = 64 N = 4096 -8%, N = 1024 -18%, d = 128
 #: N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64 blocks 3.3x slower (half the SMs idle).

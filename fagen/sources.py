@@ -1,4 +1,5 @@
-"""Where fagen's kernel sources live, and the fingerprint of everything that shapes a kernel.
+"""Where fagen's kernel sources live, which of them fold grouped KV heads, and the fingerprint of everything that
+shapes a kernel.
 
 The run-time plan cache (fagen/runtime.py) stores a solved, rendered and compiled spec under a key
 that includes this fingerprint: change a template, the solver or the renderer and every cached plan
@@ -23,12 +24,14 @@ FOLDING_TEMPLATES = ("backward_wgmma_ws.cu.j2",)
 
 
 def folds_kv_group(spec, plan) -> bool:
-    """Whether the kernel of `plan` (a backward's LaunchPlan) is built to walk a K/V head's group of query heads
-    (FOLDS_HEADS): a folding template, a spec whose attention depends on the query head through its rows alone
-    (Spec.kv_group_foldable), and not a mask_mod on 128-row blocks (d = 64): there the consumers' head loop beside
-    the mask_mod's tests spilled 4-8 B (documents, dilated; ptxas, sm_90a), at 64-row blocks (d = 96, 128) none."""
+    """Whether the kernel of `plan` (a backward's solver Plan or runtime LaunchPlan: its template and block_r) is
+    built to walk a K/V head's group of query heads (FOLDS_HEADS): a folding template, a spec whose attention depends
+    on the query head through its rows alone (Spec.kv_group_foldable), and not a mask_mod on 128-row blocks (the
+    solver's choice at d <= 64): there the consumers' head loop beside the mask_mod's tests spilled 4-8 B (documents,
+    dilated at d = 64; ptxas, sm_90a), on 64-row blocks (d = 72-128) none where compiled (d = 96, 128)."""
     return (plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
             and not (spec.modifiers.mask is not None and plan.block_r > 64))
+
 
 #: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
 _PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py", "sources.py",

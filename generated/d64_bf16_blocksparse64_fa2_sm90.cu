@@ -384,7 +384,8 @@ constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
 constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-// Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; Spec.kv_group_foldable)
+// Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; fagen/sources.py
+// folds_kv_group)
 constexpr bool FOLDS_HEADS = false;
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 64;

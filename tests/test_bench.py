@@ -396,6 +396,19 @@ def test_modifiers_variants_at_another_head_dim_keep_their_flex_version():
 
 
 # ---- corners (issue 13): the masks Flex gets are fagen's -------------------------------------
+def test_corners_in_fp16_are_the_same_rows():
+    """`python -m fagen.bench corners --dtype fp16`: every row's spec and shape as written, in fp16."""
+    from fagen.bench.corners import CORNERS, corners_in
+
+    fp16 = corners_in("fp16")
+    assert len(fp16) == len(CORNERS) and all(c.spec.dtype == "fp16" for c in fp16)
+    for mine, written in zip(fp16, CORNERS):
+        assert mine[1:] == written[1:]
+        assert mine.spec.model_dump() == {**written.spec.model_dump(), "dtype": "fp16"}
+    assert corners_in("bf16") == CORNERS
+
+
+
 @pytest.mark.parametrize("spec", [Spec(head_dim=64, dtype="bf16", mask="causal"),
                                   Spec(head_dim=64, dtype="bf16", mask="sliding_window", window=37),
                                   Spec(head_dim=64, dtype="bf16", mask="block_sparse", block_size=16)],

@@ -291,6 +291,22 @@ def test_light_mask_mod(mask, score, inputs, light):
     assert mods.mask_mod_alone is (mask is not None and score is None)
 
 
+@pytest.mark.parametrize("mask, score, inputs, without_head", [
+    ("doc[b, i] == doc[b, j]", None, {"doc": "int32"}, True),
+    ("j < prefix[b] or j <= i", None, {"prefix": "int32"}, True),
+    ("j <= i and (i - j < 256 or j < 4)", None, None, True),
+    ("i - j < window[h]", None, {"window": "int32"}, False),        # h in an input's indices
+    ("j <= i and t[h, i - j] > 0", None, {"t": "float32"}, False),
+    ("h % 2 == 0 or j <= i", None, None, False),                    # h itself
+    ("doc[b, i] == doc[b, j]", "score * 0.5", {"doc": "int32"}, False),   # a score_mod beside it
+    (None, "score * 0.5", None, False),
+])
+def test_mask_alone_without_head(mask, score, inputs, without_head):
+    """A mask_mod alone with no h anywhere in it, its inputs' indices included: the same mask in every query head,
+    which lets a grouped-KV backward block walk a K/V head's group with one head's walk (Spec.kv_group_foldable)."""
+    assert modifiers(mask, score, inputs).mask_alone_without_head is without_head
+
+
 @pytest.mark.parametrize("mask, inputs, reads_keys", [
     ("doc[b, i] == doc[b, j]", {"doc": "int32"}, True),
     ("j <= i and t[h, i - j] > 0", {"t": "float32"}, True),       # a table at the distance: per key as well

@@ -3,10 +3,18 @@
 # Compiles dev/gpu/ab_time.py's kernels for every tree at once (one kernel cache per tree), then times the
 # trees in turn, twice round, so that drift on the GPU shows up as a difference between the rounds.
 # AB_DROPOUT=1, AB_WINDOW=1: the dropout and sliding-window rows as well; AB_WIDE=1: only d = 160, 192, 256.
+# AB_FORWARD=1: forwards only, dev/gpu/forward_ab.py's cases instead (WIDE=1 there: its d > 128 shapes).
 source dev/gpu/device_prelude.sh
 trees=("$@"); root=$PWD
 cache_of() { echo "/tmp/fagen-cache-ab-$(echo "$1" | tr -c 'a-zA-Z0-9' _)"; }
+script=$root/dev/gpu/ab_time.py
+[ -n "${AB_FORWARD:-}" ] && script=$root/dev/gpu/forward_ab.py
 for tree in "${trees[@]}"; do
+  if [ -n "${AB_FORWARD:-}" ]; then
+    (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 "$script" "$PWD" x --compile-only 2>&1 \
+      | grep -iv warn | tail -2) &
+    continue
+  fi
   (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 -c "
 from fagen.runtime import precompile
 from fagen.spec import Spec
@@ -20,6 +28,6 @@ done
 wait
 for round in 1 2; do
   for tree in "${trees[@]}"; do
-    (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") python3 "$root/dev/gpu/ab_time.py" "$PWD" "round $round $tree")
+    (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 "$script" "$PWD" "round $round $tree")
   done
 done

@@ -1,12 +1,14 @@
 """Forward-only A/B of fagen trees on one GPU (bf16, median of 40 calls between CUDA events, no sync per launch),
-driven by dev/gpu/forward_ab.sh: `python3 dev/gpu/forward_ab.py TREE LABEL [--compile-only]`. The cases: head dims
-32-256 with and without masks and dropout (the set the copies' order was chosen on); with WIDE=1, other shapes at
-d > 128 (odd lengths, long sequences, windows, head dims padded up). Each output's sum is printed beside its time,
-so that trees that disagree show it."""
-import os, sys, statistics
+driven by `AB_FORWARD=1 bash dev/gpu/ab_trees.sh . .ab_old`: `python3 dev/gpu/forward_ab.py TREE LABEL
+[--compile-only]`. The cases: head dims 32-256 with and without masks and dropout (the set the copies' order was
+chosen on); with WIDE=1, other shapes at d > 128 (odd lengths, long sequences, windows, d = 224, and d = 176 / 144,
+which run forward_fa2_mma: controls). Each output's sum is printed beside its time, so that trees that disagree
+show it."""
+import os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
 from fagen import runtime
+from fagen.bench.timing import time_cuda
 from fagen.spec import Spec
 CASES = [  # (d, mask, dropout, window, B, H, N)
  (192, "none", 0.0, None, 8, 8, 1024), (192, "none", 0.0, None, 16, 16, 1024), (192, "none", 0.0, None, 2, 16, 3001),
@@ -31,14 +33,6 @@ specs = [Spec(head_dim=d, dtype="bf16", mask=m, dropout=p, window=w, passes=("fo
 if "--compile-only" in sys.argv:
     runtime.precompile(specs, jobs=8); sys.exit()
 runtime.ensure_context()
-def t(fn, n=40):
-    for _ in range(5): fn()
-    torch.cuda.synchronize()
-    es = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
-    for a, b in es:
-        a.record(); fn(); b.record()
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in es)
 runtime.CHECK_LAUNCHES = False
 out = []
 for spec, (d, m, p, w, B, H, N) in zip(specs, CASES):
@@ -47,5 +41,5 @@ for spec, (d, m, p, w, B, H, N) in zip(specs, CASES):
     q, kk, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     o, _ = k.forward(q, kk, v)
     s = float(o.float().abs().sum())
-    out.append(f"d{d} {m}{'' if p == 0 else ' drop'} {B}x{H}x{N}: {1e3 * t(lambda: k.forward(q, kk, v)):.0f} us (sum {s:.6e})")
+    out.append(f"d{d} {m}{'' if p == 0 else ' drop'} {B}x{H}x{N}: {1e3 * time_cuda(lambda: k.forward(q, kk, v), 5, 40):.0f} us (sum {s:.6e})")
 print(sys.argv[2], "\n  " + "\n  ".join(out), flush=True)

@@ -67,6 +67,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     corners = sub.add_parser("corners", help="GPU: every head dim, dropout and the masks SDPA lacks against "
                              "SDPA-flash, SDPA-cuDNN and FlexAttention, forward and backward (issue 13)")
     corners.add_argument("--only", help="comma-separated substrings: run the rows whose variant name has one")
+    corners.add_argument("--dtype", choices=("bf16", "fp16"), default="bf16", help="the rows' dtype (default: bf16)")
     corners.add_argument("--json", dest="json_path")
     redraw = sub.add_parser("plot", help="redraw the PNG from a `fagen bench --json` file")
     redraw.add_argument("report")
@@ -97,11 +98,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                                       first_call=args.first_call, json=args.json_path, head_dim=args.head_dim)
         return 0
     if args.command == "corners":
-        from fagen.bench.corners import CORNERS, run_corners
+        from fagen.bench.corners import corners_in, run_corners
 
         wanted = args.only.split(",") if args.only else None
-        result = run_corners([c for c in CORNERS if not wanted or any(w in c.spec.variant_name for w in wanted)],
-                             json=args.json_path)
+        rows = [c for c in corners_in(args.dtype) if not wanted or any(w in c.spec.variant_name for w in wanted)]
+        result = run_corners(rows, json=args.json_path)
         return 1 if result["failed"] else 0
     if args.command == "plot":
         plot_report(BenchReport.load(args.report), args.png)

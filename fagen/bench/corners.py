@@ -52,6 +52,11 @@ CORNERS: tuple[Corner, ...] = (
 )
 
 
+def corners_in(dtype: str) -> tuple[Corner, ...]:
+    """The same rows in another dtype (issue 13 asks for fp16 and bf16; the rows are written in bf16)."""
+    return tuple(Corner(Spec(**{**corner.spec.model_dump(), "dtype": dtype}), *corner[1:]) for corner in CORNERS)
+
+
 def _flex_mask(spec: Spec, seq_len: int, block_table):
     """Flex's mask_mod for the spec's mask (q and k of one length, so no bottom-right shift)."""
     if spec.mask == "causal":
