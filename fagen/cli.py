@@ -358,10 +358,13 @@ def bench(spec_file: Path, seqlens: tuple[int, ...], tokens: int, model_dim: int
 @click.option("--overhead/--no-overhead", default=True, show_default=True, help="Also the per-call host overhead table.")
 @click.option("--compile/--no-compile", "compiled", default=True, show_default=True,
               help="Overhead table: also through torch.compile.")
+@click.option("--packed-doc-len", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Pack each row with sequences of about this many tokens (position_ids restarting at 0) and time "
+                   "fagen against SDPA with transformers' packed mask and FlexAttention; 0: one sequence per row.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), help="Write the results as JSON.")
 def bench_model(head_dims: tuple[int, ...], seqlens: tuple[int, ...], tokens: int, hidden: int, layers: int,
                 kv_groups: tuple[int, ...], vocab: int, warmup: int, steps: int, overhead: bool, compiled: bool,
-                json_path: Optional[Path]) -> None:
+                packed_doc_len: int, json_path: Optional[Path]) -> None:
     """Training steps of a small Llama (transformers) with fagen against SDPA, and the per-call host overhead."""
     run = _gpu_entry("fagen bench-model", "fagen.bench.model", "run_model_bench")
     from importlib.util import find_spec
@@ -369,7 +372,8 @@ def bench_model(head_dims: tuple[int, ...], seqlens: tuple[int, ...], tokens: in
     if find_spec("transformers") is None:
         fail("fagen bench-model needs transformers: pip install -e \".[hf]\"", 2)
     run(head_dims=head_dims, seqlens=seqlens, tokens=tokens, hidden=hidden, layers=layers, kv_groups=kv_groups,
-        vocab=vocab, warmup=warmup, steps=steps, overhead=overhead, compiled=compiled, json=json_path)
+        vocab=vocab, warmup=warmup, steps=steps, overhead=overhead, compiled=compiled, packed_doc_len=packed_doc_len,
+        json=json_path)
 
 
 if __name__ == "__main__":

@@ -40,24 +40,46 @@ def test_llama_config_follows_the_shape():
     assert config.attention_dropout == 0.0  # the loss curves are compared: no dropout
 
 
+def test_packed_positions_restart_at_each_sequence_and_fill_the_rows():
+    rows = bench_model.packed_positions(batch=3, seq_len=1000, doc_len=128, seed=5)
+    assert len(rows) == 3 and all(len(row) == 1000 for row in rows)
+    for row in rows:
+        starts = [n for n, p in enumerate(row) if p == 0]
+        assert starts[0] == 0 and len(starts) >= 1000 // 192   # sequences of 64 to 192 tokens
+        lengths = [b - a for a, b in zip(starts, starts[1:] + [len(row)])]
+        assert all(64 <= n <= 192 for n in lengths[:-1]) and 1 <= lengths[-1] <= 192   # the last one cut
+        assert all(row[n] == row[n - 1] + 1 for n in range(1, 1000) if n not in starts)
+    assert rows[0] != rows[1]   # each row drawn on its own
+    assert bench_model.packed_positions(3, 1000, 128, seed=5) == rows   # and the same for every implementation
+    assert bench_model.packed_positions(1, 100, 4096) == [list(range(100))]   # longer than the row: one sequence
+
+
 def fake_report() -> ModelReport:
     rows = [ModelRow(64, 32, 8, 1024, 16, ms={"fagen": 100.0, "flash": 110.0, "sdpa": 105.0},
                      losses={"fagen": [10.4, 10.1], "flash": [10.4, 10.102], "sdpa": [10.4, 10.099]}),
             ModelRow(128, 16, 16, 8192, 2, ms={"fagen": 200.0, "flash": 190.0},
                      losses={"fagen": [10.4], "flash": [10.5]},
-                     notes={"sdpa": "OutOfMemoryError: CUDA out of memory"})]
+                     notes={"sdpa": "OutOfMemoryError: CUDA out of memory"}),
+            ModelRow(128, 16, 4, 4096, 4, doc_len=1024, ms={"fagen": 80.0, "sdpa": 120.0, "flex": 96.0},
+                     losses={"fagen": [10.4, 10.2], "sdpa": [10.4, 10.201], "flex": [10.4, 10.2]},
+                     first_ms={"fagen": 900.0, "sdpa": 150.0, "flex": 21000.0},
+                     packing={"fagen_vs_sdpa": 0.03, "flex_vs_sdpa": 0.04, "unpacked_vs_sdpa": 2.5})]
     overhead = [OverheadRow("forward", False, us={"fagen": 30.0, "sdpa": 20.0}),
                 OverheadRow("forward+backward", True, us={"sdpa": 80.0}, notes={"fagen": "Unsupported: ..."})]
     return ModelReport({"gpu": "NVIDIA H100", "torch": "2.11", "date": "2026-01-01"}, rows, overhead)
 
 
 def test_rows_compute_speedups_loss_differences_and_targets():
-    fast, slow = fake_report().rows
+    fast, slow, packed = fake_report().rows
     assert fast.speedup("flash") == pytest.approx(1.1) and fast.speedup("sdpa") == pytest.approx(1.05)
     assert fast.loss_difference("flash") == pytest.approx(0.002)
     assert fast.target == 1.0 and slow.target == 1.05
     assert slow.speedup("sdpa") is None and slow.loss_difference("flash") == pytest.approx(0.1)
     assert fake_report().overhead[0].ratio == pytest.approx(1.5) and fake_report().overhead[1].ratio is None
+    # packed rows: held to SDPA with the packed mask (flash takes no mask) and to Flex; no issue target
+    assert packed.impls == ("fagen", "sdpa", "flex") and packed.target is None
+    assert packed.speedup("sdpa") == pytest.approx(1.5) and packed.speedup("flex") == pytest.approx(1.2)
+    assert packed.loss_difference() == pytest.approx(0.001)
 
 
 def test_tables_and_json(tmp_path):
@@ -66,13 +88,18 @@ def test_tables_and_json(tmp_path):
     bench_model.print_model_report(report, console)
     text = console.export_text()
     for expected in ("training step", "1.10", "0.95", "2.0e-03", "1.0e-01", "OutOfMemoryError", "host time per call",
-                     "1.50", "Unsupported"):
+                     "1.50", "Unsupported", "packed sequences", "FlexAttention", "1.20", "1.0e-03"):
         assert expected in text, expected
     data = json.loads(bench_model.write_model_json(report, tmp_path / "out" / "model.json").read_text())
     assert data["meta"]["gpu"] == "NVIDIA H100"
     first = data["model"][0]
     assert first["fagen_over_flash"] == pytest.approx(1.1) and first["flash_losses"] == [10.4, 10.102]
     assert data["model"][1]["sdpa_ms"] is None and "OutOfMemoryError" in data["model"][1]["sdpa_note"]
+    third = data["model"][2]
+    assert third["doc_len"] == 1024 and third["fagen_over_flex"] == pytest.approx(1.2) and "flash_ms" not in third
+    assert third["flex_first_step_ms"] == 21000.0 and third["loss_max_abs_diff_sdpa"] == pytest.approx(0.001)
+    assert third["target"] is None and third["packing_check"]["unpacked_vs_sdpa"] == 2.5
+    assert "packing_check" not in first
     assert data["overhead"][0] == {"mode": "forward", "compiled": False, "fagen_us": 30.0, "sdpa_us": 20.0,
                                    "fagen_over_sdpa": 1.5, "target": 2.0, "fagen_note": "", "sdpa_note": ""}
 
@@ -102,3 +129,7 @@ def test_cli_passes_its_options_on(monkeypatch):
     assert result.exit_code == 0, result.stderr
     assert seen["head_dims"] == (128,) and seen["seqlens"] == (4096, 8192) and seen["kv_groups"] == (4,)
     assert seen["compiled"] is False and seen["overhead"] is True and seen["steps"] == 5 and seen["json"] is None
+    assert seen["packed_doc_len"] == 0
+    result = _run("bench-model", "--packed-doc-len", "1024", "--no-overhead")
+    assert result.exit_code == 0, result.stderr
+    assert seen["packed_doc_len"] == 1024 and seen["overhead"] is False

@@ -9,6 +9,11 @@ Two of design.md's three levels of "Measuring speed" (the kernel level is `fagen
     call    host time per call on a tiny shape, where the GPU work is negligible: fagen.attention against
             SDPA, forward only and forward + backward through autograd, eager and torch.compile'd.
 
+With `packed_doc_len`, each row of a batch is several sequences packed back to back (position_ids
+restarting at 0, lengths drawn around that mean): transformers derives the packed-sequence mask from the
+position_ids, fagen runs it as its documents mask_mod (tiles across two sequences skipped), SDPA gets
+transformers' (B, 1, N, N) boolean mask, and FlexAttention transformers' block mask ("flex_attention").
+
 As in fagen.bench, the records and writers are plain data and run without a GPU; only the `run_*` and
 `measure_*` functions import torch.
 """
@@ -26,7 +31,12 @@ from fagen.bench.report import environment, fmt, make_console, reason, strict_js
 
 #: Implementations of the model step: fagen, SDPA held to its flash backend, SDPA as PyTorch dispatches.
 MODEL_IMPLS = ("fagen", "flash", "sdpa")
-MODEL_LABELS = {"fagen": "fagen", "flash": "SDPA flash", "sdpa": "SDPA default"}
+#: ... and of a packed batch: SDPA with transformers' boolean mask (its flash backend takes no mask) and
+#: transformers' FlexAttention.
+PACKED_IMPLS = ("fagen", "sdpa", "flex")
+MODEL_LABELS = {"fagen": "fagen", "flash": "SDPA flash", "sdpa": "SDPA default", "flex": "FlexAttention"}
+#: transformers' attn_implementation of each (the flash one is "sdpa" under sdpa_kernel(FLASH_ATTENTION)).
+ATTN_IMPLEMENTATIONS = {"fagen": "fagen", "flash": "sdpa", "sdpa": "sdpa", "flex": "flex_attention"}
 #: The issue's targets: fagen's step over SDPA-flash's speed, and the per-call host time over SDPA's.
 STEP_TARGET = 1.0
 STEP_TARGET_LONG = 1.05   # at N >= LONG_SEQ
@@ -54,6 +64,23 @@ def model_shapes(head_dims: Sequence[int] = (64, 128), seqlens: Sequence[int] = 
     return shapes
 
 
+def packed_positions(batch: int, seq_len: int, doc_len: int, seed: int = 0) -> list[list[int]]:
+    """position_ids of `batch` rows of `seq_len` tokens, each row sequences back to back whose lengths are drawn
+    uniformly from [doc_len / 2, 3 doc_len / 2] (the last one cut at the row's end); positions restart at 0
+    with each sequence, which is how transformers tells packed sequences apart."""
+    import random
+
+    draw = random.Random(seed)
+    low, high = max(1, doc_len // 2), max(1, doc_len * 3 // 2)
+    rows = []
+    for _ in range(batch):
+        row = []
+        while len(row) < seq_len:
+            row.extend(range(min(draw.randint(low, high), seq_len - len(row))))
+        rows.append(row)
+    return rows
+
+
 def llama_config(shape: dict, *, hidden: int, layers: int, vocab: int):
     from transformers import LlamaConfig
 
@@ -78,36 +105,58 @@ class ModelRow:
     kv_heads: int
     seq_len: int
     batch: int
+    doc_len: int = 0                             # packed sequences' mean length (0: one sequence per row)
     ms: dict = field(default_factory=dict)       # impl -> median ms per training step
     losses: dict = field(default_factory=dict)   # impl -> the loss at each step, from the same start
     notes: dict = field(default_factory=dict)    # impl -> why n/a, or fagen's SDPA fallbacks
+    # impl -> the first (warm-up) step's ms: compiles included, except, for packed rows, those the packing
+    # check's forward already made
+    first_ms: dict = field(default_factory=dict)
+    # packed rows: the largest |logit| differences from packed SDPA's on a packed row (fagen's, Flex's, and
+    # SDPA's without the packed mask), which show the packing applied (see _packing_check)
+    packing: dict = field(default_factory=dict)
+
+    @property
+    def impls(self) -> tuple:
+        return PACKED_IMPLS if self.doc_len else MODEL_IMPLS
+
+    @property
+    def baseline(self) -> str:
+        """What fagen's loss curve is held to: SDPA on its flash backend, or with the packed mask."""
+        return "sdpa" if self.doc_len else "flash"
 
     def speedup(self, other: str) -> Optional[float]:
         """other's step time over fagen's: > 1 when fagen is faster."""
         mine, theirs = self.ms.get("fagen"), self.ms.get(other)
         return theirs / mine if mine and theirs else None
 
-    def loss_difference(self, other: str = "flash") -> Optional[float]:
-        mine, theirs = self.losses.get("fagen"), self.losses.get(other)
+    def loss_difference(self, other: Optional[str] = None) -> Optional[float]:
+        mine, theirs = self.losses.get("fagen"), self.losses.get(other or self.baseline)
         if not mine or not theirs:
             return None
         return max(abs(a - b) for a, b in zip(mine, theirs))
 
     @property
-    def target(self) -> float:
+    def target(self) -> Optional[float]:
+        """The issue's step target against SDPA-flash (None for packed batches, which have none)."""
+        if self.doc_len:
+            return None
         return STEP_TARGET_LONG if self.seq_len >= LONG_SEQ else STEP_TARGET
 
     def to_dict(self) -> dict:
         out = {"head_dim": self.head_dim, "heads": self.heads, "kv_heads": self.kv_heads, "seq_len": self.seq_len,
-               "batch": self.batch}
-        for impl in MODEL_IMPLS:
+               "batch": self.batch, "doc_len": self.doc_len}
+        others = [impl for impl in self.impls if impl != "fagen"]
+        for impl in self.impls:
             out[f"{impl}_ms"] = self.ms.get(impl)
-        out.update(fagen_over_flash=self.speedup("flash"), fagen_over_sdpa=self.speedup("sdpa"), target=self.target,
-                   loss_max_abs_diff_flash=self.loss_difference("flash"),
-                   loss_max_abs_diff_sdpa=self.loss_difference("sdpa"))
-        for impl in MODEL_IMPLS:
+            out[f"{impl}_first_step_ms"] = self.first_ms.get(impl)
+        out.update({f"fagen_over_{impl}": self.speedup(impl) for impl in others}, target=self.target)
+        out.update({f"loss_max_abs_diff_{impl}": self.loss_difference(impl) for impl in others})
+        for impl in self.impls:
             out[f"{impl}_losses"] = self.losses.get(impl)
             out[f"{impl}_note"] = self.notes.get(impl, "")
+        if self.doc_len:
+            out["packing_check"] = self.packing
         return out
 
 
@@ -147,8 +196,10 @@ class ModelReport:
 def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[int] = (1024, 2048, 4096, 8192),
                     tokens: int = 16384, hidden: int = 2048, layers: int = 4, kv_groups: Sequence[int] = (1, 4),
                     vocab: int = 32000, warmup: int = 3, steps: int = 10, overhead: bool = True,
-                    compiled: bool = True, json: Optional[Path] = None, console=None) -> ModelReport:
-    """Time every model shape, then the per-call overhead; print both tables, and write JSON if asked."""
+                    compiled: bool = True, packed_doc_len: int = 0, json: Optional[Path] = None,
+                    console=None) -> ModelReport:
+    """Time every model shape, then the per-call overhead; print both tables, and write JSON if asked.
+    `packed_doc_len` > 0: packed batches of sequences of about that length (see the module docstring)."""
     import torch
 
     from fagen.integrations import transformers as fagen_hf
@@ -157,10 +208,11 @@ def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[i
     console = console or make_console()
     settings = {"head_dims": list(head_dims), "seqlens": list(seqlens), "tokens": tokens, "hidden": hidden,
                 "layers": layers, "kv_groups": list(kv_groups), "vocab": vocab, "warmup": warmup, "steps": steps,
-                "dtype": "bf16", "optimizer": f"AdamW(lr={LEARNING_RATE})"}
+                "dtype": "bf16", "optimizer": f"AdamW(lr={LEARNING_RATE})", "packed_doc_len": packed_doc_len}
     report = ModelReport({**environment(torch), "settings": settings})
     for shape in model_shapes(head_dims, seqlens, tokens, hidden, kv_groups):
-        row = measure_model(shape, hidden=hidden, layers=layers, vocab=vocab, warmup=warmup, steps=steps)
+        row = measure_model(shape, hidden=hidden, layers=layers, vocab=vocab, warmup=warmup, steps=steps,
+                            doc_len=packed_doc_len)
         report.rows.append(row)
         console.print(escape(_progress_line(row)), highlight=False)
     if overhead:
@@ -171,15 +223,17 @@ def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[i
     return report
 
 
-def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: int, steps: int) -> ModelRow:
+def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: int, steps: int,
+                  doc_len: int = 0) -> ModelRow:
     """One shape: the same initial weights and batches for each implementation, `warmup + steps` steps
-    each; the step time is the median of the last `steps`, the loss curve covers them all."""
+    each; the step time is the median of the last `steps`, the loss curve covers them all. With doc_len,
+    every batch packs sequences of about doc_len tokens (the same packing for each implementation)."""
     import torch
     from transformers import AutoModelForCausalLM
 
     from fagen.integrations import transformers as fagen_hf
 
-    row = ModelRow(**shape)
+    row = ModelRow(**shape, doc_len=doc_len)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama_config(shape, hidden=hidden, layers=layers, vocab=vocab),
                                              attn_implementation="sdpa", dtype=torch.bfloat16).cuda()
@@ -187,17 +241,26 @@ def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: 
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, vocab, (shape["batch"], shape["seq_len"]), device="cuda", generator=generator)
                for _ in range(warmup + steps)]
-    for impl in MODEL_IMPLS:
+    positions = [torch.tensor(packed_positions(shape["batch"], shape["seq_len"], doc_len, seed=step), device="cuda")
+                 for step in range(len(batches))] if doc_len else None
+    if doc_len:
+        _allow_flex_recompiles()
+        row.packing, problem = _packing_check(model, batches[0][:1], positions[0][:1])
+        if problem:   # timing it would compare different masks: no row to report
+            row.notes["fagen"] = problem
+            return row
+    for impl in row.impls:
         model.load_state_dict(initial)
-        model.set_attn_implementation("fagen" if impl == "fagen" else "sdpa")
+        model.set_attn_implementation(ATTN_IMPLEMENTATIONS[impl])
         fagen_hf.reset_fallbacks()
         try:
-            times, losses = _train(model, batches, impl)
+            times, losses = _train(model, batches, impl, positions)
         except Exception as err:  # out of memory, or no flash kernel for this shape: n/a, with the reason
             row.notes[impl] = reason(err)
             torch.cuda.synchronize()
         else:
             row.ms[impl] = statistics.median(times[warmup:]) * 1e3
+            row.first_ms[impl] = times[0] * 1e3
             row.losses[impl] = losses
             if impl == "fagen" and fagen_hf.fallback_reasons():
                 row.notes[impl] = "fell back to SDPA: " + "; ".join(sorted(fagen_hf.fallback_reasons()))
@@ -208,8 +271,50 @@ def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: 
     return row
 
 
-def _train(model, batches, impl: str) -> tuple[list[float], list[float]]:
-    """Seconds per step (synchronised before and after: what a training loop sees) and the losses."""
+def _allow_flex_recompiles(limit: int = 64) -> None:
+    """FlexAttention is compiled again for each new shape and grad mode (the packing check's forward adds
+    one). Past dynamo's recompile limit (8 by default) a call runs uncompiled, dense and several times slower:
+    a limit the grid cannot reach keeps Flex compiled on every row, as a user timing it would."""
+    import torch._dynamo
+
+    for name in ("recompile_limit", "cache_size_limit"):   # (the older torch's name)
+        if hasattr(torch._dynamo.config, name):
+            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
+            break
+
+
+def _packing_check(model, tokens, position_ids) -> tuple[dict, Optional[str]]:
+    """Logits of a packed row from fagen, FlexAttention and SDPA, each given the position_ids, and from SDPA
+    told there is no packing (an all-ones attention_mask: transformers then derives no packed mask, and the
+    positions, so RoPE, stay the same). Returns the largest differences from packed SDPA, and a problem
+    unless fagen and Flex agree with it ten times more closely than SDPA without the packing does: at random
+    weights the losses barely move with the mask, so agreeing loss curves alone would not show it applied."""
+    import torch
+
+    logits = {}
+    with torch.no_grad():
+        for name, mask in (("sdpa", None), ("unpacked", torch.ones_like(tokens)), ("fagen", None), ("flex", None)):
+            model.set_attn_implementation(ATTN_IMPLEMENTATIONS["sdpa" if name == "unpacked" else name])
+            try:
+                logits[name] = model(tokens, position_ids=position_ids, attention_mask=mask,
+                                     use_cache=False).logits.float()
+            except Exception:   # Flex failing here fails its training run too, which notes why
+                if name != "flex":
+                    raise
+                torch.cuda.synchronize()
+    seen = {f"{name}_vs_sdpa": (logits[name] - logits["sdpa"]).abs().max().item()
+            for name in ("fagen", "flex", "unpacked") if name in logits}
+    wrong = [name for name in ("fagen", "flex") if f"{name}_vs_sdpa" in seen
+             and not seen[f"{name}_vs_sdpa"] * 10 < seen["unpacked_vs_sdpa"]]
+    if not wrong:
+        return seen, None
+    return seen, (f"the packed mask was not applied by {', '.join(wrong)}: |logits - SDPA's| "
+                  + ", ".join(f"{name} {value:.2e}" for name, value in seen.items()))
+
+
+def _train(model, batches, impl: str, positions=None) -> tuple[list[float], list[float]]:
+    """Seconds per step (synchronised before and after: what a training loop sees) and the losses.
+    `positions`: each batch's position_ids (packed sequences), or None (positions 0 .. N-1)."""
     import contextlib
 
     import torch
@@ -220,10 +325,12 @@ def _train(model, batches, impl: str) -> tuple[list[float], list[float]]:
     model.train()
     times, losses = [], []
     with backend:
-        for tokens in batches:
+        for step, tokens in enumerate(batches):
+            position_ids = positions[step] if positions is not None else None
             torch.cuda.synchronize()
             start = time.perf_counter()
-            loss = model(tokens, labels=tokens).loss
+            # (packed: no KV cache, with which transformers would derive no packed mask)
+            loss = model(tokens, labels=tokens, position_ids=position_ids, use_cache=False if positions else None).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -288,9 +395,43 @@ def _per_call_us(fn: Callable[[], Any], calls: int, rounds: int) -> float:
 
 # ==== writers (CPU) ============================================================================
 def _progress_line(row: ModelRow) -> str:
-    times = ", ".join(f"{MODEL_LABELS[i]} {fmt(row.ms.get(i), '.1f')} ms" for i in MODEL_IMPLS)
-    return (f"d={row.head_dim} heads={row.heads}/{row.kv_heads} N={row.seq_len} batch={row.batch}: {times}; "
-            f"fagen/flash {fmt(row.speedup('flash'), '.2f')}")
+    times = ", ".join(f"{MODEL_LABELS[i]} {fmt(row.ms.get(i), '.1f')} ms" for i in row.impls)
+    packed = f" packed around {row.doc_len}" if row.doc_len else ""
+    return (f"d={row.head_dim} heads={row.heads}/{row.kv_heads} N={row.seq_len} batch={row.batch}{packed}: {times}; "
+            f"fagen/{row.baseline} {fmt(row.speedup(row.baseline), '.2f')}")
+
+
+def _step_table(title: str, rows: list, packed: bool):
+    """The training-step table of the unpacked rows (against SDPA flash and default) or of the packed ones
+    (against SDPA with the packed mask and FlexAttention)."""
+    from rich.table import Table
+
+    impls = PACKED_IMPLS if packed else MODEL_IMPLS
+    others = [impl for impl in impls if impl != "fagen"]
+    baseline = "sdpa" if packed else "flash"
+    table = Table(title=escape(title), title_justify="left")
+    headers = ["d", "heads/kv", "N", "batch", *(["doc len"] if packed else []),
+               *(MODEL_LABELS[impl] for impl in impls), *(f"fagen/{impl}" for impl in others), "loss diff", "notes"]
+    for header in headers:
+        table.add_column(header, justify="left" if header == "notes" else "right",
+                         overflow="fold" if header == "notes" else None)
+    for row in rows:
+        ratios = []
+        for impl in others:
+            ratio = row.speedup(impl)
+            shown = fmt(ratio, ".2f")
+            if ratio is not None and impl == baseline and row.target is not None:
+                shown = f"[{'green' if ratio >= row.target else 'red'}]{shown}[/]"
+            ratios.append(shown)
+        diff = row.loss_difference()
+        diff_text = fmt(diff, ".1e")
+        if diff is not None and diff > LOSS_TOLERANCE:
+            diff_text = f"[bold red]{diff_text}[/]"
+        notes = escape("; ".join(f"{MODEL_LABELS[i]}: {n}" for i, n in row.notes.items()))
+        table.add_row(str(row.head_dim), f"{row.heads}/{row.kv_heads}", str(row.seq_len), str(row.batch),
+                      *([str(row.doc_len)] if packed else []), *(fmt(row.ms.get(i), ".1f") for i in impls), *ratios,
+                      diff_text, notes)
+    return table
 
 
 def print_model_report(report: ModelReport, console=None) -> None:
@@ -299,29 +440,20 @@ def print_model_report(report: ModelReport, console=None) -> None:
     console = console or make_console()
     meta = report.meta
     title = f"fagen bench-model: {meta.get('gpu', '?')}, torch {meta.get('torch', '?')}, {meta.get('date', '')}"
-    if report.rows:
-        table = Table(title=escape(f"{title}: training step (ms, median)"), title_justify="left")
-        for header in ("d", "heads/kv", "N", "batch", "fagen", "SDPA flash", "SDPA default", "fagen/flash",
-                       "fagen/sdpa", "loss diff", "notes"):
-            table.add_column(header, justify="left" if header == "notes" else "right",
-                             overflow="fold" if header == "notes" else None)
-        for row in report.rows:
-            ratio = row.speedup("flash")
-            shown = fmt(ratio, ".2f")
-            if ratio is not None:
-                shown = f"[{'green' if ratio >= row.target else 'red'}]{shown}[/]"
-            diff = row.loss_difference("flash")
-            diff_text = fmt(diff, ".1e")
-            if diff is not None and diff > LOSS_TOLERANCE:
-                diff_text = f"[bold red]{diff_text}[/]"
-            notes = "; ".join(f"{MODEL_LABELS[i]}: {n}" for i, n in row.notes.items())
-            table.add_row(str(row.head_dim), f"{row.heads}/{row.kv_heads}", str(row.seq_len), str(row.batch),
-                          *(fmt(row.ms.get(i), ".1f") for i in MODEL_IMPLS), shown,
-                          fmt(row.speedup("sdpa"), ".2f"), diff_text, escape(notes))
-        console.print(table)
+    unpacked = [row for row in report.rows if not row.doc_len]
+    packed = [row for row in report.rows if row.doc_len]
+    if unpacked:
+        console.print(_step_table(f"{title}: training step (ms, median)", unpacked, packed=False))
         console.print(f"  fagen/flash, fagen/sdpa: the other's step time over fagen's (> 1: fagen faster; target "
                       f">= {STEP_TARGET}, >= {STEP_TARGET_LONG} at N >= {LONG_SEQ}). loss diff: the largest |fagen - "
                       f"SDPA flash| along the loss curves (tolerance {LOSS_TOLERANCE}).")
+    if packed:
+        console.print(_step_table(f"{title}: training step on packed sequences (ms, median)", packed, packed=True))
+        console.print(f"  Rows of sequences packed back to back (position_ids restarting at 0; lengths uniform from "
+                      f"doc len / 2 to 3 doc len / 2). SDPA runs transformers' boolean mask, FlexAttention its block "
+                      f"mask, fagen its documents mask_mod. fagen/x: x's step time over fagen's. loss diff: the "
+                      f"largest |fagen - SDPA| along the loss curves (tolerance {LOSS_TOLERANCE}); fagen's and Flex's logits "
+                      f"checked against packed SDPA's first (JSON: packing_check).")
     if report.overhead:
         table = Table(title=escape(f"{title}: host time per call, B,H,N,d = {OVERHEAD_SHAPE}, bf16, causal"),
                       title_justify="left")

@@ -19,7 +19,9 @@ Packed sequences (several sequences back to back in one row, found by transforme
 restarting at 0) are one more: fagen_mask then returns the (B, N) int32 sequence ids transformers
 derived, and attention_forward runs the spec's causal (or window) mask AND the mask_mod
 `doc[b, i] == doc[b, j]` with those ids, tiles across two sequences skipped (fagen/expressions.py's
-run-time summaries). Nothing is read back to the host, and no (N, N) mask is built.
+run-time summaries). Nothing is read back to the host, and no (N, N) mask is built. (transformers
+looks for packed sequences only when the model makes no KV cache: train on packed rows with
+use_cache=False, or every attention implementation attends across the sequences' boundaries.)
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process.
