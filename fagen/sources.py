@@ -24,13 +24,13 @@ FOLDING_TEMPLATES = ("backward_wgmma_ws.cu.j2",)
 
 
 def folds_kv_group(spec, plan) -> bool:
-    """Whether the kernel of `plan` (a backward's solver Plan or runtime LaunchPlan: its template and block_r) is
-    built to walk a K/V head's group of query heads (FOLDS_HEADS): a folding template, a spec whose attention depends
-    on the query head through its rows alone (Spec.kv_group_foldable), and not a mask_mod on 128-row blocks (the
-    solver's choice at d <= 64): there the consumers' head loop beside the mask_mod's tests spilled 4-8 B (documents,
-    dilated at d = 64; ptxas, sm_90a), on 64-row blocks (d = 72-128) none where compiled (d = 96, 128)."""
-    return (plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
-            and not (spec.modifiers.mask is not None and plan.block_r > 64))
+    """Whether the kernel of `plan` (a backward's solver Plan or runtime LaunchPlan: its template) is built to walk
+    a K/V head's group of query heads (FOLDS_HEADS): a folding template and a spec whose attention depends on the
+    query head through its rows alone (Spec.kv_group_foldable). With a mask_mod on 128-row blocks (d <= 64) the
+    consumers' head loop costs a few spilled bytes (ptxas, sm_90a, d = 64: documents 8 B, dilated 4 B, prefix-LM and
+    window + sinks none), and the folded backward is still 10-26% faster at 32/8 heads, the same kernel unfolded
+    (MHA) within 1% (BENCHMARKS.md "Grouped KV heads folded with a mask_mod at d = 64")."""
+    return plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
 
 
 #: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).

@@ -573,7 +573,7 @@ constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 // Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; fagen/sources.py
 // folds_kv_group)
-constexpr bool FOLDS_HEADS = false;
+constexpr bool FOLDS_HEADS = true;
 using Kind = fagen_mods_d64_bf16_causal_fa2_sm90_mod6a3a1722::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_causal_fa2_sm90_mod6a3a1722::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)

@@ -325,7 +325,12 @@ FOLD_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 333, 333),
               (Spec(head_dim=128, dtype="fp16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"}), 1, 257, 300),
               (Spec(head_dim=128, dtype="bf16", mask_mod="j <= i and (i - j < 100 or j < 4)"), 2, 400, 400),
               # d = 96 (64-row blocks too); keys past the last query: key block 2 sees no row block (dK, dV = 0)
-              (Spec(head_dim=96, dtype="fp16", mask_mod="j <= i and (i - j < 100 or j < 4)"), 1, 200, 333)]
+              (Spec(head_dim=96, dtype="fp16", mask_mod="j <= i and (i - j < 100 or j < 4)"), 1, 200, 333),
+              # d = 64 (128-row blocks)
+              (Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]",
+                    inputs={"doc": "int32"}), 2, 333, 333),
+              (Spec(head_dim=64, dtype="fp16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"}), 1, 257, 300),
+              (Spec(head_dim=64, dtype="bf16", mask_mod="j <= i and (i - j < 100 or j < 4)"), 1, 200, 333)]
 
 
 @pytest.mark.parametrize("spec, kv_heads, seq_q, seq_k", FOLD_CASES,

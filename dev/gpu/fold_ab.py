@@ -5,6 +5,7 @@ CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
 
     python3 dev/gpu/fold_ab.py
     MASK_MODS=1 python3 dev/gpu/fold_ab.py          # the library's mask_mods that do not read h, at d = 128
+    MASK_MODS=1 MASK_MODS_D=64 python3 ...          # ... at d = 64
     FAGEN_TREE=.ab_old MASK_MODS=1 python3 ...      # the same cases on another tree (its kernels, this script)
 
 The mask_mods' inputs are `fagen bench modifiers`' (document ids of random lengths, a quarter-length prefix).
@@ -46,13 +47,16 @@ CASES = [("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal"), 4, 32,
          ("d128 causal MQA", Spec(head_dim=128, dtype="bf16", mask="causal"), 2, 32, 1, 4096),
          ("d64 window 1024", Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=1024), 2, 32, 8, 8192)]
 if os.environ.get("MASK_MODS"):
-    documents = Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
-    prefix_lm = Spec(head_dim=128, dtype="bf16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
-    sinks = Spec(head_dim=128, dtype="bf16", mask_mod="j <= i and (i - j < 256 or j < 4)")
-    CASES = [("d128 documents", documents, 16, 32, 8, 1024), ("d128 documents", documents, 4, 32, 8, 2048),
-             ("d128 documents", documents, 2, 32, 8, 8192), ("d128 documents 16/4", documents, 4, 16, 4, 4096),
-             ("d128 documents MHA", documents, 4, 32, 32, 2048), ("d128 prefix-LM", prefix_lm, 4, 32, 8, 2048),
-             ("d128 window 256 + sinks", sinks, 4, 32, 8, 4096)]
+    d = int(os.environ.get("MASK_MODS_D", "128"))   # the mask_mod cases' head dim
+    documents = Spec(head_dim=d, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
+    prefix_lm = Spec(head_dim=d, dtype="bf16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"})
+    sinks = Spec(head_dim=d, dtype="bf16", mask_mod="j <= i and (i - j < 256 or j < 4)")
+    dilated = Spec(head_dim=d, dtype="fp16", mask="causal", mask_mod="(i - j) % 4 == 0")
+    CASES = [(f"d{d} documents", documents, 16, 32, 8, 1024), (f"d{d} documents", documents, 4, 32, 8, 2048),
+             (f"d{d} documents", documents, 2, 32, 8, 8192), (f"d{d} documents 16/4", documents, 4, 16, 4, 4096),
+             (f"d{d} documents MHA", documents, 4, 32, 32, 2048), (f"d{d} prefix-LM", prefix_lm, 4, 32, 8, 2048),
+             (f"d{d} window 256 + sinks", sinks, 4, 32, 8, 4096), (f"d{d} dilated", dilated, 4, 32, 8, 2048),
+             (f"d{d} dilated MHA", dilated, 4, 32, 32, 2048)]
 DEFAULT_WAVES = runtime.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
     kernel = runtime.compile(spec)
