@@ -54,6 +54,22 @@ def test_packed_positions_restart_at_each_sequence_and_fill_the_rows():
     assert bench_model.packed_positions(1, 100, 4096) == [list(range(100))]   # longer than the row: one sequence
 
 
+def test_packing_problems_hold_fagen_and_flex_to_packed_sdpa():
+    problems = bench_model.packing_problems
+    seen = {"fagen_vs_sdpa": 0.05, "flex_vs_sdpa": 0.07, "unpacked_vs_sdpa": 7.0}
+    assert problems(seen, {}) == {}
+    # an implementation no closer to packed SDPA than unpacked SDPA is ten times over did not pack
+    wrong = problems({**seen, "flex_vs_sdpa": 0.7}, {})
+    assert set(wrong) == {"flex"} and "not applied" in wrong["flex"] and "7.00e+00" in wrong["flex"]
+    # a failed forward: that one is not timed, with the reason
+    assert problems({k: v for k, v in seen.items() if k != "fagen_vs_sdpa"}, {"fagen": "OutOfMemoryError: x"}) == {
+        "fagen": "packing check: OutOfMemoryError: x"}
+    # nothing to hold them to: SDPA failed, or transformers packed nothing (unpacked equals packed), so none is timed
+    for failed, seen_here in (({"sdpa": "OutOfMemoryError: y"}, {}), ({}, {**seen, "unpacked_vs_sdpa": 0.0})):
+        untimed = problems(seen_here, failed)
+        assert set(untimed) == {"fagen", "sdpa", "flex"}
+
+
 def fake_report() -> ModelReport:
     rows = [ModelRow(64, 32, 8, 1024, 16, ms={"fagen": 100.0, "flash": 110.0, "sdpa": 105.0},
                      losses={"fagen": [10.4, 10.1], "flash": [10.4, 10.102], "sdpa": [10.4, 10.099]}),
@@ -63,14 +79,16 @@ def fake_report() -> ModelReport:
             ModelRow(128, 16, 4, 4096, 4, doc_len=1024, ms={"fagen": 80.0, "sdpa": 120.0, "flex": 96.0},
                      losses={"fagen": [10.4, 10.2], "sdpa": [10.4, 10.201], "flex": [10.4, 10.2]},
                      first_ms={"fagen": 900.0, "sdpa": 150.0, "flex": 21000.0},
-                     packing={"fagen_vs_sdpa": 0.03, "flex_vs_sdpa": 0.04, "unpacked_vs_sdpa": 2.5})]
+                     packing={"fagen_vs_sdpa": 0.03, "flex_vs_sdpa": 0.04, "unpacked_vs_sdpa": 2.5}),
+            ModelRow(64, 32, 8, 1024, 16, doc_len=4096, ms={"fagen": 50.0, "sdpa": 51.0, "flex": 52.0},
+                     packing={"note": "every row of the first batch is one sequence: nothing packed to check"})]
     overhead = [OverheadRow("forward", False, us={"fagen": 30.0, "sdpa": 20.0}),
                 OverheadRow("forward+backward", True, us={"sdpa": 80.0}, notes={"fagen": "Unsupported: ..."})]
     return ModelReport({"gpu": "NVIDIA H100", "torch": "2.11", "date": "2026-01-01"}, rows, overhead)
 
 
 def test_rows_compute_speedups_loss_differences_and_targets():
-    fast, slow, packed = fake_report().rows
+    fast, slow, packed, _ = fake_report().rows
     assert fast.speedup("flash") == pytest.approx(1.1) and fast.speedup("sdpa") == pytest.approx(1.05)
     assert fast.loss_difference("flash") == pytest.approx(0.002)
     assert fast.target == 1.0 and slow.target == 1.05
@@ -88,7 +106,8 @@ def test_tables_and_json(tmp_path):
     bench_model.print_model_report(report, console)
     text = console.export_text()
     for expected in ("training step", "1.10", "0.95", "2.0e-03", "1.0e-01", "OutOfMemoryError", "host time per call",
-                     "1.50", "Unsupported", "packed sequences", "FlexAttention", "1.20", "1.0e-03"):
+                     "1.50", "Unsupported", "packed sequences", "FlexAttention", "SDPA bool mask", "1.20", "1.0e-03",
+                     "nothing packed to check"):
         assert expected in text, expected
     data = json.loads(bench_model.write_model_json(report, tmp_path / "out" / "model.json").read_text())
     assert data["meta"]["gpu"] == "NVIDIA H100"

@@ -210,7 +210,7 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     from fagen.sources import FOLDING_TEMPLATES
 
     target = SimpleNamespace(sm_count=132)
-    ws, ws_64_rows = (SimpleNamespace(template=FOLDING_TEMPLATES[0], block_r=rows) for rows in (128, 64))
+    ws, ws_64_rows = (SimpleNamespace(template=FOLDING_TEMPLATES[0], block_r=rows) for rows in (128, 64))   # (d <= 64, 72-128)
     other = SimpleNamespace(template="backward_wgmma.cu.j2", block_r=64)
     foldable = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal"), target=target)
     dropout = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal", dropout=0.1), target=target)

@@ -35,6 +35,7 @@ MODEL_IMPLS = ("fagen", "flash", "sdpa")
 #: transformers' FlexAttention.
 PACKED_IMPLS = ("fagen", "sdpa", "flex")
 MODEL_LABELS = {"fagen": "fagen", "flash": "SDPA flash", "sdpa": "SDPA default", "flex": "FlexAttention"}
+PACKED_LABELS = {**MODEL_LABELS, "sdpa": "SDPA bool mask"}
 #: transformers' attn_implementation of each (the flash one is "sdpa" under sdpa_kernel(FLASH_ATTENTION)).
 ATTN_IMPLEMENTATIONS = {"fagen": "fagen", "flash": "sdpa", "sdpa": "sdpa", "flex": "flex_attention"}
 #: The issue's targets: fagen's step over SDPA-flash's speed, and the per-call host time over SDPA's.
@@ -113,12 +114,21 @@ class ModelRow:
     # check's forward already made
     first_ms: dict = field(default_factory=dict)
     # packed rows: the largest |logit| differences from packed SDPA's on a packed row (fagen's, Flex's, and
-    # SDPA's without the packed mask), which show the packing applied (see _packing_check)
+    # SDPA's without the packed mask), which show the packing applied (see _packing_check); or a "note"
     packing: dict = field(default_factory=dict)
 
     @property
     def impls(self) -> tuple:
         return PACKED_IMPLS if self.doc_len else MODEL_IMPLS
+
+    @property
+    def others(self) -> list:
+        """The implementations fagen is compared with."""
+        return [impl for impl in self.impls if impl != "fagen"]
+
+    @property
+    def labels(self) -> dict:
+        return PACKED_LABELS if self.doc_len else MODEL_LABELS
 
     @property
     def baseline(self) -> str:
@@ -146,12 +156,11 @@ class ModelRow:
     def to_dict(self) -> dict:
         out = {"head_dim": self.head_dim, "heads": self.heads, "kv_heads": self.kv_heads, "seq_len": self.seq_len,
                "batch": self.batch, "doc_len": self.doc_len}
-        others = [impl for impl in self.impls if impl != "fagen"]
         for impl in self.impls:
             out[f"{impl}_ms"] = self.ms.get(impl)
             out[f"{impl}_first_step_ms"] = self.first_ms.get(impl)
-        out.update({f"fagen_over_{impl}": self.speedup(impl) for impl in others}, target=self.target)
-        out.update({f"loss_max_abs_diff_{impl}": self.loss_difference(impl) for impl in others})
+        out.update({f"fagen_over_{impl}": self.speedup(impl) for impl in self.others}, target=self.target)
+        out.update({f"loss_max_abs_diff_{impl}": self.loss_difference(impl) for impl in self.others})
         for impl in self.impls:
             out[f"{impl}_losses"] = self.losses.get(impl)
             out[f"{impl}_note"] = self.notes.get(impl, "")
@@ -201,6 +210,7 @@ def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[i
     """Time every model shape, then the per-call overhead; print both tables, and write JSON if asked.
     `packed_doc_len` > 0: packed batches of sequences of about that length (see the module docstring)."""
     import torch
+    import transformers
 
     from fagen.integrations import transformers as fagen_hf
 
@@ -209,8 +219,13 @@ def run_model_bench(*, head_dims: Sequence[int] = (64, 128), seqlens: Sequence[i
     settings = {"head_dims": list(head_dims), "seqlens": list(seqlens), "tokens": tokens, "hidden": hidden,
                 "layers": layers, "kv_groups": list(kv_groups), "vocab": vocab, "warmup": warmup, "steps": steps,
                 "dtype": "bf16", "optimizer": f"AdamW(lr={LEARNING_RATE})", "packed_doc_len": packed_doc_len}
-    report = ModelReport({**environment(torch), "settings": settings})
-    for shape in model_shapes(head_dims, seqlens, tokens, hidden, kv_groups):
+    report = ModelReport({**environment(torch), "transformers": transformers.__version__, "settings": settings})
+    shapes = model_shapes(head_dims, seqlens, tokens, hidden, kv_groups)
+    if packed_doc_len:
+        # Flex compiles again per new shape and grad mode (two modes a row: the packing check's and training's);
+        # past dynamo's recompile limit (8 by default) its calls run uncompiled, dense and several times slower
+        _allow_recompiles(4 * len(shapes) + 8)
+    for shape in shapes:
         row = measure_model(shape, hidden=hidden, layers=layers, vocab=vocab, warmup=warmup, steps=steps,
                             doc_len=packed_doc_len)
         report.rows.append(row)
@@ -231,8 +246,6 @@ def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: 
     import torch
     from transformers import AutoModelForCausalLM
 
-    from fagen.integrations import transformers as fagen_hf
-
     row = ModelRow(**shape, doc_len=doc_len)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(llama_config(shape, hidden=hidden, layers=layers, vocab=vocab),
@@ -241,15 +254,35 @@ def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: 
     generator = torch.Generator(device="cuda").manual_seed(1)
     batches = [torch.randint(0, vocab, (shape["batch"], shape["seq_len"]), device="cuda", generator=generator)
                for _ in range(warmup + steps)]
-    positions = [torch.tensor(packed_positions(shape["batch"], shape["seq_len"], doc_len, seed=step), device="cuda")
-                 for step in range(len(batches))] if doc_len else None
-    if doc_len:
-        _allow_flex_recompiles()
-        row.packing, problem = _packing_check(model, batches[0][:1], positions[0][:1])
-        if problem:   # timing it would compare different masks: no row to report
-            row.notes["fagen"] = problem
-            return row
+    layouts = [packed_positions(shape["batch"], shape["seq_len"], doc_len, seed=step)
+               for step in range(len(batches))] if doc_len else None
+    positions = [torch.tensor(layout, device="cuda") for layout in layouts] if doc_len else None
+    untimed = {}   # impl -> why it is not timed (the packing check found it wrong, or could not run it)
+    if doc_len:   # checked on the first batch's row that packs the most sequences
+        index = max(range(shape["batch"]), key=lambda r: layouts[0][r].count(0))
+        if layouts[0][index].count(0) > 1:
+            row.packing, untimed = _packing_check(model, batches[0][index:index + 1], positions[0][index:index + 1])
+        else:   # (doc_len >= N: every implementation runs plain causal attention, the same maths)
+            row.packing = {"note": "every row of the first batch is one sequence: nothing packed to check"}
+        row.notes.update(untimed)
+    try:
+        _time_each(row, model, initial, batches, positions, untimed, warmup)
+    finally:
+        del model
+        torch.cuda.empty_cache()
+    return row
+
+
+def _time_each(row: ModelRow, model, initial: dict, batches: list, positions, untimed: dict, warmup: int) -> None:
+    """Train `model` from `initial` on `batches` under each of row's implementations but the `untimed` ones,
+    filling in row's times, losses and notes."""
+    import torch
+
+    from fagen.integrations import transformers as fagen_hf
+
     for impl in row.impls:
+        if impl in untimed:
+            continue
         model.load_state_dict(initial)
         model.set_attn_implementation(ATTN_IMPLEMENTATIONS[impl])
         fagen_hf.reset_fallbacks()
@@ -266,15 +299,10 @@ def measure_model(shape: dict, *, hidden: int, layers: int, vocab: int, warmup: 
                 row.notes[impl] = "fell back to SDPA: " + "; ".join(sorted(fagen_hf.fallback_reasons()))
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
-    del model
-    torch.cuda.empty_cache()
-    return row
 
 
-def _allow_flex_recompiles(limit: int = 64) -> None:
-    """FlexAttention is compiled again for each new shape and grad mode (the packing check's forward adds
-    one). Past dynamo's recompile limit (8 by default) a call runs uncompiled, dense and several times slower:
-    a limit the grid cannot reach keeps Flex compiled on every row, as a user timing it would."""
+def _allow_recompiles(limit: int) -> None:
+    """Raise dynamo's recompile limit to `limit` (never lower it)."""
     import torch._dynamo
 
     for name in ("recompile_limit", "cache_size_limit"):   # (the older torch's name)
@@ -283,33 +311,49 @@ def _allow_flex_recompiles(limit: int = 64) -> None:
             break
 
 
-def _packing_check(model, tokens, position_ids) -> tuple[dict, Optional[str]]:
+def _packing_check(model, tokens, position_ids) -> tuple[dict, dict]:
     """Logits of a packed row from fagen, FlexAttention and SDPA, each given the position_ids, and from SDPA
     told there is no packing (an all-ones attention_mask: transformers then derives no packed mask, and the
-    positions, so RoPE, stay the same). Returns the largest differences from packed SDPA, and a problem
-    unless fagen and Flex agree with it ten times more closely than SDPA without the packing does: at random
-    weights the losses barely move with the mask, so agreeing loss curves alone would not show it applied."""
+    positions, so RoPE, stay the same). At random weights the losses barely move with the mask, so agreeing
+    loss curves alone would not show it applied. Returns the largest differences from packed SDPA's logits,
+    and `packing_problems` of them."""
     import torch
 
-    logits = {}
+    logits, failed = {}, {}
     with torch.no_grad():
         for name, mask in (("sdpa", None), ("unpacked", torch.ones_like(tokens)), ("fagen", None), ("flex", None)):
             model.set_attn_implementation(ATTN_IMPLEMENTATIONS["sdpa" if name == "unpacked" else name])
             try:
                 logits[name] = model(tokens, position_ids=position_ids, attention_mask=mask,
                                      use_cache=False).logits.float()
-            except Exception:   # Flex failing here fails its training run too, which notes why
-                if name != "flex":
-                    raise
+            except Exception as err:   # e.g. out of memory: that implementation is not timed, with the reason
+                failed[name] = reason(err)
                 torch.cuda.synchronize()
     seen = {f"{name}_vs_sdpa": (logits[name] - logits["sdpa"]).abs().max().item()
-            for name in ("fagen", "flex", "unpacked") if name in logits}
-    wrong = [name for name in ("fagen", "flex") if f"{name}_vs_sdpa" in seen
-             and not seen[f"{name}_vs_sdpa"] * 10 < seen["unpacked_vs_sdpa"]]
-    if not wrong:
-        return seen, None
-    return seen, (f"the packed mask was not applied by {', '.join(wrong)}: |logits - SDPA's| "
-                  + ", ".join(f"{name} {value:.2e}" for name, value in seen.items()))
+            for name in ("fagen", "flex", "unpacked") if name in logits and "sdpa" in logits}
+    return seen, packing_problems(seen, failed)
+
+
+def packing_problems(seen: dict, failed: dict) -> dict:
+    """impl -> why it is not timed, from the packing check's logit differences (`seen`: "<name>_vs_sdpa", for
+    fagen, flex and unpacked SDPA) and its failed forwards (`failed`: name -> reason). fagen and Flex pass when
+    ten times closer to packed SDPA than unpacked SDPA is; without a packed SDPA to hold them to (its forward
+    failed, or transformers derived no packed mask, so that unpacked equals it), none is timed."""
+    baseline = failed.get("sdpa") or failed.get("unpacked")
+    if baseline is not None:
+        return {impl: f"packing check: SDPA failed ({baseline})" for impl in PACKED_IMPLS}
+    packing = seen["unpacked_vs_sdpa"]
+    if packing == 0:
+        return {impl: "packing check: transformers derived no packed mask (pass use_cache=False)"
+                for impl in PACKED_IMPLS}
+    problems = {}
+    for impl in ("fagen", "flex"):
+        if impl in failed:
+            problems[impl] = f"packing check: {failed[impl]}"
+        elif not seen[f"{impl}_vs_sdpa"] * 10 < packing:
+            problems[impl] = (f"packed mask not applied: |logits - packed SDPA's| {seen[f'{impl}_vs_sdpa']:.2e}, "
+                              f"unpacked SDPA's {packing:.2e}")
+    return problems
 
 
 def _train(model, batches, impl: str, positions=None) -> tuple[list[float], list[float]]:
@@ -330,7 +374,7 @@ def _train(model, batches, impl: str, positions=None) -> tuple[list[float], list
             torch.cuda.synchronize()
             start = time.perf_counter()
             # (packed: no KV cache, with which transformers would derive no packed mask)
-            loss = model(tokens, labels=tokens, position_ids=position_ids, use_cache=False if positions else None).loss
+            loss = model(tokens, labels=tokens, position_ids=position_ids, use_cache=False if positions is not None else None).loss
             loss.backward()
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -395,42 +439,43 @@ def _per_call_us(fn: Callable[[], Any], calls: int, rounds: int) -> float:
 
 # ==== writers (CPU) ============================================================================
 def _progress_line(row: ModelRow) -> str:
-    times = ", ".join(f"{MODEL_LABELS[i]} {fmt(row.ms.get(i), '.1f')} ms" for i in row.impls)
+    times = ", ".join(f"{row.labels[i]} {fmt(row.ms.get(i), '.1f')} ms" for i in row.impls)
     packed = f" packed around {row.doc_len}" if row.doc_len else ""
     return (f"d={row.head_dim} heads={row.heads}/{row.kv_heads} N={row.seq_len} batch={row.batch}{packed}: {times}; "
             f"fagen/{row.baseline} {fmt(row.speedup(row.baseline), '.2f')}")
 
 
-def _step_table(title: str, rows: list, packed: bool):
-    """The training-step table of the unpacked rows (against SDPA flash and default) or of the packed ones
-    (against SDPA with the packed mask and FlexAttention)."""
+def _step_table(title: str, rows: list):
+    """The training-step table of unpacked rows (against SDPA flash and default) or of packed ones (against SDPA
+    with the packed mask and FlexAttention): rows of one kind."""
     from rich.table import Table
 
-    impls = PACKED_IMPLS if packed else MODEL_IMPLS
-    others = [impl for impl in impls if impl != "fagen"]
-    baseline = "sdpa" if packed else "flash"
+    first = rows[0]
+    packed = bool(first.doc_len)
     table = Table(title=escape(title), title_justify="left")
     headers = ["d", "heads/kv", "N", "batch", *(["doc len"] if packed else []),
-               *(MODEL_LABELS[impl] for impl in impls), *(f"fagen/{impl}" for impl in others), "loss diff", "notes"]
+               *(first.labels[impl] for impl in first.impls), *(f"fagen/{impl}" for impl in first.others),
+               "loss diff", "notes"]
     for header in headers:
         table.add_column(header, justify="left" if header == "notes" else "right",
                          overflow="fold" if header == "notes" else None)
     for row in rows:
         ratios = []
-        for impl in others:
+        for impl in row.others:
             ratio = row.speedup(impl)
             shown = fmt(ratio, ".2f")
-            if ratio is not None and impl == baseline and row.target is not None:
+            if ratio is not None and impl == row.baseline and row.target is not None:
                 shown = f"[{'green' if ratio >= row.target else 'red'}]{shown}[/]"
             ratios.append(shown)
         diff = row.loss_difference()
         diff_text = fmt(diff, ".1e")
         if diff is not None and diff > LOSS_TOLERANCE:
             diff_text = f"[bold red]{diff_text}[/]"
-        notes = escape("; ".join(f"{MODEL_LABELS[i]}: {n}" for i, n in row.notes.items()))
+        notes = [f"{row.labels[i]}: {n}" for i, n in row.notes.items()]
+        notes += [row.packing["note"]] if "note" in row.packing else []
         table.add_row(str(row.head_dim), f"{row.heads}/{row.kv_heads}", str(row.seq_len), str(row.batch),
-                      *([str(row.doc_len)] if packed else []), *(fmt(row.ms.get(i), ".1f") for i in impls), *ratios,
-                      diff_text, notes)
+                      *([str(row.doc_len)] if packed else []), *(fmt(row.ms.get(i), ".1f") for i in row.impls),
+                      *ratios, diff_text, escape("; ".join(notes)))
     return table
 
 
@@ -443,12 +488,12 @@ def print_model_report(report: ModelReport, console=None) -> None:
     unpacked = [row for row in report.rows if not row.doc_len]
     packed = [row for row in report.rows if row.doc_len]
     if unpacked:
-        console.print(_step_table(f"{title}: training step (ms, median)", unpacked, packed=False))
+        console.print(_step_table(f"{title}: training step (ms, median)", unpacked))
         console.print(f"  fagen/flash, fagen/sdpa: the other's step time over fagen's (> 1: fagen faster; target "
                       f">= {STEP_TARGET}, >= {STEP_TARGET_LONG} at N >= {LONG_SEQ}). loss diff: the largest |fagen - "
                       f"SDPA flash| along the loss curves (tolerance {LOSS_TOLERANCE}).")
     if packed:
-        console.print(_step_table(f"{title}: training step on packed sequences (ms, median)", packed, packed=True))
+        console.print(_step_table(f"{title}: training step on packed sequences (ms, median)", packed))
         console.print(f"  Rows of sequences packed back to back (position_ids restarting at 0; lengths uniform from "
                       f"doc len / 2 to 3 doc len / 2). SDPA runs transformers' boolean mask, FlexAttention its block "
                       f"mask, fagen its documents mask_mod. fagen/x: x's step time over fagen's. loss diff: the "
