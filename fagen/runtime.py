@@ -1593,7 +1593,7 @@ class Kernel:
         kv_heads = tensors["k"].shape[1]
         grouped = kv_heads != heads
         key_blocks = math.ceil(problems[3] / plan.block_c)
-        folded = grouped and sequences is None and self._folds(plan, problems[0] * kv_heads * key_blocks)
+        folded = grouped and self._folds(plan, problems[0] * kv_heads * key_blocks)
         args["fold_heads"] = heads // kv_heads if folded else 1
         summed = grouped and not folded   # dK, dV per query head into a workspace, then _kv_group_sum
         keep = []

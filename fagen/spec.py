@@ -266,10 +266,10 @@ class Spec(BaseModel):
     @property
     def kv_group_foldable(self) -> bool:
         """Nothing of the attention depends on the query head but its rows (no score_mod, no mask_mod that reads h,
-        no dropout, no per-head block layout; padded batches): a backward block may then walk every query head of a
-        K/V head's group in turn, summing dK, dV in registers (where fagen/sources.py folds_kv_group builds it). And a
-        head dim that is a multiple of 8: at d = 59 the folded loop spilled 44 B (ptxas, sm_90a)."""
-        return (self.layout == "padded" and not self.dropout and self.mask != "block_sparse"
+        no dropout, no per-head block layout): a backward block may then walk every query head of a K/V head's group
+        in turn, summing dK, dV in registers (where fagen/sources.py folds_kv_group builds it), padded or packed
+        batches alike. And a head dim that is a multiple of 8: at d = 59 the folded loop spilled 44 B (ptxas, sm_90a)."""
+        return (not self.dropout and self.mask != "block_sparse"
                 and (not self.modifiers.active or self.modifiers.mask_alone_without_head) and self.head_dim % 8 == 0)
 
     @property

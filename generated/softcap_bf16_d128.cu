@@ -678,14 +678,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   const float* delta = args.delta + problem.row_offset;
   float* dq_accum = args.dq_accum + problem.row_offset * HEAD_DIM;
   // FOLDS_HEADS: the query heads this block walks in turn (1: the problem's own), and the step to the next one's
-  // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads)
+  // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads). A query head's
+  // rows in LSE, D and the accumulator: seq_q of (batch, heads, seq_q); packed, the whole (heads, total_q) row
   [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
   [[maybe_unused]] auto next_query_head = [&] {
+    const long long head_rows = PACKED ? args.seq_q : seq_q;
     q += args.q_stride[1];
     d_o += args.do_stride[1];
-    lse += seq_q;
-    delta += seq_q;
-    dq_accum += (long long)seq_q * HEAD_DIM;
+    lse += head_rows;
+    delta += head_rows;
+    dq_accum += head_rows * HEAD_DIM;
   };
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   // score_mod input gradients summed over the block's elements (Mods::add_input_grads, flush_input_grads)

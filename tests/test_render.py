@@ -287,8 +287,7 @@ def test_cu_seqlens_are_read_only_through_the_clamp():
             # the last sequence would read cu_seqlens beyond its end); the Hopper templates, which the host
             # launches with grouped_grid (GROUPED_TEMPLATES), through exit_if_spare_grouped and grouped_problem
             text = _with_includes(family.template, templates)
-            # (the warpgroup-MMA backwards: or, where a block walks a K/V head's group, its first query head; never
-            # for packed specs: FOLDS_HEADS is false there, Spec.kv_group_foldable)
+            # (the warpgroup-MMA backwards: or, where a block walks a K/V head's group, its first query head)
             folded = ("exit_if_spare_grouped(args);\n  const Problem<PACKED> problem(args, FOLDS_HEADS ? "
                       "folded_problem(args) : (long long)grouped_problem());")
             expected = ((folded,) if family.template.startswith("backward_wgmma") else
@@ -355,7 +354,8 @@ DOCUMENTS = dict(mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc"
     (dict(head_dim=128, mask_mod="i - j < window[h]", inputs={"window": "int32"}), False, False),   # reads h
     (dict(head_dim=128, mask="causal", score_mod="score + bias[b]", inputs={"bias": "float32"}), False, False),
     (dict(head_dim=59, mask="causal"), False, False),                                       # spilled folded
-    (dict(head_dim=128, mask="causal", layout="packed"), False, False)])
+    (dict(head_dim=128, mask="causal", layout="packed"), True, True),                      # a sequence's heads
+    (dict(head_dim=64, layout="packed", mask_mod="j <= i and (i - j < 100 or j < 4)"), True, True)])
 def test_backward_folds_kv_groups_only_where_nothing_but_the_rows_is_per_head(fields, foldable, folds):
     """backward_wgmma_ws walks a K/V head's whole group in one block (FOLDS_HEADS, where the runtime sets
     args.fold_heads) only for specs whose attention depends on the query head through its rows alone

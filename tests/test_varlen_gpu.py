@@ -255,3 +255,69 @@ def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monke
                                               cu_second.cpu().numpy(), SPECS[0])
     assert np.linalg.norm(as64(o) - ref_o) / np.linalg.norm(ref_o) < 1e-2
     assert np.array_equal(np.isneginf(as64(lse)), np.isneginf(ref_lse))
+
+
+PACKED_FOLD_CASES = [(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 2),
+                     (Spec(head_dim=64, dtype="fp16", mask="none", layout="packed"), 1),            # MQA
+                     (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70, layout="packed"), 2),
+                     (Spec(head_dim=128, dtype="fp16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"},
+                           layout="packed"), 1)]
+
+
+@pytest.mark.parametrize("spec, kv_heads", PACKED_FOLD_CASES, ids=lambda x: x.canonical_name if isinstance(x, Spec) else str(x))
+def test_grouped_kv_heads_folded_in_packed_batches(spec, kv_heads, monkeypatch):
+    """Packed batches with grouped KV heads on backward_wgmma_ws, every block walking its K/V head's group of query
+    heads for its sequence (runtime.FOLD_WAVES at 0: folded at any size): no per-query-head dK, dV workspace and no
+    _kv_group_sum launched. A query head's LSE, D and dQ accumulator rows are a whole (heads, total_q) row apart
+    there, not a sequence's. Sequences of other query and key lengths, empty and of one row, keys after the last
+    sequence; offsets on the GPU (outputs zeroed) and from the host into the caller's poisoned outputs (the rows
+    inside sequences written, the key rows outside left as given). Against the float64 reference per sequence."""
+    import torch
+
+    from fagen import reference, runtime
+    from fagen.sources import folds_kv_group
+    from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
+
+    monkeypatch.setattr(runtime, "FOLD_WAVES", 0)
+    launched = []
+    launch = runtime.Kernel._launch
+    monkeypatch.setattr(runtime.Kernel, "_launch", lambda self, device, symbol, *rest: (
+        launched.append(symbol), launch(self, device, symbol, *rest))[1])
+    kernel = runtime.compile(spec)
+    assert folds_kv_group(spec, kernel.plans["backward"])
+    lengths_q, lengths_k = [130, 0, 1, 517, 64], [200, 7, 0, 517, 33]
+    heads, d, outside = 4, spec.head_dim, 5       # key rows after the last sequence
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    make = lambda rows, h: torch.randn(rows, h, d, device="cuda", generator=generator).to(dtype)  # noqa: E731
+    q, do = make(sum(lengths_q), heads), make(sum(lengths_q), heads)
+    k, v = make(sum(lengths_k) + outside, kv_heads), make(sum(lengths_k) + outside, kv_heads)
+    offsets = [np.concatenate([[0], np.cumsum(n)]).astype(np.int32) for n in (lengths_q, lengths_k)]
+    inputs = {"inputs": {"prefix": torch.tensor([40, 3, 0, 300, 70], dtype=torch.int32, device="cuda")}} \
+        if spec.modifiers.tensors else {}
+    on_gpu = {"cu_seqlens_q": torch.from_numpy(offsets[0]).cuda(), "cu_seqlens_k": torch.from_numpy(offsets[1]).cuda(),
+              "max_seqlen_q": 517, "max_seqlen_k": 517}
+    o, lse = kernel.forward(q, k, v, **on_gpu, **inputs)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    magnitudes = {}
+    expected = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), *offsets, spec, o=as64(o),
+                                         magnitudes=magnitudes,
+                                         inputs={"prefix": inputs["inputs"]["prefix"].cpu().numpy()} if inputs else None)
+    inside = slice(0, sum(lengths_k))
+    for call in ("device offsets", "host offsets, given outputs"):
+        launched.clear()
+        if call == "device offsets":
+            grads = kernel.backward(q, k, v, o, lse, do, **on_gpu, **inputs)
+        else:
+            grads = tuple(torch.full_like(t, float("nan")) for t in (q, k, v))
+            kernel.backward(q, k, v, o, lse, do, out=grads, cu_seqlens_q=offsets[0].tolist(),
+                            cu_seqlens_k=offsets[1].tolist(), **inputs)
+            for name, grad in zip(("dk", "dv"), grads[1:]):
+                assert torch.isnan(grad[inside.stop:]).all(), f"{name} ({call}): rows outside every sequence overwritten"
+        assert launched and not any(symbol.endswith("_kv_group_sum") for symbol in launched), \
+            f"the backward did not fold the group: {launched}"
+        for name, mine, ref in zip(("dq", "dk", "dv"), grads, expected):
+            rows = slice(None) if name == "dq" or call == "device offsets" else inside
+            assert np.isfinite(as64(mine[rows])).all(), f"{name} ({call}): not finite"
+            error = relative_error(as64(mine[rows]), ref[rows], CANCELLATION_FLOOR * magnitudes.get(name, 0.0))
+            assert error <= TOLERANCES[spec.dtype], f"{name} ({call}): relative error {error:.3g}"

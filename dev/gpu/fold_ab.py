@@ -7,6 +7,7 @@ CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
     MASK_MODS=1 python3 dev/gpu/fold_ab.py          # the library's mask_mods that do not read h, at d = 128
     MASK_MODS=1 MASK_MODS_D=64 python3 ...          # ... at d = 64
     FAGEN_TREE=.ab_old MASK_MODS=1 python3 ...      # the same cases on another tree (its kernels, this script)
+    PACKED=1 python3 dev/gpu/fold_ab.py             # packed batches: B x N tokens in sequences of N / 2 .. 3 N / 2
 
 The mask_mods' inputs are `fagen bench modifiers`' (document ids of random lengths, a quarter-length prefix).
 """
@@ -57,14 +58,47 @@ if os.environ.get("MASK_MODS"):
              (f"d{d} documents MHA", documents, 4, 32, 32, 2048), (f"d{d} prefix-LM", prefix_lm, 4, 32, 8, 2048),
              (f"d{d} window 256 + sinks", sinks, 4, 32, 8, 4096), (f"d{d} dilated", dilated, 4, 32, 8, 2048),
              (f"d{d} dilated MHA", dilated, 4, 32, 32, 2048)]
+PACKED = bool(os.environ.get("PACKED"))
+if PACKED:
+    CASES = [("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 16, 32, 8, 1024),
+             ("d128 causal", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 4, 32, 8, 4096),
+             ("d128 none", Spec(head_dim=128, dtype="bf16", mask="none", layout="packed"), 4, 32, 8, 4096),
+             ("d128 causal 16/4", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 8, 16, 4, 2048),
+             ("d64 causal", Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"), 16, 32, 8, 1024),
+             ("d64 causal", Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"), 4, 32, 8, 4096),
+             ("d64 window 256", Spec(head_dim=64, dtype="fp16", mask="sliding_window", window=256, layout="packed"),
+              8, 32, 8, 2048),
+             ("d96 causal", Spec(head_dim=96, dtype="bf16", mask="causal", layout="packed"), 8, 32, 8, 2048),
+             ("d128 causal MHA (control)", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 8, 32, 32, 2048)]
+launched = []
+if PACKED:   # (no fast path for packed backwards: whether it folded is whether _kv_group_sum ran)
+    _launch = runtime.Kernel._launch
+    runtime.Kernel._launch = lambda self, device, symbol, *rest: (launched.append(symbol), _launch(self, device, symbol, *rest))[1]
+
+
+def packed_lengths(tokens, mean, seed=0):
+    import random
+    draw, lengths = random.Random(seed), []
+    while sum(lengths) < tokens:
+        lengths.append(min(draw.randint(mean // 2, 3 * mean // 2), tokens - sum(lengths)))
+    return lengths
+
+
 DEFAULT_WAVES = runtime.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
     kernel = runtime.compile(spec)
     g = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
-    q, do = (torch.randn(b, h, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
-    k, v = (torch.randn(b, hkv, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
     extra = {}
+    if PACKED:
+        lengths = packed_lengths(b * n, n)
+        cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
+        q, do = (torch.randn(b * n, h, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
+        k, v = (torch.randn(b * n, hkv, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
+        extra.update(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    else:
+        q, do = (torch.randn(b, h, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
+        k, v = (torch.randn(b, hkv, n, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
     if spec.inputs:
         from fagen.bench.modifiers import make_case
         extra["inputs"] = make_case(spec, b, h, n).inputs
@@ -78,12 +112,16 @@ for label, spec, b, h, hkv, n in CASES:
         grads[mode] = fn()
         dev = sum(t for _, (t, _) in kernel_table(fn, 10))
         ev = events_us(fn)
-        folded = any(c.folded for c in kernel._fast_backward.values())
+        launched.clear()
+        fn()
+        folded = (not any(sym.endswith("_kv_group_sum") for sym in launched) if PACKED
+                  else any(c.folded for c in kernel._fast_backward.values()))
         res.setdefault(mode, []).append((dev, ev, folded))
     same = [float((x.float() - y.float()).abs().max()) for x, y in zip(grads["per-head"], grads["folded"])]
     print(f"{label} B{b} H{h}/{hkv} N{n}: " + "; ".join(f"{m} device {min(r[0] for r in rs):.1f} us, events {min(r[1] for r in rs):.1f} us (folded={rs[0][2]})" for m, rs in res.items())
           + f"; max |diff| dq dk dv {same[0]:.2e} {same[1]:.2e} {same[2]:.2e}", flush=True)
     runtime.FOLD_WAVES = DEFAULT_WAVES
     kernel._fast_backward.clear()
-    blocks = b * hkv * -(-n // kernel.plans['backward'].block_c)
+    blocks = (len(lengths) * hkv * -(-max(lengths) // kernel.plans['backward'].block_c) if PACKED
+              else b * hkv * -(-n // kernel.plans['backward'].block_c))
     print(f"   default rule folds: {kernel._folds(kernel.plans['backward'], blocks)} ({blocks} blocks)", flush=True)
