@@ -1112,9 +1112,10 @@ class Kernel:
                     driver.memset_d32(start, struct.unpack("<I", struct.pack("<f", value))[0], count, t.stream or 0)
 
     def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                          block_mask, inputs, seed, offset):
+                          block_mask, inputs, seed, offset, lse=None):
         """The fast-path key of a packed call, or None: only torch tensors with offsets already on the
-        GPU (int32, contiguous) and max_seqlen given, rows 16-byte aligned where cp.async reads them."""
+        GPU (int32, contiguous) and max_seqlen given, rows 16-byte aligned where cp.async reads them.
+        `tensors`: (q, k, v) of a forward, (q, k, v, o, do) of a backward, which passes `lse` too."""
         torch_types = _torch_types()
         if type(max_seqlen_q) is not int or type(max_seqlen_k) is not int or min(max_seqlen_q, max_seqlen_k) < 1:
             return None
@@ -1130,6 +1131,11 @@ class Kernel:
         if self._chunked_rows and not all(self._rows_aligned(t.data_ptr(), (0, t.stride(1), t.stride(0)))
                                           for t in tensors):
             return None
+        if lse is not None:   # the forward's (heads, total_q) fp32, contiguous
+            if (type(lse) is not torch_types["Tensor"] or lse.dtype is not torch_types["float32"]
+                    or lse.get_device() != key[0][0][3]):
+                return None
+            key += ((lse.shape, lse.stride()),)
         return ("packed", key, tuple(offsets), max_seqlen_q, max_seqlen_k)
 
     def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
@@ -1159,7 +1165,7 @@ class Kernel:
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None):
+                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None, signature=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
@@ -1186,7 +1192,7 @@ class Kernel:
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
         self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, inputs, seed, offset,
                        tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
-                       stream, None, sequences, input_grad_out)
+                       stream, signature, sequences, input_grad_out)
         return grads
 
     # ---- forward ----
@@ -1516,8 +1522,16 @@ class Kernel:
                     self._input_grad_outputs(grad_out, None, inputs, like, self._stream({"q": like}, stream)[1])
             return (*grads, grad_out)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
+            signature = None
+            if out is None and stream is None and "backward" in self.plans:
+                signature = self._packed_signature((q, k, v, o, do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                   max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, lse)
+                call = self._fast_backward.get(signature) if signature is not None else None
+                if call is not None:
+                    return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
+                                                    offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
             return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         kv_lengths, block_mask, inputs, seed, offset, out, stream)
+                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature)
         return self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
                                      stream)[0]
 
@@ -1535,22 +1549,36 @@ class Kernel:
         return (self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
                                signature, None), signature)
 
-    def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset):
-        """A remembered backward: gradients and workspaces allocated, the pointers written in, launched."""
+    def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
+                            offsets: tuple = ()):
+        """A remembered backward: gradients and workspaces allocated, the pointers written in, launched.
+        `offsets`: a packed call's cu_seqlens_q, cu_seqlens_k pointers, on the GPU, so which rows the sequences
+        cover is unknown and rows outside every one must read 0: dQ's do without a fill (_dq_convert writes every
+        row, from the accumulator _delta cleared; not the deterministic _dq pass), and dK's and dV's where
+        _kv_group_sum adds up every key row; the other gradients start at 0."""
         import torch
 
         device = q.get_device()
-        grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
+        packed = bool(offsets)
+        summed = k.shape[1] != q.shape[1] and not call.folded
+        if packed:
+            keys = torch.empty_like if summed else torch.zeros_like
+            grads = ((torch.zeros_like if self.spec.deterministic else torch.empty_like)(q), keys(k), keys(v))
+        else:
+            grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
                     grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
-        if k.shape[1] != q.shape[1] and not call.folded:   # grouped KV heads: per-query-head dK, dV, then summed
-            expanded = (*q.shape[:2], k.shape[2], k.shape[3])
+        if summed:
+            # grouped KV heads: per-query-head dK, dV, then summed; packed, (1, heads, total_k, d) and zeroed (keys
+            # outside every sequence are summed too)
+            expanded = (1, q.shape[1], k.shape[0], k.shape[2]) if packed else (*q.shape[:2], k.shape[2], k.shape[3])
             # held (not just their pointers taken) until the launches are queued: a tensor freed
             # at once would hand the second workspace the first one's memory
-            workspaces = [torch.empty(expanded, dtype=k.dtype, device=k.device) for _ in range(2)]
+            workspaces = [(torch.zeros if packed else torch.empty)(expanded, dtype=k.dtype, device=k.device)
+                          for _ in range(2)]
             pointers += [w.data_ptr() for w in workspaces]
-        size, dq_accum_at = backward_scratch(q.shape[0] * q.shape[1] * q.shape[2],
-                                             self.plans["backward"].head_dim, self.spec.deterministic)
+        size, dq_accum_at = backward_scratch(math.prod(q.shape[:-1]), self.plans["backward"].head_dim,
+                                             self.spec.deterministic)
         scratch = torch.empty(size, dtype=torch.float32, device=q.device)
         pointers.append(scratch.data_ptr())
         if dq_accum_at:
@@ -1559,7 +1587,7 @@ class Kernel:
         summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
         pointers += [s.data_ptr() for s in summaries]
         _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-        call.launch(device, _TORCH["stream"](device), (*pointers, *extra, *_seed_values(seed, offset)))
+        call.launch(device, _TORCH["stream"](device), (*pointers, *offsets, *extra, *_seed_values(seed, offset)))
         self._finish(call.main)
         return grads
 
@@ -1647,6 +1675,8 @@ class Kernel:
         self._finish(main)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
+            if sequences is not None:
+                names = ("cu_seqlens_q", "cu_seqlens_k") + names
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")
             outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if summed else ("dq", "dk", "dv")
             summaries = self._summary_workspaces(args) if self.modifiers.summaries else []

@@ -257,6 +257,46 @@ def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monke
     assert np.array_equal(np.isneginf(as64(lse)), np.isneginf(ref_lse))
 
 
+
+@pytest.mark.parametrize("folded", [False, True], ids=["per query head", "folded"])
+def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(folded, monkeypatch):
+    """The backward of a packed call seen before (offsets on the GPU) skips the checks and launches at once, as
+    the forward does: gradients zeroed (rows outside every sequence read 0), grouped KV heads summed through the
+    zeroed per-query-head workspace or folded; the offsets' contents read by the kernels on every call."""
+    import torch
+
+    from fagen import reference, runtime
+
+    monkeypatch.setattr(runtime, "FOLD_WAVES", 0 if folded else 10**9)
+    kernel = runtime.compile(SPECS[0])
+    kernel._fast_backward.clear()
+    # same count and maximum: one signature; the second call leaves 3 query and key rows after its last sequence
+    first, second = [100, 50, 0, 78], [10, 200, 14, 1]
+    q, k, v, (cu_first, _) = _packed_inputs(first, first, seed=6)
+    cu_second = torch.tensor(np.concatenate([[0], np.cumsum(second)]), dtype=torch.int32, device="cuda")
+    lengths = {"max_seqlen_q": 200, "max_seqlen_k": 200}
+    do = torch.randn_like(q)
+    o, lse = kernel.forward(q, k, v, cu_seqlens_q=cu_first, cu_seqlens_k=cu_first, **lengths)
+    kernel.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_first, cu_seqlens_k=cu_first, **lengths)
+    assert [call.folded for call in kernel._fast_backward.values()] == [folded]
+
+    def full_path(*args, **kwargs):
+        raise AssertionError("the second backward with this signature took the full path")
+
+    o, lse = kernel.forward(q, k, v, cu_seqlens_q=cu_second, cu_seqlens_k=cu_second, **lengths)
+    monkeypatch.setattr(runtime.Kernel, "_backward_packed", full_path)
+    poisoned = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]   # memory the allocator hands out next
+    del poisoned
+    grads = kernel.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_second, cu_seqlens_k=cu_second, **lengths)
+    kernel._fast_backward.clear()   # (the folded call stays out of later tests, which run at FOLD_WAVES)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    expected = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), cu_second.cpu().numpy(),
+                                         cu_second.cpu().numpy(), SPECS[0], o=as64(o))
+    for name, mine, ref in zip(("dq", "dk", "dv"), grads, expected):
+        assert np.isfinite(as64(mine)).all(), name
+        assert not as64(mine)[sum(second):].any(), f"{name}: rows after the last sequence are not 0"
+        assert np.linalg.norm(as64(mine) - ref) / np.linalg.norm(ref) < 1e-2, name
+
 PACKED_FOLD_CASES = [(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 2),
                      (Spec(head_dim=64, dtype="fp16", mask="none", layout="packed"), 1),            # MQA
                      (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70, layout="packed"), 2),

@@ -1,5 +1,7 @@
 """Host time per call on a tiny shape (launch-bound): packed forward (GPU offsets, fast path) against the
-padded forward and SDPA, bf16 d128. python3 dev/gpu/packed_overhead.py"""
+padded forward and SDPA, bf16 d128; then the packed backward (GQA 8 / 2 heads) on its fast path against its full
+path (the fast path turned off), and forward + backward through fagen.attention's autograd, packed and padded.
+python3 dev/gpu/packed_overhead.py"""
 import sys, os, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch
@@ -39,7 +41,7 @@ with torch.no_grad():
 # where the packed call's time goes
 parts = {"torch.zeros + torch.full": lambda: (torch.zeros(q3.shape, dtype=q3.dtype, device="cuda"),
                                                torch.full((8, 256), -1.0, device="cuda")),
-         "_packed_signature": lambda: packed._packed_signature((q3, q3, q3), cu, cu, 156, 156, None, None, 0, 0)}
+         "_packed_signature": lambda: packed._packed_signature((q3, q3, q3), cu, cu, 156, 156, None, None, None, 0, 0)}
 for name, fn in parts.items():
     print(f"{name}: {per_call(fn):.1f} us per call")
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -49,3 +51,29 @@ for _ in range(200):
 end.record()
 torch.cuda.synchronize()
 print(f"packed forward, GPU time per call (events around 200 calls): {start.elapsed_time(end) / 200 * 1e3:.1f} us")
+
+# the backward (grouped KV heads: 8 query heads, 2 K/V heads)
+import fagen  # noqa: E402
+
+k3 = torch.randn(256, 2, 128, device="cuda", dtype=torch.bfloat16)
+o3, lse3 = packed.forward(q3, k3, k3, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156)
+backward = lambda: packed.backward(q3, k3, k3, o3, lse3, q3, cu_seqlens_q=cu, cu_seqlens_k=cu,  # noqa: E731
+                                   max_seqlen_q=156, max_seqlen_k=156)
+print(f"packed backward, fast path: {per_call(backward):.1f} us per call")
+signature = runtime.Kernel._packed_signature
+runtime.Kernel._packed_signature = lambda self, *args, **kwargs: None
+print(f"packed backward, full path: {per_call(backward):.1f} us per call")
+runtime.Kernel._packed_signature = signature
+leaves3 = [t.detach().requires_grad_() for t in (q3, k3, k3)]
+leaves4 = [t.detach().requires_grad_() for t in (q4, q4, q4)]
+spec3 = '{"head_dim": 128, "dtype": "bf16", "mask": "causal", "layout": "packed"}'
+spec4 = '{"head_dim": 128, "dtype": "bf16", "mask": "causal"}'
+autograd = {"fagen.attention packed, forward + backward": lambda: torch.autograd.grad(
+                fagen.attention(*leaves3, spec3, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=156, max_seqlen_k=156),
+                leaves3, q3),
+            "fagen.attention padded, forward + backward": lambda: torch.autograd.grad(
+                fagen.attention(*leaves4, spec4), leaves4, q4),
+            "sdpa padded, forward + backward": lambda: torch.autograd.grad(
+                F.scaled_dot_product_attention(*leaves4, is_causal=True), leaves4, q4)}
+for name, fn in autograd.items():
+    print(f"{name}: {per_call(fn, 1000):.1f} us per call")
