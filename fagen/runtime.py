@@ -241,10 +241,7 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
         if shape == like.shape and dtype == like.dtype and not zero and fill is None:
             return torch.empty_like(like.owner)
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
-        if fill is not None:
-            return torch.full(shape, fill, dtype=torch_dtype, device=like.owner.device)
-        make = torch.zeros if zero else torch.empty
-        return make(shape, dtype=torch_dtype, device=like.owner.device)
+        return _filled(torch.empty(shape, dtype=torch_dtype, device=like.owner.device), stream, zero, fill)
     import numpy as np
     import pycuda.gpuarray as gpuarray
 
@@ -253,11 +250,38 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
     if np_dtype is None:
         raise ArgumentError(f"{like.name}: allocating {dtype} outputs needs torch tensors as inputs")
     out = gpuarray.empty(shape, np_dtype)  # cuMemAlloc: fresh memory, safe on any stream
-    if fill is not None:
-        driver.memset_d32(int(out.gpudata), struct.unpack("<I", struct.pack("<f", fill))[0], out.size, stream)
-    elif zero:
-        driver.memset_d8(int(out.gpudata), 0, out.nbytes, stream)
+    _fill(int(out.gpudata), out.size, out.nbytes, stream, zero, fill)
     return out
+
+
+def _fill(pointer: int, count: int, nbytes: int, stream: int, zero: bool = False, fill: Optional[float] = None,
+          device: Optional[int] = None) -> None:
+    """`count` elements from `pointer` (`nbytes` bytes) zeroed, or set to the fp32 `fill`, by one cuMemset on
+    `stream`. `device`: make its primary context current where the calling thread has none (autograd's thread
+    runs backwards; torch's runtime-API calls bind one by themselves, driver calls do not)."""
+    if fill is None and not zero:
+        return
+    for attempt in range(2):
+        try:
+            if fill is not None:
+                driver.memset_d32(pointer, struct.unpack("<I", struct.pack("<f", fill))[0], count, stream)
+            else:
+                driver.memset_d8(pointer, 0, nbytes, stream)
+            return
+        except driver.CudaError as err:
+            if attempt or device is None or err.code != driver.ERROR_INVALID_CONTEXT:
+                raise
+            driver.make_current(device)
+
+
+def _filled(tensor, stream: int, zero: bool = False, fill: Optional[float] = None):
+    """A torch tensor just allocated (dense, from its first element) zeroed or filled by `_fill`: a cuMemset
+    through ctypes costs the host a few µs less than torch's zeros / full (a fill kernel through the dispatcher),
+    which counts in the fast paths' host time per call (issue 10)."""
+    if zero or fill is not None:
+        _fill(tensor.data_ptr(), tensor.numel(), tensor.numel() * tensor.element_size(), stream, zero, fill,
+              tensor.get_device())
+    return tensor
 
 
 # ---- the per-call fast path ------------------------------------------------------------------------
@@ -1106,10 +1130,7 @@ class Kernel:
             for outer in range(int(np.prod(t.shape[:axis]))):
                 start = t.pointer + ((outer * rows + first) * inner) * itemsize
                 count = (last - first) * inner
-                if value == 0:
-                    driver.memset_d8(start, 0, count * itemsize, t.stream or 0)
-                else:
-                    driver.memset_d32(start, struct.unpack("<I", struct.pack("<f", value))[0], count, t.stream or 0)
+                _fill(start, count, count * itemsize, t.stream or 0, zero=value == 0, fill=value or None)
 
     def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
                           block_mask, inputs, seed, offset, lse=None):
@@ -1128,6 +1149,8 @@ class Kernel:
         key = self._signature("forward", tensors, (), kv_lengths, block_mask, inputs, seed, offset)
         if key is None or any(len(t.shape) != 3 for t in tensors) or (inputs and self.modifiers.summaries):
             return None   # (packed calls with run-time summaries take the full path: their workspaces)
+        if cu_seqlens_q.get_device() != key[0][0][3] or cu_seqlens_k.get_device() != key[0][0][3]:
+            return None   # (offsets on another GPU: the full path copies them over)
         if self._chunked_rows and not all(self._rows_aligned(t.data_ptr(), (0, t.stride(1), t.stride(0)))
                                           for t in tensors):
             return None
@@ -1231,11 +1254,13 @@ class Kernel:
                     import torch
 
                     device = q.get_device()
+                    stream = _TORCH["stream"](device)
                     # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
-                    o = torch.zeros(q.shape, dtype=q.dtype, device=q.device)
-                    lse = torch.full((q.shape[1], q.shape[0]), -math.inf, dtype=torch.float32, device=q.device)
+                    o = _filled(torch.empty(q.shape, dtype=q.dtype, device=q.device), stream, zero=True)
+                    lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
+                                  fill=-math.inf)
                     _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-                    call.launch(device, _TORCH["stream"](device),
+                    call.launch(device, stream,
                                 (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                  cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
                     self._finish(call.main)
@@ -1559,11 +1584,14 @@ class Kernel:
         import torch
 
         device = q.get_device()
+        stream = _TORCH["stream"](device)
         packed = bool(offsets)
         summed = k.shape[1] != q.shape[1] and not call.folded
-        if packed:
-            keys = torch.empty_like if summed else torch.zeros_like
-            grads = ((torch.zeros_like if self.spec.deterministic else torch.empty_like)(q), keys(k), keys(v))
+        if packed:   # contiguous, as the full path's (and the op's fake kernel's) packed gradients, whatever q's layout
+            grads = tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+            _filled(grads[0], stream, zero=self.spec.deterministic)
+            for grad in grads[1:]:
+                _filled(grad, stream, zero=not summed)
         else:
             grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
         pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
@@ -1574,7 +1602,7 @@ class Kernel:
             expanded = (1, q.shape[1], k.shape[0], k.shape[2]) if packed else (*q.shape[:2], k.shape[2], k.shape[3])
             # held (not just their pointers taken) until the launches are queued: a tensor freed
             # at once would hand the second workspace the first one's memory
-            workspaces = [(torch.zeros if packed else torch.empty)(expanded, dtype=k.dtype, device=k.device)
+            workspaces = [_filled(torch.empty(expanded, dtype=k.dtype, device=k.device), stream, zero=packed)
                           for _ in range(2)]
             pointers += [w.data_ptr() for w in workspaces]
         size, dq_accum_at = backward_scratch(math.prod(q.shape[:-1]), self.plans["backward"].head_dim,
@@ -1587,7 +1615,7 @@ class Kernel:
         summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
         pointers += [s.data_ptr() for s in summaries]
         _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-        call.launch(device, _TORCH["stream"](device), (*pointers, *offsets, *extra, *_seed_values(seed, offset)))
+        call.launch(device, stream, (*pointers, *offsets, *extra, *_seed_values(seed, offset)))
         self._finish(call.main)
         return grads
 

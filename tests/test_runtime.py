@@ -226,3 +226,34 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     assert Kernel._folds(documents, ws_64_rows, enough)          # the same mask in every head of the group
     assert Kernel._folds(documents, ws, enough)                   # 128-row blocks too (8 B spilled, still faster)
     assert not Kernel._folds(per_head, ws_64_rows, 10 * enough)  # a mask that reads h
+
+
+def test_fills_make_the_context_current_on_a_thread_without_one(monkeypatch):
+    """runtime._fill (the fast paths' cuMemsets): on a thread the driver has no context for (autograd's, which runs
+    backwards) the first memset fails with CUDA_ERROR_INVALID_CONTEXT; the device's context is made current and the
+    memset issued again, once. Other errors, and that one without a device to bind, reach the caller. No GPU: the
+    driver calls are stand-ins."""
+    from fagen import cuda_driver as driver
+    from fagen import runtime
+
+    calls = []
+
+    def memset(pointer, value, count, stream):
+        calls.append(("memset", pointer, value, count, stream))
+        if len([c for c in calls if c[0] == "memset"]) == 1:
+            raise driver.CudaError(driver.ERROR_INVALID_CONTEXT, "no context")
+
+    monkeypatch.setattr(driver, "memset_d8", memset)
+    monkeypatch.setattr(driver, "memset_d32", memset)
+    monkeypatch.setattr(driver, "make_current", lambda device: calls.append(("make_current", device)))
+    runtime._fill(4096, 8, 16, 7, zero=True, device=1)
+    assert calls == [("memset", 4096, 0, 16, 7), ("make_current", 1), ("memset", 4096, 0, 16, 7)]
+    calls.clear()
+    runtime._fill(4096, 8, 32, 7, fill=float("-inf"), device=1)   # fp32 -inf: its bit pattern, 8 elements
+    assert calls == [("memset", 4096, 0xFF800000, 8, 7), ("make_current", 1), ("memset", 4096, 0xFF800000, 8, 7)]
+    calls.clear()
+    with pytest.raises(driver.CudaError):
+        runtime._fill(4096, 8, 16, 7, zero=True)   # no device to bind: the error is the caller's
+    calls.clear()
+    runtime._fill(4096, 8, 16, 7, device=1)        # nothing to fill: no call
+    assert calls == []

@@ -258,11 +258,14 @@ def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monke
 
 
 
-@pytest.mark.parametrize("folded", [False, True], ids=["per query head", "folded"])
-def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(folded, monkeypatch):
+@pytest.mark.parametrize("folded, permuted", [(False, False), (True, False), (True, True)],
+                         ids=["per query head", "folded", "folded, (H, total, d) storage"])
+def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(folded, permuted, monkeypatch):
     """The backward of a packed call seen before (offsets on the GPU) skips the checks and launches at once, as
     the forward does: gradients zeroed (rows outside every sequence read 0), grouped KV heads summed through the
-    zeroed per-query-head workspace or folded; the offsets' contents read by the kernels on every call."""
+    zeroed per-query-head workspace or folded; the offsets' contents read by the kernels on every call. Inputs
+    stored (H, total, d) and seen as (total, H, d) get contiguous gradients, as on the full path (the remembered
+    strides are the full path's: a review found the fast path writing them into storage laid out like q's)."""
     import torch
 
     from fagen import reference, runtime
@@ -273,6 +276,8 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
     # same count and maximum: one signature; the second call leaves 3 query and key rows after its last sequence
     first, second = [100, 50, 0, 78], [10, 200, 14, 1]
     q, k, v, (cu_first, _) = _packed_inputs(first, first, seed=6)
+    if permuted:
+        q, k, v = (t.transpose(0, 1).contiguous().transpose(0, 1) for t in (q, k, v))
     cu_second = torch.tensor(np.concatenate([[0], np.cumsum(second)]), dtype=torch.int32, device="cuda")
     lengths = {"max_seqlen_q": 200, "max_seqlen_k": 200}
     do = torch.randn_like(q)
@@ -293,6 +298,7 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
     expected = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), cu_second.cpu().numpy(),
                                          cu_second.cpu().numpy(), SPECS[0], o=as64(o))
     for name, mine, ref in zip(("dq", "dk", "dv"), grads, expected):
+        assert mine.is_contiguous(), name
         assert np.isfinite(as64(mine)).all(), name
         assert not as64(mine)[sum(second):].any(), f"{name}: rows after the last sequence are not 0"
         assert np.linalg.norm(as64(mine) - ref) / np.linalg.norm(ref) < 1e-2, name
