@@ -290,7 +290,10 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
 
     o, lse = kernel.forward(q, k, v, cu_seqlens_q=cu_second, cu_seqlens_k=cu_second, **lengths)
     monkeypatch.setattr(runtime.Kernel, "_backward_packed", full_path)
-    poisoned = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]   # memory the allocator hands out next
+    # memory the allocator hands out next: the gradients' sizes, and the per-query-head dK, dV workspaces'
+    poisoned = [torch.full_like(t, float("nan")) for t in (q, k, v, q, k, v)]
+    poisoned += [torch.full((1, q.shape[1], k.shape[0], k.shape[2]), float("nan"), dtype=k.dtype, device="cuda")
+                 for _ in range(2)]
     del poisoned
     grads = kernel.backward(q, k, v, o, lse, do, cu_seqlens_q=cu_second, cu_seqlens_k=cu_second, **lengths)
     kernel._fast_backward.clear()   # (the folded call stays out of later tests, which run at FOLD_WAVES)
