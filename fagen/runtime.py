@@ -279,8 +279,10 @@ def _filled(tensor, stream: int, zero: bool = False, fill: Optional[float] = Non
     through ctypes costs the host a few µs less than torch's zeros / full (a fill kernel through the dispatcher),
     which counts in the fast paths' host time per call (issue 10)."""
     if zero or fill is not None:
-        _fill(tensor.data_ptr(), tensor.numel(), tensor.numel() * tensor.element_size(), stream, zero, fill,
-              tensor.get_device())
+        device = tensor.get_device()
+        if stream is None:   # (a caller on torch's current stream, as torch's own fills would run)
+            stream = _torch_types()["stream"](device)
+        _fill(tensor.data_ptr(), tensor.numel(), tensor.numel() * tensor.element_size(), stream, zero, fill, device)
     return tensor
 
 

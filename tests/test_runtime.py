@@ -257,3 +257,23 @@ def test_fills_make_the_context_current_on_a_thread_without_one(monkeypatch):
     calls.clear()
     runtime._fill(4096, 8, 16, 7, device=1)        # nothing to fill: no call
     assert calls == []
+
+
+def test_fills_of_torch_tensors_run_on_the_given_stream_or_torchs_current_one(monkeypatch):
+    """runtime._filled: a torch tensor's cuMemset goes to the stream the call runs on; a caller that passes none
+    (it runs under torch's current stream, _caller_stream) gets torch's current stream of the tensor's device, not
+    the legacy default stream, which torch's own streams do not wait for. No GPU: stand-ins for the tensor, the
+    driver and torch's stream getter."""
+    from types import SimpleNamespace
+
+    from fagen import cuda_driver as driver
+    from fagen import runtime
+
+    calls = []
+    monkeypatch.setattr(driver, "memset_d8", lambda pointer, value, nbytes, stream: calls.append((pointer, nbytes, stream)))
+    monkeypatch.setattr(runtime, "_torch_types", lambda: {"stream": lambda device: 1000 + device})
+    tensor = SimpleNamespace(data_ptr=lambda: 4096, numel=lambda: 6, element_size=lambda: 2, get_device=lambda: 3)
+    assert runtime._filled(tensor, 77, zero=True) is tensor
+    assert runtime._filled(tensor, None, zero=True) is tensor
+    runtime._filled(tensor, None)   # nothing to fill
+    assert calls == [(4096, 12, 77), (4096, 12, 1003)]
