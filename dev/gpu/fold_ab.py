@@ -18,9 +18,12 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.environ.get("FAGEN_TREE") or os.path.dirname(os.path.dirname(HERE)))   # the tree timed
 sys.path.insert(0, HERE)
 
+import random  # noqa: E402
+
 import torch  # noqa: E402
 
 from fagen import runtime  # noqa: E402
+from fagen.bench.model import packed_lengths  # noqa: E402
 from fagen.spec import Spec  # noqa: E402
 from kernel_times import kernel_table  # noqa: E402
 
@@ -72,14 +75,6 @@ if PACKED:
              ("d128 causal MHA (control)", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 8, 32, 32, 2048)]
 
 
-def packed_lengths(tokens, mean, seed=0):
-    import random
-    draw, lengths = random.Random(seed), []
-    while sum(lengths) < tokens:
-        lengths.append(min(draw.randint(mean // 2, 3 * mean // 2), tokens - sum(lengths)))
-    return lengths
-
-
 DEFAULT_WAVES = runtime.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
     kernel = runtime.compile(spec)
@@ -87,7 +82,7 @@ for label, spec, b, h, hkv, n in CASES:
     dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     extra = {}
     if PACKED:
-        lengths = packed_lengths(b * n, n)
+        lengths = packed_lengths(b * n, n, random.Random(0))   # (the bench-model packing's draw)
         cu = torch.tensor([0] + [sum(lengths[:i + 1]) for i in range(len(lengths))], dtype=torch.int32, device="cuda")
         q, do = (torch.randn(b * n, h, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))
         k, v = (torch.randn(b * n, hkv, spec.head_dim, generator=g, device="cuda").to(dt) for _ in range(2))

@@ -65,21 +65,24 @@ def model_shapes(head_dims: Sequence[int] = (64, 128), seqlens: Sequence[int] = 
     return shapes
 
 
+def packed_lengths(tokens: int, doc_len: int, draw) -> list[int]:
+    """Lengths of sequences packed back to back into `tokens` tokens, drawn by `draw` (a random.Random) uniformly
+    from [doc_len / 2, 3 doc_len / 2], the last one cut at the end."""
+    low, high = max(1, doc_len // 2), max(1, doc_len * 3 // 2)
+    lengths: list[int] = []
+    while sum(lengths) < tokens:
+        lengths.append(min(draw.randint(low, high), tokens - sum(lengths)))
+    return lengths
+
+
 def packed_positions(batch: int, seq_len: int, doc_len: int, seed: int = 0) -> list[list[int]]:
-    """position_ids of `batch` rows of `seq_len` tokens, each row sequences back to back whose lengths are drawn
-    uniformly from [doc_len / 2, 3 doc_len / 2] (the last one cut at the row's end); positions restart at 0
-    with each sequence, which is how transformers tells packed sequences apart."""
+    """position_ids of `batch` rows of `seq_len` tokens, each row sequences back to back (`packed_lengths`);
+    positions restart at 0 with each sequence, which is how transformers tells packed sequences apart."""
     import random
 
     draw = random.Random(seed)
-    low, high = max(1, doc_len // 2), max(1, doc_len * 3 // 2)
-    rows = []
-    for _ in range(batch):
-        row = []
-        while len(row) < seq_len:
-            row.extend(range(min(draw.randint(low, high), seq_len - len(row))))
-        rows.append(row)
-    return rows
+    return [[position for length in packed_lengths(seq_len, doc_len, draw) for position in range(length)]
+            for _ in range(batch)]
 
 
 def llama_config(shape: dict, *, hidden: int, layers: int, vocab: int):
