@@ -8,7 +8,8 @@ CUDA graph like any other. PyCUDA stays the run-time compiler (fagen/compiler.py
 loaded here from the cubin bytes it produced.
 
 Everything runs in the device's primary context, the one PyTorch uses, so tensors, streams and
-modules are shared with it.
+modules are shared with it. Launches and memsets are queued in the context of the tensors' device
+(`enter_device`), whichever GPU is current in the calling thread, as PyTorch's device guard does.
 """
 from __future__ import annotations
 
@@ -42,6 +43,7 @@ class CudaError(RuntimeError):
 
 _lib = None
 _lib_lock = threading.Lock()
+_get_current_context = None
 
 
 def _load():
@@ -71,6 +73,9 @@ def _load():
         for name, argtypes in signatures.items():
             function = getattr(lib, name)
             function.argtypes, function.restype = argtypes, ctypes.c_int
+        global _get_current_context   # cuCtxGetCurrent given its out-parameter's address: enter_device's fast form
+        _get_current_context = lib["cuCtxGetCurrent"]
+        _get_current_context.argtypes, _get_current_context.restype = [ctypes.c_void_p], ctypes.c_int
         _lib = lib
         return lib
 
@@ -103,38 +108,85 @@ def current_device() -> Optional[int]:
 
 
 def make_current(device_index: int) -> None:
-    """Make the device's primary context (PyTorch's) current in this thread. Retained once per
-    device for the life of the process, as PyTorch does, so it is never torn down under a module."""
-    lib = _load()
-    check(lib.cuInit(0), "cuInit")
-    count = ctypes.c_int()
-    check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
-    if not 0 <= device_index < count.value:
-        raise CudaError(-1, f"CUDA device {device_index} does not exist; this machine has {count.value}")
+    """Make the device's primary context (PyTorch's) current in this thread."""
+    check(_load().cuCtxSetCurrent(primary_context(device_index)), "cuCtxSetCurrent")
+
+
+def primary_context(device_index: int) -> int:
+    """The device's primary context, retained once per device for the life of the process, as PyTorch
+    does, so it is never torn down under a module."""
     context = _primary_contexts.get(device_index)
     if context is None:
+        lib = _load()
+        check(lib.cuInit(0), "cuInit")
+        count = ctypes.c_int()
+        check(lib.cuDeviceGetCount(ctypes.byref(count)), "cuDeviceGetCount")
+        if not 0 <= device_index < count.value:
+            raise CudaError(-1, f"CUDA device {device_index} does not exist; this machine has {count.value}")
         handle = ctypes.c_void_p()
         device = ctypes.c_int()
         check(lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
         check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(handle), device), "cuDevicePrimaryCtxRetain")
         context = _primary_contexts[device_index] = handle.value
-    check(lib.cuCtxSetCurrent(context), "cuCtxSetCurrent")
+    return context
 
 
 _primary_contexts: dict[int, int] = {}
 
 
+def enter_device(device_index: int) -> Optional[int]:
+    """Before queueing work on `device_index`'s memory and streams (a launch, a memset): the calling
+    thread's current context made one of that device's, as PyTorch's device guard does around its own
+    ops. Tensors on cuda:1 while cuda:0 is current (a model split over GPUs) otherwise send the work to
+    the wrong device's context.
+
+    Returns the caller's context, to give back with `leave_device` once the work is queued; None where
+    nothing changed, or where the thread had no context (autograd's device threads: the device's primary
+    context stays current, as PyTorch's own calls leave it). Where the current context already is the
+    device's primary one (every call but the first, as a rule) this is one cuCtxGetCurrent."""
+    try:
+        context, address = _thread_slot.current
+    except AttributeError:   # (each thread its own out-parameter, made once: the call is on every launch's path)
+        _load()
+        context = ctypes.c_void_p()
+        address = ctypes.addressof(context)
+        _thread_slot.current = context, address
+    code = _get_current_context(address)
+    if not code and context.value and context.value == _primary_contexts.get(device_index):
+        return None
+    lib = _lib
+    if code == ERROR_NOT_INITIALIZED or (not code and not context.value):
+        make_current(device_index)
+        return None
+    check(code, "cuCtxGetCurrent")
+    device = ctypes.c_int()
+    check(lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
+    if device.value == device_index:
+        # a context of this device: its primary one seen for the first time (retained, so that the next
+        # call takes the short way), or one the caller made itself (PyCUDA's autoinit), which is left current
+        primary_context(device_index)
+        return None
+    make_current(device_index)
+    return context.value
+
+
+_thread_slot = threading.local()
+
+
+def leave_device(context: Optional[int]) -> None:
+    """Give the caller back the context `enter_device` replaced (nothing for None)."""
+    if context:
+        check(_lib.cuCtxSetCurrent(context), "restoring the calling thread's CUDA context (cuCtxSetCurrent)")
+
+
 @contextlib.contextmanager
 def on_device(device_index: int):
-    """The device's primary context current for the block, the thread's previous one (if any) after it."""
-    previous = current_device()
-    if previous != device_index:
-        make_current(device_index)
+    """`enter_device` for the block, `leave_device` after it."""
+    previous = enter_device(device_index)
     try:
         yield
     finally:
-        if previous is not None and previous != device_index:
-            make_current(previous)
+        leave_device(previous)
 
 
 def device_attributes(device_index: int) -> dict:

@@ -108,7 +108,7 @@ class PadPlan:
         # the tensors' GPU may not be the thread's current one (or the thread may have no context yet)
         with driver.on_device(device):
             driver.launch(self.function, self.grid, _THREADS, 0, _torch_types()["stream"](device), arguments, _SYMBOL)
-            Kernel._finish(_SYMBOL)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
+        Kernel._finish(_SYMBOL, device)   # the debug switch (FAGEN_SYNC_LAUNCHES) synchronises and names the kernel
         return padded
 
 

@@ -257,21 +257,20 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
 def _fill(pointer: int, count: int, nbytes: int, stream: int, zero: bool = False, fill: Optional[float] = None,
           device: Optional[int] = None) -> None:
     """`count` elements from `pointer` (`nbytes` bytes) zeroed, or set to the fp32 `fill`, by one cuMemset on
-    `stream`. `device`: make its primary context current where the calling thread has none (autograd's thread
-    runs backwards; torch's runtime-API calls bind one by themselves, driver calls do not)."""
+    `stream`. `device`: the device the memory is on, whose context the memset is issued in (driver.enter_device:
+    the thread's may be another GPU's, or none on autograd's thread, where torch's runtime-API calls bind one by
+    themselves and driver calls do not); None for PyCUDA arrays, which live in the current context."""
     if fill is None and not zero:
         return
-    for attempt in range(2):
-        try:
-            if fill is not None:
-                driver.memset_d32(pointer, struct.unpack("<I", struct.pack("<f", fill))[0], count, stream)
-            else:
-                driver.memset_d8(pointer, 0, nbytes, stream)
-            return
-        except driver.CudaError as err:
-            if attempt or device is None or err.code != driver.ERROR_INVALID_CONTEXT:
-                raise
-            driver.make_current(device)
+    previous = driver.enter_device(device) if device is not None else None
+    try:
+        if fill is not None:
+            driver.memset_d32(pointer, struct.unpack("<I", struct.pack("<f", fill))[0], count, stream)
+        else:
+            driver.memset_d8(pointer, 0, nbytes, stream)
+    finally:
+        if previous:
+            driver.leave_device(previous)
 
 
 def _filled(tensor, stream: int, zero: bool = False, fill: Optional[float] = None):
@@ -428,17 +427,19 @@ class FastCall:
 
     def launch(self, device: int, stream: int, values: tuple) -> None:
         params = self.params
-        with self.lock:
-            array = self.values
-            for slot, value in zip(self.slots, values):
-                array[slot] = value
-            for launch in self.prepared:
-                code = launch(stream, params)
-                if code == driver.ERROR_INVALID_CONTEXT:
-                    driver.make_current(device)   # a thread that never touched CUDA before
+        previous = driver.enter_device(device)
+        try:
+            with self.lock:
+                array = self.values
+                for slot, value in zip(self.slots, values):
+                    array[slot] = value
+                for launch in self.prepared:
                     code = launch(stream, params)
-                if code:
-                    raise launch.failed(code)
+                    if code:
+                        raise launch.failed(code)
+        finally:
+            if previous:   # (the caller's context, on another device)
+                driver.leave_device(previous)
 
 
 def decode_splits(base_blocks: int, key_tiles: int, sm_count: int, blocks_per_sm: int, limit: int = 256) -> int:
@@ -924,19 +925,20 @@ class Kernel:
     def _launch(self, device: int, symbol: str, arguments, grid: tuple, threads: int, smem: int, stream: int,
                 functions: Optional[dict] = None):
         functions = functions or self._functions.get(device) or self._load(device)
+        # (in the device's context: the thread's may be another GPU's, or none on autograd's thread)
+        previous = driver.enter_device(device)
         try:
             driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
-        except driver.CudaError as err:
-            if err.code != driver.ERROR_INVALID_CONTEXT:
-                raise
-            driver.make_current(device)   # a thread that never touched CUDA: give it the primary context
-            driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
+        finally:
+            if previous:   # (the caller's context, on another device)
+                driver.leave_device(previous)
 
     @staticmethod
-    def _finish(symbol: str):
+    def _finish(symbol: str, device: int):
         if CHECK_LAUNCHES:
             try:
-                driver.synchronize(f"{symbol} (FAGEN_SYNC_LAUNCHES)")
+                with driver.on_device(device):
+                    driver.synchronize(f"{symbol} (FAGEN_SYNC_LAUNCHES)")
             except driver.CudaError as err:
                 raise RuntimeError(f"{symbol} failed on the GPU: {err}") from None
 
@@ -1265,7 +1267,7 @@ class Kernel:
                     call.launch(device, stream,
                                 (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                                  cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
-                    self._finish(call.main)
+                    self._finish(call.main, device)
                     return o, lse
             return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, signature)
@@ -1333,7 +1335,7 @@ class Kernel:
         call.launch(device, _TORCH["stream"](device),
                     (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
                      *[w.data_ptr() for w in workspaces], *paged, *extra, *_seed_values(seed, offset)))
-        self._finish(call.main)
+        self._finish(call.main, device)
         return o, lse
 
     def _paged_signature(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset):
@@ -1466,7 +1468,7 @@ class Kernel:
         if self.modifiers.summaries:   # the mask_mod inputs' per-tile bounds, before the kernel reads them
             self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
         self._launch(device, symbol, arguments, grid, plan.threads, plan.smem_bytes, stream)
-        self._finish(symbol)
+        self._finish(symbol, device)
         # (packed calls whose mask_mod needs run-time summaries get no signature: _packed_signature)
         if signature is not None and not (sequences is not None and self.modifiers.summaries):
             # the next call with this signature skips everything above
@@ -1514,7 +1516,7 @@ class Kernel:
         arguments = args.packed()
         for symbol, grid, threads, smem in launches:
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
-        self._finish(main)
+        self._finish(main, device)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max")
@@ -1618,7 +1620,7 @@ class Kernel:
         pointers += [s.data_ptr() for s in summaries]
         _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
         call.launch(device, stream, (*pointers, *offsets, *extra, *_seed_values(seed, offset)))
-        self._finish(call.main)
+        self._finish(call.main, device)
         return grads
 
     def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
@@ -1702,7 +1704,7 @@ class Kernel:
         functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
         for symbol, grid, threads, smem in launches:
             self._launch(device, symbol, arguments, grid, threads, smem, stream, functions)
-        self._finish(main)
+        self._finish(main, device)
         if signature is not None:
             names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
             if sequences is not None:

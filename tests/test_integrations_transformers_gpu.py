@@ -127,6 +127,30 @@ def test_training_losses_match_sdpa(fagen_calls, head_dim, kv_heads):
     assert len(fagen_calls) == 5 * 2
 
 
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_model_on_the_second_gpu_while_the_first_is_current(fagen_calls):
+    """A model moved to cuda:1 without torch.cuda.set_device(1), as SDPA allows: fagen's launches go to cuda:1,
+    the logits and a training step's loss and gradients are SDPA's within bf16 error, cuda:0 stays current."""
+    torch.cuda.set_device(0)
+    nets = {name: model.to("cuda:1") for name, model in models(config_for(64, 2)).items()}
+    x = batch().to("cuda:1")
+    with torch.no_grad():
+        logits = {name: model(x).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"], logits["fp32"])
+    sdpa_error = relative_error(logits["sdpa"], logits["fp32"])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+    losses, grads = {}, {}
+    for name in ("fagen", "sdpa"):
+        loss = nets[name](x, labels=x).loss
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = torch.cat([p.grad.float().flatten() for p in nets[name].parameters() if p.grad is not None])
+    assert abs(losses["fagen"] - losses["sdpa"]) < 5e-3, losses
+    assert torch.isfinite(grads["fagen"]).all() and relative_error(grads["fagen"], grads["sdpa"]) < 5e-2
+    assert torch.cuda.current_device() == 0
+    assert len(fagen_calls) == 2 * 2   # two layers, two forwards: no fallback (the fixture checks that too)
+
+
 def test_sliding_window_model_matches_sdpa(fagen_calls):
     assert_logits_like_sdpa(config_for(64, 2, kind="mistral", sliding_window=128))
     assert fagen_calls and all('"sliding_window", "window": 128' in spec for spec in fagen_calls)

@@ -228,11 +228,10 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     assert not Kernel._folds(per_head, ws_64_rows, 10 * enough)  # a mask that reads h
 
 
-def test_fills_make_the_context_current_on_a_thread_without_one(monkeypatch):
-    """runtime._fill (the fast paths' cuMemsets): on a thread the driver has no context for (autograd's, which runs
-    backwards) the first memset fails with CUDA_ERROR_INVALID_CONTEXT; the device's context is made current and the
-    memset issued again, once. Other errors, and that one without a device to bind, reach the caller. No GPU: the
-    driver calls are stand-ins."""
+def test_fills_are_queued_in_the_devices_context_and_give_the_callers_back(monkeypatch):
+    """runtime._fill (the fast paths' cuMemsets) issues its memset between enter_device and leave_device when it
+    knows the memory's device (torch tensors), gives the caller's context back when the memset fails too, and
+    leaves the context alone for PyCUDA arrays (device None, memory of the current context). No GPU: stand-ins."""
     from fagen import cuda_driver as driver
     from fagen import runtime
 
@@ -240,20 +239,25 @@ def test_fills_make_the_context_current_on_a_thread_without_one(monkeypatch):
 
     def memset(pointer, value, count, stream):
         calls.append(("memset", pointer, value, count, stream))
-        if len([c for c in calls if c[0] == "memset"]) == 1:
-            raise driver.CudaError(driver.ERROR_INVALID_CONTEXT, "no context")
+        if pointer == 0:
+            raise driver.CudaError(1, "invalid value")
 
     monkeypatch.setattr(driver, "memset_d8", memset)
     monkeypatch.setattr(driver, "memset_d32", memset)
-    monkeypatch.setattr(driver, "make_current", lambda device: calls.append(("make_current", device)))
+    monkeypatch.setattr(driver, "enter_device", lambda device: calls.append(("enter", device)) or 1000)
+    monkeypatch.setattr(driver, "leave_device", lambda previous: calls.append(("leave", previous)))
     runtime._fill(4096, 8, 16, 7, zero=True, device=1)
-    assert calls == [("memset", 4096, 0, 16, 7), ("make_current", 1), ("memset", 4096, 0, 16, 7)]
+    assert calls == [("enter", 1), ("memset", 4096, 0, 16, 7), ("leave", 1000)]
     calls.clear()
     runtime._fill(4096, 8, 32, 7, fill=float("-inf"), device=1)   # fp32 -inf: its bit pattern, 8 elements
-    assert calls == [("memset", 4096, 0xFF800000, 8, 7), ("make_current", 1), ("memset", 4096, 0xFF800000, 8, 7)]
+    assert calls == [("enter", 1), ("memset", 4096, 0xFF800000, 8, 7), ("leave", 1000)]
     calls.clear()
     with pytest.raises(driver.CudaError):
-        runtime._fill(4096, 8, 16, 7, zero=True)   # no device to bind: the error is the caller's
+        runtime._fill(0, 8, 16, 7, zero=True, device=1)
+    assert calls == [("enter", 1), ("memset", 0, 0, 16, 7), ("leave", 1000)]
+    calls.clear()
+    runtime._fill(4096, 8, 16, 7, zero=True)   # a PyCUDA array: its memory is the current context's
+    assert calls == [("memset", 4096, 0, 16, 7)]
     calls.clear()
     runtime._fill(4096, 8, 16, 7, device=1)        # nothing to fill: no call
     assert calls == []
@@ -271,6 +275,8 @@ def test_fills_of_torch_tensors_run_on_the_given_stream_or_torchs_current_one(mo
 
     calls = []
     monkeypatch.setattr(driver, "memset_d8", lambda pointer, value, nbytes, stream: calls.append((pointer, nbytes, stream)))
+    monkeypatch.setattr(driver, "enter_device", lambda device: None)
+    monkeypatch.setattr(driver, "leave_device", lambda previous: None)
     monkeypatch.setattr(runtime, "_torch_types", lambda: {"stream": lambda device: 1000 + device})
     tensor = SimpleNamespace(data_ptr=lambda: 4096, numel=lambda: 6, element_size=lambda: 2, get_device=lambda: 3)
     assert runtime._filled(tensor, 77, zero=True) is tensor
