@@ -1249,29 +1249,35 @@ class Kernel:
             return self._forward_paged(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
                                        signature)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
-            signature = None
-            if out is None and stream is None and self.spec.loop_order != "fa1":
-                signature = self._packed_signature((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                                   kv_lengths, block_mask, inputs, seed, offset)
-                call = self._fast_forward.get(signature) if signature is not None else None
-                if call is not None:
-                    import torch
-
-                    device = q.get_device()
-                    stream = _TORCH["stream"](device)
-                    # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
-                    o = _filled(torch.empty(q.shape, dtype=q.dtype, device=q.device), stream, zero=True)
-                    lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
-                                  fill=-math.inf)
-                    _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-                    call.launch(device, stream,
-                                (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                                 cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
-                    self._finish(call.main, device)
-                    return o, lse
-            return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                        kv_lengths, block_mask, inputs, seed, offset, out, stream, signature)
+            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
+                                        block_mask, inputs, seed, offset, out, stream)[:2]
         return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream)[:2]
+
+    def _packed_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths, block_mask,
+                        inputs, seed, offset, out, stream) -> tuple:
+        """(o, lse, the call's fast-path signature or None) of a packed call."""
+        signature = None
+        if out is None and stream is None and self.spec.loop_order != "fa1":
+            signature = self._packed_signature((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                               kv_lengths, block_mask, inputs, seed, offset)
+            call = self._fast_forward.get(signature) if signature is not None else None
+            if call is not None:
+                import torch
+
+                device = q.get_device()
+                stream = _TORCH["stream"](device)
+                # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
+                o = _filled(torch.empty(q.shape, dtype=q.dtype, device=q.device), stream, zero=True)
+                lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
+                              fill=-math.inf)
+                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
+                call.launch(device, stream,
+                            (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
+                             cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
+                self._finish(call.main, device)
+                return o, lse, signature
+        return (*self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature), signature)
 
     def _padded_forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream) -> tuple:
         """(o, lse, the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
@@ -1289,31 +1295,39 @@ class Kernel:
     def forward_keyed(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
                       offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse, key): `forward` for an autograd node, with the key that `backward_after` takes for its
-        backward (the call's fast-path signature: None where it has none; packed calls have none)."""
+        backward (the call's fast-path signature, padded or packed: None where it has none)."""
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
-            return (*self.forward(q, k, v, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs, seed=seed,
-                                  offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
-                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k), None)
+            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
+                                        block_mask, inputs, seed, offset, None, None)
         return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, None, None)
 
     def backward_after(self, forward_key, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None,
-                       seed: int = 0, offset: int = 0):
+                       seed: int = 0, offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
+                       max_seqlen_k=None):
         """`backward` of the forward call that returned (o, lse, forward_key) from `forward_keyed`, with the
-        same q, k, v and run-time arguments, and do of o's shape, dtype and device (what autograd hands a
-        node). Its fast path is keyed by the forward's signature and do's strides, so the full signature
-        is not recomputed: autograd runs backwards on its own thread, where this Python runs about 3x
-        slower than on the caller's (host time per call, issue 10)."""
+        same q, k, v and run-time arguments (the same offsets, for a packed call), and do of o's shape, dtype and
+        device (what autograd hands a node). Its fast path is keyed by the forward's signature and do's strides,
+        so the full signature is not recomputed: autograd runs backwards on its own thread, where this Python
+        runs about 3x slower than on the caller's (host time per call, issue 10)."""
+        packed = self._is_packed_call(cu_seqlens_q, cu_seqlens_k)
         entry = self._fast_backward_after.get(forward_key)
         if entry is not None:
             call, do_stride = entry
-            # strides were checked when the entry was made (the forward key fixes q, k, v's, and do's is
-            # compared): only the pointers can have moved off a 16-byte boundary
-            if do.stride() == do_stride and not (self._checks_rows["backward"] and (
-                    q.data_ptr() | k.data_ptr() | v.data_ptr() | do.data_ptr()) % 16):
+            # strides were checked when the entry was made (the forward key fixes q, k, v's, and o's and lse's with
+            # them; do's is compared): only the pointers can have moved off a 16-byte boundary
+            if do.stride() == do_stride and not (
+                    (self._chunked_rows if packed else self._checks_rows["backward"])
+                    and (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | do.data_ptr()) % 16):
                 return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                offset)
-        grads, signature = self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
-                                                 None, None)
+                                                offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()) if packed
+                                                else ())
+        if packed:
+            grads, signature = self._packed_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                                     max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, None,
+                                                     None)
+        else:
+            grads, signature = self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
+                                                     None, None)
         call = self._fast_backward.get(signature) if signature is not None else None
         if call is not None:
             if len(self._fast_backward_after) >= FAST_CALLS_KEPT:
@@ -1551,18 +1565,26 @@ class Kernel:
                     self._input_grad_outputs(grad_out, None, inputs, like, self._stream({"q": like}, stream)[1])
             return (*grads, grad_out)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
-            signature = None
-            if out is None and stream is None and "backward" in self.plans:
-                signature = self._packed_signature((q, k, v, o, do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                   max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, lse)
-                call = self._fast_backward.get(signature) if signature is not None else None
-                if call is not None:
-                    return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                    offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()))
-            return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature)
+            return self._packed_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                         kv_lengths, block_mask, inputs, seed, offset, out, stream)[0]
         return self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
                                      stream)[0]
+
+    def _packed_backward(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
+                         block_mask, inputs, seed, offset, out, stream) -> tuple:
+        """((dq, dk, dv), the call's fast-path signature or None) of a packed call."""
+        signature = None
+        if out is None and stream is None and "backward" in self.plans:
+            signature = self._packed_signature((q, k, v, o, do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                               max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, lse)
+            call = self._fast_backward.get(signature) if signature is not None else None
+            if call is not None:
+                return (self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
+                                                 offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())),
+                        signature)
+        return (self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature),
+                signature)
 
     def _padded_backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
                          stream) -> tuple:

@@ -306,6 +306,47 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
         assert not as64(mine)[sum(second):].any(), f"{name}: rows after the last sequence are not 0"
         assert np.linalg.norm(as64(mine) - ref) / np.linalg.norm(ref) < 1e-2, name
 
+
+def test_packed_autograd_backward_is_keyed_by_its_forward(monkeypatch):
+    """fagen.attention on packed tensors, offsets on the GPU, three times with one signature: from the second call
+    on, the backward on autograd's thread finds its launch by the forward's key (Kernel.backward_after) without
+    recomputing the packed signature, and reads the new offsets and data; against the float64 reference each time,
+    rows after the last sequence 0 in every gradient."""
+    import torch
+
+    import fagen
+    from fagen import reference, runtime
+
+    spec = SPECS[0]
+    kernel = runtime.compile(spec)
+    kernel._fast_backward_after.clear()
+    lengths = {"max_seqlen_q": 200, "max_seqlen_k": 200}
+    signatures = []
+    real = runtime.Kernel._packed_signature
+
+    def counted(self, tensors, *args, **kwargs):
+        signatures.append(len(tensors))   # 3: a forward's, 5: a backward's
+        return real(self, tensors, *args, **kwargs)
+
+    monkeypatch.setattr(runtime.Kernel, "_packed_signature", counted)
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    for call, sequence_lengths in enumerate(([100, 50, 0, 78], [10, 200, 14, 4], [200, 1, 1, 26])):   # one total
+        q, k, v, (cu, _) = _packed_inputs(sequence_lengths, sequence_lengths, seed=20 + call)
+        q, k, v = (torch.cat([t, torch.randn_like(t[:3])]).requires_grad_() for t in (q, k, v))  # 3 rows after
+        signatures.clear()
+        o = fagen.attention(q, k, v, spec, cu_seqlens_q=cu, cu_seqlens_k=cu, **lengths)
+        do = torch.randn_like(o)
+        o.backward(do)
+        assert signatures == ([3, 5] if call == 0 else [3]), (call, signatures)
+        cu64 = cu.cpu().numpy()
+        want_o, _ = reference.packed_forward(as64(q), as64(k), as64(v), cu64, cu64, spec)
+        want = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), cu64, cu64, spec, o=want_o)
+        for name, got, ref in zip(("dq", "dk", "dv"), (q.grad, k.grad, v.grad), want):
+            assert np.isfinite(as64(got)).all() and not as64(got)[sum(sequence_lengths):].any(), (call, name)
+            assert np.linalg.norm(as64(got) - ref) / np.linalg.norm(ref) < 1e-2, (call, name)
+    assert any(key[0] == "packed" for key in kernel._fast_backward_after)
+
+
 PACKED_FOLD_CASES = [(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 2),
                      (Spec(head_dim=64, dtype="fp16", mask="none", layout="packed"), 1),            # MQA
                      (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70, layout="packed"), 2),

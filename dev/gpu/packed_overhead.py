@@ -1,7 +1,7 @@
 """Host time per call on a tiny shape (launch-bound): packed forward (GPU offsets, fast path) against the
 padded forward and SDPA, bf16 d128; then the packed backward (GQA 8 / 2 heads) on its fast path against its full
 path (the fast path turned off), and forward + backward through fagen.attention's autograd, packed and padded.
-python3 dev/gpu/packed_overhead.py"""
+python3 dev/gpu/packed_overhead.py (last: the packed autograd backward keyed by its forward, against unkeyed)"""
 import sys, os, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch
@@ -77,3 +77,20 @@ autograd = {"fagen.attention packed, forward + backward": lambda: torch.autograd
                 F.scaled_dot_product_attention(*leaves4, is_causal=True), leaves4, q4)}
 for name, fn in autograd.items():
     print(f"{name}: {per_call(fn, 1000):.1f} us per call")
+
+# the packed backward keyed by its forward (Kernel.backward_after) against the unkeyed route it replaced (the key
+# dropped: the backward recomputes the packed signature on autograd's thread), rounds alternating in this process
+keyed = runtime.Kernel.forward_keyed
+
+
+def unkeyed(self, *args, **kwargs):
+    o, lse, key = keyed(self, *args, **kwargs)
+    return o, lse, (None if kwargs.get("cu_seqlens_q") is not None else key)
+
+
+packed_step = autograd["fagen.attention packed, forward + backward"]
+for round in range(3):
+    for name, route in (("keyed", keyed), ("unkeyed", unkeyed)):
+        runtime.Kernel.forward_keyed = route
+        print(f"round {round}: packed forward + backward, backward {name}: {per_call(packed_step, 1000):.1f} us per call")
+runtime.Kernel.forward_keyed = keyed
