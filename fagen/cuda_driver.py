@@ -61,6 +61,7 @@ def _load():
             "cuInit": [u], "cuDeviceGet": [ctypes.POINTER(i), i], "cuDeviceGetCount": [ctypes.POINTER(i)],
             "cuDeviceGetAttribute": [ctypes.POINTER(i), i, i], "cuDeviceGetName": [ctypes.c_char_p, i, i],
             "cuDevicePrimaryCtxRetain": [ctypes.POINTER(p), i], "cuCtxGetCurrent": [ctypes.POINTER(p)],
+            "cuDevicePrimaryCtxGetState": [i, ctypes.POINTER(u), ctypes.POINTER(i)],
             "cuCtxSetCurrent": [p], "cuCtxGetDevice": [ctypes.POINTER(i)], "cuCtxSynchronize": [],
             "cuModuleLoadData": [ctypes.POINTER(p), p], "cuModuleGetFunction": [ctypes.POINTER(p), p, ctypes.c_char_p],
             "cuFuncSetAttribute": [p, i, i],
@@ -162,15 +163,27 @@ def enter_device(device_index: int) -> Optional[int]:
     device = ctypes.c_int()
     check(lib.cuCtxGetDevice(ctypes.byref(device)), "cuCtxGetDevice")
     if device.value == device_index:
-        # a context of this device: its primary one seen for the first time (retained, so that the next
-        # call takes the short way), or one the caller made itself (PyCUDA's autoinit), which is left current
-        primary_context(device_index)
+        # a context of this device: its primary one seen for the first time (retained, so that the next call
+        # takes the short way), or one the caller made itself (PyCUDA's autoinit), which is left current: its
+        # memory is there, and fagen's modules are loaded there too (on_device). For such a caller no primary
+        # context is created (they cost hundreds of MB): only one that is active already is looked up.
+        if device_index not in _primary_contexts and _primary_active(device_index):
+            primary_context(device_index)
         return None
     make_current(device_index)
     return context.value
 
 
 _thread_slot = threading.local()
+
+
+def _primary_active(device_index: int) -> bool:
+    """Whether the device's primary context exists (retained by someone: PyTorch, as a rule)."""
+    device, flags, active = ctypes.c_int(), ctypes.c_uint(), ctypes.c_int()
+    check(_lib.cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    check(_lib.cuDevicePrimaryCtxGetState(device, ctypes.byref(flags), ctypes.byref(active)),
+          "cuDevicePrimaryCtxGetState")
+    return bool(active.value)
 
 
 def leave_device(context: Optional[int]) -> None:

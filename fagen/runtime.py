@@ -62,7 +62,7 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
               ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1),
               ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1),
-              ("mod_grad", "Q", 4), ("fold_heads", "q", 1)])
+              ("mod_grad", "Q", 4), ("fold_heads", "q", 1), ("d_lse", "Q", 1)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -567,14 +567,14 @@ class Kernel:
 
     def _module_functions(self, device: int, cubins: dict) -> dict:
         """symbol -> CUfunction of each pass's cubin in `cubins`, loaded in the device's primary context."""
-        with driver.on_device(device):
-            modules = {p: driver.load_module(cubin) for p, cubin in cubins.items()}
         functions = {}
-        for pass_name, module in modules.items():
-            plan = self.plans[pass_name]
-            for symbol in plan.symbols:
-                big = not symbol.endswith(_HELPER_KERNELS)  # the others are given plan.smem_bytes
-                functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
+        with driver.on_device(device):   # (the functions too: they belong to the module's context)
+            for pass_name, cubin in cubins.items():
+                module = driver.load_module(cubin)
+                plan = self.plans[pass_name]
+                for symbol in plan.symbols:
+                    big = not symbol.endswith(_HELPER_KERNELS)  # the others are given plan.smem_bytes
+                    functions[symbol] = driver.get_function(module, symbol, plan.smem_bytes if big else 0)
         return functions
 
     def _load_input_grad_backward(self, device: int) -> dict:
@@ -1192,14 +1192,15 @@ class Kernel:
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None, signature=None):
+                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None, signature=None,
+                         d_lse=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, None,
-                                             input_grad_out)
+                                             input_grad_out, d_lse=d_lse)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         total_k = tensors["k"].shape[0]
@@ -1216,10 +1217,12 @@ class Kernel:
             self._clear_sequence_rows(((grads[1], 0, 0.0), (grads[2], 0, 0.0)), sequences, 1)
         if total_q == 0 or total_k == 0:
             return grads
+        self._d_lse_pointer(d_lse, lt)   # (checked against the packed lse here, before its view below)
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
         self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, inputs, seed, offset,
                        tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
-                       stream, signature, sequences, input_grad_out)
+                       stream, signature, sequences, input_grad_out,
+                       None if d_lse is None else _packed_view(as_device_tensor("d_lse", d_lse)))
         return grads
 
     # ---- forward ----
@@ -1303,13 +1306,17 @@ class Kernel:
 
     def backward_after(self, forward_key, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None,
                        seed: int = 0, offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                       max_seqlen_k=None):
+                       max_seqlen_k=None, d_lse=None):
         """`backward` of the forward call that returned (o, lse, forward_key) from `forward_keyed`, with the
         same q, k, v and run-time arguments (the same offsets, for a packed call), and do of o's shape, dtype and
         device (what autograd hands a node). Its fast path is keyed by the forward's signature and do's strides,
         so the full signature is not recomputed: autograd runs backwards on its own thread, where this Python
         runs about 3x slower than on the caller's (host time per call, issue 10)."""
         packed = self._is_packed_call(cu_seqlens_q, cu_seqlens_k)
+        if d_lse is not None:   # (lse reached the loss too: the general route, whose signature covers d_lse)
+            return self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs,
+                                 seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+                                 max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, d_lse=d_lse)
         entry = self._fast_backward_after.get(forward_key)
         if entry is not None:
             call, do_stride = entry
@@ -1541,8 +1548,12 @@ class Kernel:
     # ---- backward ----
     def backward(self, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
                  offset: int = 0, out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
-                 max_seqlen_k=None, input_grads: bool = False):
+                 max_seqlen_k=None, input_grads: bool = False, d_lse=None):
         """(dq, dk, dv) in the input's dtype, from the forward's o and lse and the output gradient do.
+
+        `d_lse`: the gradient of the loss with respect to the forward's lse, where the loss reads lse too (a merge
+        of partial attentions by their LSE, a sink logit in the softmax's denominator): fp32, lse's shape, dense.
+        It adds d_lse_i * P_ij to each score's gradient (d lse_i / d s_ij = P_ij). None: lse did not reach the loss.
 
         `input_grads`: also the gradients of the score_mod's float tensor inputs (`inputs`) that it depends
         on, as a fourth item {name: float32 array of the input's shape} (Modifiers.kernel_input_grads). They
@@ -1552,10 +1563,10 @@ class Kernel:
             if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
                 grads = self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                               max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                                              grad_out)
+                                              grad_out, d_lse=d_lse)
             else:
                 grads = self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                                       None, None, grad_out)
+                                       None, None, grad_out, d_lse)
             if not grad_out:   # a packed batch with nothing to compute: zeros
                 like = as_device_tensor("q", q)
                 if stream is not None and like.is_torch:
@@ -1566,15 +1577,15 @@ class Kernel:
             return (*grads, grad_out)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._packed_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         kv_lengths, block_mask, inputs, seed, offset, out, stream)[0]
+                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, d_lse)[0]
         return self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
-                                     stream)[0]
+                                     stream, d_lse)[0]
 
     def _packed_backward(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                         block_mask, inputs, seed, offset, out, stream) -> tuple:
-        """((dq, dk, dv), the call's fast-path signature or None) of a packed call."""
+                         block_mask, inputs, seed, offset, out, stream, d_lse=None) -> tuple:
+        """((dq, dk, dv), the call's fast-path signature or None) of a packed call (with d_lse: the full path)."""
         signature = None
-        if out is None and stream is None and "backward" in self.plans:
+        if out is None and stream is None and d_lse is None and "backward" in self.plans:
             signature = self._packed_signature((q, k, v, o, do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
                                                max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, lse)
             call = self._fast_backward.get(signature) if signature is not None else None
@@ -1583,25 +1594,27 @@ class Kernel:
                                                  offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())),
                         signature)
         return (self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature),
+                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature,
+                                      d_lse=d_lse),
                 signature)
 
     def _padded_backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
-                         stream) -> tuple:
+                         stream, d_lse=None) -> tuple:
         """((dq, dk, dv), the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
         if out is None and stream is None and "backward" in self.plans:
-            signature = self._signature("backward", (q, k, v, o, lse, do), (q, k, v, do), kv_lengths, block_mask,
-                                        inputs, seed, offset)
+            # (d_lse's shape and strides in the key: a call with it remembers a launch with its pointer slot)
+            signature = self._signature("backward", (q, k, v, o, lse, do) if d_lse is None else (q, k, v, o, lse, do, d_lse),
+                                        (q, k, v, do), kv_lengths, block_mask, inputs, seed, offset)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
                 return (self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                 offset), signature)
+                                                 offset, d_lse=d_lse), signature)
         return (self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                               signature, None), signature)
+                               signature, None, d_lse=d_lse), signature)
 
     def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
-                            offsets: tuple = ()):
+                            offsets: tuple = (), d_lse=None):
         """A remembered backward: gradients and workspaces allocated, the pointers written in, launched.
         `offsets`: a packed call's cu_seqlens_q, cu_seqlens_k pointers, on the GPU, so which rows the sequences
         cover is unknown and rows outside every one must read 0: dQ's do without a fill (_dq_convert writes every
@@ -1620,8 +1633,10 @@ class Kernel:
                 _filled(grad, stream, zero=not summed)
         else:
             grads = (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v))
-        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr(),
-                    grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
+        pointers = [q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), do.data_ptr(), lse.data_ptr()]
+        if d_lse is not None:
+            pointers.append(d_lse.data_ptr())
+        pointers += [grads[0].data_ptr(), grads[1].data_ptr(), grads[2].data_ptr()]
         if summed:
             # grouped KV heads: per-query-head dK, dV, then summed; packed, (1, heads, total_k, d) and zeroed (keys
             # outside every sequence are summed too)
@@ -1645,8 +1660,20 @@ class Kernel:
         self._finish(call.main, device)
         return grads
 
+    @staticmethod
+    def _d_lse_pointer(d_lse, lse: DeviceTensor) -> int:
+        """The pointer of d_lse (backward's `d_lse`), checked against the lse it is the gradient of; 0 for None."""
+        if d_lse is None:
+            return 0
+        held = as_device_tensor("d_lse", d_lse)
+        if held.shape != lse.shape or held.dtype != "fp32" or tuple(held.strides) != tuple(lse.strides):
+            raise ArgumentError(f"d_lse: expected a dense fp32 tensor of lse's shape {tuple(lse.shape)} (the gradient of "
+                                f"the loss with respect to lse), got {held.dtype} of shape {tuple(held.shape)} and strides "
+                                f"{tuple(held.strides)}")
+        return held.pointer
+
     def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
-                  sequences: Optional["Sequences"], input_grad_out: Optional[dict] = None):
+                  sequences: Optional["Sequences"], input_grad_out: Optional[dict] = None, d_lse=None):
         """The full backward path; `sequences` as in `_forward`; `input_grad_out`: a dict that receives
         score_mod's input gradients (see `backward`), or None."""
         plan = self._pass("backward")
@@ -1654,7 +1681,7 @@ class Kernel:
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
                 return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, None, signature,
-                                      sequences, input_grad_out)
+                                      sequences, input_grad_out, d_lse)
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -1664,12 +1691,14 @@ class Kernel:
         lt = as_device_tensor("lse", lse)
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"lse: expected the forward's contiguous fp32 lse of shape {(batch, heads, seq_q)}")
+        d_lse_pointer = self._d_lse_pointer(d_lse, lt)
         if out is None:
             grads = tuple(_allocate(tensors[key], tensors[key].shape, self.spec.dtype, stream) for key in ("q", "k", "v"))
         else:
             grads = tuple(out)
         args = self._base_args(tensors, shape)
         args["o"], args["d_o"], args["lse"] = tensors["o"].pointer, tensors["d_o"].pointer, lt.pointer
+        args["d_lse"] = d_lse_pointer
         args["o_stride"] = tensors["o"].strides[:3]
         args["do_stride"] = tensors["d_o"].strides[:3]
         kv_heads = tensors["k"].shape[1]
@@ -1735,7 +1764,7 @@ class Kernel:
             outputs = ("dq", "dk_sum", "dv_sum", "dk", "dv") if summed else ("dq", "dk", "dv")
             summaries = self._summary_workspaces(args) if self.modifiers.summaries else []
             self._remember(self._fast_backward, signature, args,
-                           ("q", "k", "v", "o", "d_o", "lse") + outputs + workspaces
+                           ("q", "k", "v", "o", "d_o", "lse") + (("d_lse",) if d_lse_pointer else ()) + outputs + workspaces
                            + tuple(slot for slot, _ in summaries) + names, launches, device,
                            tuple(shape for _, shape in summaries), folded)
         del keep

@@ -4,7 +4,7 @@ Three ops are registered through `torch.library`, with fake (meta) implementatio
 
     fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, seed_tensor?, cu_seqlens_q?,
                              cu_seqlens_k?, max_seqlen_q, max_seqlen_k, mod_tensor0-3?, mod_scalar0-3) -> (o, lse)
-    fagen::attention_backward(q, k, v, o, lse, grad_o, spec, (the same run-time arguments)) -> (dq, dk, dv)
+    fagen::attention_backward(q, k, v, o, lse, grad_o, grad_lse?, spec, (the same run-time arguments)) -> (dq, dk, dv)
     fagen::attention_backward_input_grads(the same) -> (dq, dk, dv, the gradients of score_mod's tensor inputs)
 
 The forward's autograd is its own Autograd kernel (`_forward_autograd`): with grad, a node whose backward calls one
@@ -20,7 +20,9 @@ fullgraph=True)` traces through fagen attention, and CUDA graphs (`torch.cuda.gr
 PyTorch and never synchronise.
 
 The forward saves q, k, v, o and the LSE (no N x N tensor); the backward regenerates P and the
-dropout mask from them (FlashAttention-1 Algorithm 4).
+dropout mask from them (FlashAttention-1 Algorithm 4). The LSE is differentiable too: a loss that reads it
+(partial attentions merged by their LSE, a sink logit added to the softmax's denominator) gets its gradient,
+d_lse_i * P_ij added to each score's (Kernel.backward's `d_lse`).
 
 In eager mode, `fagen.attention` skips the dispatcher round trip and calls the same kernels through
 an `autograd.Function` (fewer microseconds per call; the maths and the kernels are the same).
@@ -144,6 +146,16 @@ def _grad(tensor):
     return tensor if tensor.stride(-1) == 1 else tensor.contiguous()
 
 
+def _grads_of_outputs(o, grad_o, grad_lse):
+    """(dO, d_lse) as the backward kernels take them from autograd's (grad_o, grad_lse), either of which is None
+    where that output did not reach the loss: dO zeros where only lse did; d_lse dense fp32 (an expanded
+    gradient, e.g. of lse.sum(), is materialized) or None."""
+    grad_o = torch.zeros_like(o) if grad_o is None else _grad(grad_o)
+    if grad_lse is not None:
+        grad_lse = grad_lse.to(torch.float32).contiguous()
+    return grad_o, grad_lse
+
+
 # ---- the ops ---------------------------------------------------------------------------------
 _library = torch.library.Library("fagen", "DEF")
 MOD_SLOTS = 4   # AttentionArgs holds up to 4 tensor and 4 scalar inputs
@@ -156,12 +168,12 @@ _RUNTIME_SCHEMA = ("Tensor? kv_lengths=None, Tensor? block_mask=None, int seed=0
                    + ", ".join(f"Tensor? mod_tensor{n}=None" for n in range(MOD_SLOTS)) + ", "
                    + ", ".join(f"float mod_scalar{n}=0.0" for n in range(MOD_SLOTS)))
 _library.define(f"attention_forward(Tensor q, Tensor k, Tensor v, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
-_library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, str spec, "
-                f"{_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
+_library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, Tensor? grad_lse, "
+                f"str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor)")
 # the same, with the gradients of score_mod's tensor inputs: one per mod_tensor slot (float32, the input's
 # shape; an empty tensor for a slot without a derivative): taken when one of those inputs requires grad
 _library.define(f"attention_backward_input_grads(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, "
-                f"str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor, "
+                f"Tensor? grad_lse, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor, "
                 + ", ".join("Tensor" for _ in range(MOD_SLOTS)) + ")")
 
 
@@ -197,21 +209,21 @@ def _forward_cuda(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offse
                                                      cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
 
 
-def _backward_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+def _backward_cuda(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
                    seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     kernel = kernel_for(spec, q.get_device())
     seed = seed if seed_tensor is None else seed_tensor
-    return kernel.backward(q, k, v, o, lse, grad_o, **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset,
-                                                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                                      max_seqlen_k, mods))
+    return kernel.backward(q, k, v, o, lse, grad_o, d_lse=grad_lse,
+                           **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k,
+                                             max_seqlen_q, max_seqlen_k, mods))
 
 
-def _backward_input_grads_cuda(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                               seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+def _backward_input_grads_cuda(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0,
+                               offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
                                max_seqlen_k=-1, *mods):
     kernel = kernel_for(spec, q.get_device())
     seed = seed if seed_tensor is None else seed_tensor
-    dq, dk, dv, grads = kernel.backward(q, k, v, o, lse, grad_o, input_grads=True,
+    dq, dk, dv, grads = kernel.backward(q, k, v, o, lse, grad_o, input_grads=True, d_lse=grad_lse,
                                         **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q,
                                                           cu_seqlens_k, max_seqlen_q, max_seqlen_k, mods))
     slots = [grads.get(name) for name, _, _ in kernel.modifiers.tensors]
@@ -235,7 +247,7 @@ def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offse
 
 
 @torch.library.register_fake("fagen::attention_backward")
-def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+def _backward_fake(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
                    seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
@@ -243,10 +255,10 @@ def _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=No
 
 
 @torch.library.register_fake("fagen::attention_backward_input_grads")
-def _backward_input_grads_fake(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                               seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+def _backward_input_grads_fake(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0,
+                               offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
                                max_seqlen_k=-1, *mods):
-    dq, dk, dv = _backward_fake(q, k, v, o, lse, grad_o, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
+    dq, dk, dv = _backward_fake(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
                                 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *mods)
     derived = _input_names(spec)[3]
     tensor_names = _input_names(spec)[0]
@@ -263,13 +275,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, kv_lengths, block_mask, seed_tensor, cu_seqlens_q, cu_seqlens_k, *mod_tensors)
     ctx.spec, ctx.seed, ctx.offset, ctx.max_seqlens = spec, seed, offset, (max_q, max_k)
     ctx.mod_scalars, ctx.input_count = list(mods[MOD_SLOTS:]), len(inputs)
-    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)   # (an output that did not reach the loss: None, not a zero tensor)
 
 
 def _backward_rule(ctx, grad_o, grad_lse):
-    # Gradients through the LSE output are not supported (it is returned for inspection only).
     q, k, v, o, lse, kv_lengths, block_mask, seed_tensor, cu_seqlens_q, cu_seqlens_k, *mod_tensors = ctx.saved_tensors
-    arguments = (q, k, v, o, lse, _grad(grad_o), ctx.spec, kv_lengths, block_mask, ctx.seed, ctx.offset, seed_tensor,
+    if grad_o is None and grad_lse is None:
+        return (None,) * ctx.input_count
+    grad_o, grad_lse = _grads_of_outputs(o, grad_o, grad_lse)
+    arguments = (q, k, v, o, lse, grad_o, grad_lse, ctx.spec, kv_lengths, block_mask, ctx.seed, ctx.offset, seed_tensor,
                  cu_seqlens_q, cu_seqlens_k, *ctx.max_seqlens, *mod_tensors, *ctx.mod_scalars)
     # mod_tensor n is the op's input MOD_TENSOR_INPUT + n; only score_mod's inputs with a derivative can want one
     needs = ctx.needs_input_grad
@@ -382,24 +396,25 @@ class _EagerAttention(torch.autograd.Function):
         # torch's "modified by an inplace operation" error, not a backward with another mask
         seed = runtime_kwargs.get("seed")
         ctx.save_for_backward(q, k, v, o, lse, seed if isinstance(seed, torch.Tensor) else None)
-        ctx.mark_non_differentiable(lse)
-        # lse takes no gradient: no zero tensor made (and filled on the GPU) for it at every backward
+        # an output that did not reach the loss (lse, as a rule) gets None, not a zero tensor made (and filled on
+        # the GPU) at every backward
         ctx.set_materialize_grads(False)
         return o, lse
 
     @staticmethod
     def backward(ctx, grad_o, grad_lse):
-        if grad_o is None:   # (not materialized: o did not reach the loss)
+        if grad_o is None and grad_lse is None:
             return (None,) * (6 + len(ctx.grad_input_dtypes))
         q, k, v, o, lse, seed = ctx.saved_tensors
         kwargs = ctx.runtime_kwargs if seed is None else {**ctx.runtime_kwargs, "seed": seed}
+        grad_o, d_lse = _grads_of_outputs(o, grad_o, grad_lse)
         if not ctx.grad_input_names:
             if ctx.forward_key is not None:   # (the cheap route on autograd's thread: see Kernel.backward_after)
-                dq, dk, dv = ctx.kernel.backward_after(ctx.forward_key, q, k, v, o, lse, _grad(grad_o), **kwargs)
+                dq, dk, dv = ctx.kernel.backward_after(ctx.forward_key, q, k, v, o, lse, grad_o, d_lse=d_lse, **kwargs)
             else:
-                dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), **kwargs)
+                dq, dk, dv = ctx.kernel.backward(q, k, v, o, lse, grad_o, d_lse=d_lse, **kwargs)
             return dq, dk, dv, None, None, None
-        dq, dk, dv, grads = ctx.kernel.backward(q, k, v, o, lse, _grad(grad_o), input_grads=True, **kwargs)
+        dq, dk, dv, grads = ctx.kernel.backward(q, k, v, o, lse, grad_o, input_grads=True, d_lse=d_lse, **kwargs)
         return (dq, dk, dv, None, None, None,
                 *(grads[name].to(dtype) for name, dtype in zip(ctx.grad_input_names, ctx.grad_input_dtypes)))
 

@@ -21,7 +21,7 @@ struct AttentionArgs {
   void* dk;
   void* dv;
   float* dq_accum;       // fp32 (batch, heads, seq_q, head_dim), cleared by the _delta kernel; atomics target
-  float* delta;          // D_i = rowsum(dO_i * O_i), (batch, heads, seq_q)
+  float* delta;          // D_i = rowsum(dO_i * O_i) (less d_lse_i, below), (batch, heads, seq_q)
   float* o_accum;        // fa1: O in HBM between (i, j) steps, fp32 (batch, heads, seq_q, head_dim)
   float* row_max;        // fa1: m in HBM, log2 domain
   float* row_sum;        // fa1: l in HBM
@@ -82,6 +82,10 @@ struct AttentionArgs {
   // head) pairs and each block walks the fold_heads (= kv_group) query heads of its group in turn, writing dK, dV
   // to the K/V head's rows itself (no workspace, no _kv_group_sum). 0 or 1: one query head per block.
   long long fold_heads;
+  // The backward's dL/d lse, laid out as lse, where the caller's loss reads the forward's lse (a merge of
+  // partial attentions, a sink logit): it adds dlse_i * P_ij to dS_ij, which is D_i - dlse_i in place of D_i
+  // (the _delta kernel subtracts it). nullptr: lse was not used.
+  const float* d_lse;
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -751,7 +755,7 @@ __device__ __forceinline__ void delta_rows_at_width(const AttentionArgs& args) {
         const float total = lanes_sum<LANES>(acc);
         acc = 0.f;
         if (!valid) return;
-        if (threadIdx.x % LANES == 0) args.delta[row] = total;
+        if (threadIdx.x % LANES == 0) args.delta[row] = args.d_lse == nullptr ? total : total - args.d_lse[row];
         if (args.dq_accum == nullptr) return;
         float* accum = args.dq_accum + row * HEAD_DIM;
         if (HEAD_DIM % 4 == 0)   // rows of whole float4s (every tensor-core plan); the SIMT plans' odd d one by one

@@ -73,7 +73,7 @@ def check_padded(kernel, q, k, v, do, **call):
             assert relative(got, expected) < 1e-2
 
 
-def check_packed(kernel, q, k, v, do, cu, longest):
+def check_packed(kernel, q, k, v, do, cu, longest, before_each_call=lambda: None):
     """A packed batch, offsets on the GPU: its fast paths fill o, lse and the gradients by cuMemset."""
     from fagen import reference
 
@@ -82,11 +82,14 @@ def check_packed(kernel, q, k, v, do, cu, longest):
     want_grads = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), cu64, cu64, PACKED, o=want_o)
     call = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=longest, max_seqlen_k=longest)
     for _ in range(2):
+        before_each_call()
         o, lse = kernel.forward(q, k, v, **call)
+        before_each_call()
         grads = kernel.backward(q, k, v, o, lse, do, **call)
         torch.cuda.synchronize(q.device)
         for got, expected in zip((o, *grads), (want_o, *want_grads)):
             assert relative(got, expected) < 1e-2
+        del o, lse, grads
 
 
 @pytest.fixture(scope="module")
@@ -97,21 +100,43 @@ def kernels():
     return compile(PADDED), compile(PACKED)
 
 
-def test_calls_from_a_thread_with_no_context(kernels):
+def test_calls_from_a_thread_with_no_context(kernels, monkeypatch):
     """A thread whose driver has no current context (autograd's device threads start so): the calls bind the
-    device's primary context themselves, full and fast paths, launches and memsets."""
+    device's primary context themselves. The context is unbound before every call, full path then fast path,
+    padded and packed (whose fast paths fill by cuMemset); enter_device is watched to see that it did meet a
+    thread without one (torch's own runtime calls, an allocation that misses its cache, may bind one first)."""
     from fagen import cuda_driver as driver
 
     padded, packed = kernels
-    inputs = padded_case("cuda:0", 1), packed_case("cuda:0", 2)
+    seen = []
+    real_enter = driver.enter_device
+
+    def watched(device):
+        seen.append(driver.current_device())
+        return real_enter(device)
+
+    monkeypatch.setattr(driver, "enter_device", watched)
     errors = []
+
+    def unbind():
+        driver.check(driver._load().cuCtxSetCurrent(None), "unbinding the thread's context")
+        assert driver.current_device() is None
 
     def run():
         try:
-            for case, check, kernel in zip(inputs, (check_padded, check_packed), (padded, packed)):
-                driver.check(driver._load().cuCtxSetCurrent(None), "unbinding the thread's context")
-                assert driver.current_device() is None
-                check(kernel, *case)
+            q, k, v, do = padded_case("cuda:0", 1)
+            want = padded_reference(q, k, v, do)
+            for _ in range(2):   # the full path, then the remembered one
+                unbind()
+                o, lse = padded.forward(q, k, v)
+                unbind()
+                grads = padded.backward(q, k, v, o, lse, do)
+                torch.cuda.synchronize()
+                for got, expected in zip((o, *grads), want):
+                    assert relative(got, expected) < 1e-2
+                del o, lse, grads
+            q, k, v, do, cu, longest = packed_case("cuda:0", 2)
+            check_packed(packed, q, k, v, do, cu, longest, before_each_call=unbind)
             assert driver.current_device() == 0
         except BaseException as err:   # (reported on the test's thread)
             errors.append(err)
@@ -121,6 +146,7 @@ def test_calls_from_a_thread_with_no_context(kernels):
     thread.join()
     if errors:
         raise errors[0]
+    assert None in seen, "no launch or memset met a thread without a context"
 
 
 @two_gpus()

@@ -283,3 +283,29 @@ def test_fills_of_torch_tensors_run_on_the_given_stream_or_torchs_current_one(mo
     assert runtime._filled(tensor, None, zero=True) is tensor
     runtime._filled(tensor, None)   # nothing to fill
     assert calls == [(4096, 12, 77), (4096, 12, 1003)]
+
+
+def test_kernel_functions_are_looked_up_in_the_devices_context(monkeypatch):
+    """Kernel._module_functions: the modules are loaded and their functions looked up (cuModuleGetFunction, the
+    shared-memory attribute) inside driver.on_device, the functions belonging to the module's context. No GPU:
+    stand-ins for the driver calls."""
+    import contextlib
+    from types import SimpleNamespace
+
+    from fagen import cuda_driver as driver
+    from fagen import runtime
+
+    events = []
+
+    @contextlib.contextmanager
+    def on_device(device):
+        events.append(("enter", device))
+        yield
+        events.append(("leave", device))
+
+    monkeypatch.setattr(driver, "on_device", on_device)
+    monkeypatch.setattr(driver, "load_module", lambda cubin: events.append(("load", cubin)) or 7)
+    monkeypatch.setattr(driver, "get_function", lambda module, symbol, smem: events.append(("get", symbol, smem)) or 9)
+    kernel = SimpleNamespace(plans={"backward": SimpleNamespace(symbols=("main", "main_delta"), smem_bytes=99000)})
+    assert runtime.Kernel._module_functions(kernel, 1, {"backward": b"cubin"}) == {"main": 9, "main_delta": 9}
+    assert events == [("enter", 1), ("load", b"cubin"), ("get", "main", 99000), ("get", "main_delta", 0), ("leave", 1)]

@@ -590,3 +590,118 @@ def test_autograd_backward_keyed_by_its_forward_follows_new_grad_layouts():
     assert entries[1] == entries[0], "the second dense call reused it"
     strides = {entry[1] for entry in entries[3].values()}
     assert (n * heads * d, d, heads * d, 1) in strides, "other dO strides: a new entry, not the dense one"
+
+
+LSE_SPECS = {"wgmma": {"head_dim": 64, "dtype": "bf16", "mask": "causal"},
+             "mma-sync-gqa": {"head_dim": 128, "dtype": "fp16", "mask": "causal", "arch": "sm_80"},
+             "simt-odd-d": {"head_dim": 59, "dtype": "fp32", "mask": "none"},
+             "window-gqa": {"head_dim": 96, "dtype": "bf16", "mask": "sliding_window", "window": 50}}
+
+
+def grad_error(got, want, wants) -> float:
+    """rel(got, want), or where want is exactly 0 (dV of a loss that reads lse alone, which does not depend on V)
+    got's norm against the largest of the reference gradients'."""
+    scale = want.norm().item() or max(w.norm().item() for w in wants)
+    assert not got.double().isnan().any(), "NaN in a gradient"
+    return ((got.double() - want).norm() / scale).item()
+
+
+def _lse_reference(q, k, v, spec, w_o, w_lse, sink=None):
+    """float64: o, lse of softmax(scale QKᵀ) V (K/V heads repeated for their query heads) and the gradients of
+    sum(o' * w_o) + sum(lse * w_lse), o' = o * sigmoid(lse - sink[h]) where a sink logit is given (gpt-oss)."""
+    torch = _torch()
+    leaves = [t.detach().double().requires_grad_() for t in (q, k, v)]
+    group = q.shape[1] // k.shape[1]
+    kk, vv = (t.repeat_interleave(group, 1) for t in leaves[1:])
+    s = (leaves[0] @ kk.transpose(-1, -2)) * spec.scale
+    n, m = s.shape[-2:]
+    visible = torch.ones(n, m, dtype=torch.bool, device=q.device)
+    if spec.mask in ("causal", "sliding_window"):
+        visible = visible.tril(m - n)
+    if spec.mask == "sliding_window":
+        visible &= ~torch.ones(n, m, dtype=torch.bool, device=q.device).tril(m - n - spec.window)
+    s = s.masked_fill(~visible, float("-inf"))
+    lse = torch.logsumexp(s, -1)
+    o = torch.softmax(s, -1) @ vv
+    if sink is not None:
+        sink = sink.detach().double().requires_grad_()
+        leaves.append(sink)
+        o = o * torch.sigmoid(lse - sink[None, :, None])[..., None]
+    loss = (o * w_o.double()).sum() + (lse * w_lse.double()).sum()
+    return o, lse, torch.autograd.grad(loss, leaves)
+
+
+@pytest.mark.parametrize("route", ["eager", "op"])
+@pytest.mark.parametrize("name", list(LSE_SPECS))
+def test_gradients_flow_through_lse(name, route, monkeypatch):
+    """fagen.attention(..., return_lse=True) with a loss that reads lse as well as o: dq, dk, dv against float64
+    autograd through both outputs, twice (the second call on the remembered launch with its d_lse slot), then a
+    call whose loss reads o alone on the same shapes (a launch without d_lse), and lse alone (dO zeros)."""
+    torch = _torch()
+    import fagen
+    import fagen.torch as fagen_torch
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", route == "eager")
+    spec = fagen.Spec(**LSE_SPECS[name])
+    kv_heads = 2 if "gqa" in name else 4
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.dtype]
+    for call, reads in enumerate(("both", "both", "o", "lse")):
+        generator = torch.Generator(device="cuda").manual_seed(call)
+        make = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype, generator=generator)  # noqa: E731
+        q, k, v = make(2, 4, 130, spec.head_dim), make(2, kv_heads, 130, spec.head_dim), make(2, kv_heads, 130, spec.head_dim)
+        w_o = make(*q.shape) if reads != "lse" else torch.zeros_like(q)
+        w_lse = torch.randn(2, 4, 130, device="cuda", generator=generator) if reads != "o" else torch.zeros(2, 4, 130, device="cuda")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = fagen.attention(*leaves, spec, return_lse=True)
+        loss = {"both": (o.float() * w_o.float()).sum() + (lse * w_lse).sum(), "o": (o.float() * w_o.float()).sum(),
+                "lse": (lse * w_lse).sum()}[reads]
+        got = torch.autograd.grad(loss, leaves)
+        want_o, want_lse, want = _lse_reference(q, k, v, spec, w_o, w_lse)
+        assert rel(lse, want_lse) < 1e-3
+        for grad_name, g, w in zip(("dq", "dk", "dv"), got, want):
+            error = grad_error(g, w, want)
+            assert error < 1e-2, (call, reads, grad_name, error)
+
+
+def test_a_sink_logit_through_lse_gives_gpt_oss_attention_and_its_gradients():
+    """gpt-oss's attention sinks (a learned logit per head in the softmax's denominator, with no value) from
+    fagen's o and lse alone: o * sigmoid(lse - sink[h]). Forward and the gradients of q, k, v and the sinks
+    against float64 autograd; the packed layout too."""
+    torch = _torch()
+    import fagen
+
+    spec = fagen.Spec(head_dim=64, dtype="bf16", mask="sliding_window", window=48)
+    generator = torch.Generator(device="cuda").manual_seed(11)
+    make = lambda *shape: torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=generator)  # noqa: E731
+    q, k, v = make(2, 8, 200, 64), make(2, 2, 200, 64), make(2, 2, 200, 64)
+    sink = torch.randn(8, device="cuda", generator=generator)
+    w_o = make(*q.shape)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [sink.clone().requires_grad_()]
+    o, lse = fagen.attention(*leaves[:3], spec, return_lse=True)
+    sunk = o.float() * torch.sigmoid(lse - leaves[3][None, :, None])[..., None]
+    got = torch.autograd.grad((sunk * w_o.float()).sum(), leaves)
+    want_o, _, want = _lse_reference(q, k, v, spec, w_o, torch.zeros(2, 8, 200, device="cuda"), sink=sink)
+    assert rel(sunk, want_o) < 1e-2
+    for grad_name, g, w in zip(("dq", "dk", "dv", "dsink"), got, want):
+        assert rel(g, w) < 1e-2, grad_name
+
+    packed = fagen.Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed")
+    lengths = [70, 0, 130]
+    cu = torch.tensor([0, 70, 70, 200], dtype=torch.int32, device="cuda")
+    qp, kp, vp = make(200, 4, 64), make(200, 2, 64), make(200, 2, 64)
+    w_lse = torch.randn(4, 200, device="cuda", generator=generator)
+    leaves = [t.clone().requires_grad_() for t in (qp, kp, vp)]
+    for _ in range(2):   # (twice: a packed backward with d_lse takes the full path each time, fresh checks)
+        o, lse = fagen.attention(*leaves, packed, return_lse=True, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=130,
+                                 max_seqlen_k=130)
+        got = torch.autograd.grad((lse * w_lse).sum(), leaves)
+        start = 0
+        for length in lengths:   # each sequence alone, as a batch of one
+            rows = slice(start, start + length)
+            start += length
+            if not length:
+                continue
+            as_batch = [t[rows].transpose(0, 1)[None] for t in (qp, kp, vp)]
+            _, _, want = _lse_reference(*as_batch, packed, torch.zeros_like(as_batch[0]), w_lse[:, rows][None])
+            for grad_name, g, w in zip(("dq", "dk", "dv"), got, want):
+                assert grad_error(g[rows].transpose(0, 1)[None], w, want) < 1e-2, (length, grad_name)

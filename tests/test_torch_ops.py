@@ -53,7 +53,7 @@ def _reference_forward(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, 
     return (torch.softmax(s, -1) @ v.double()).to(q.dtype), torch.logsumexp(s, -1).float()
 
 
-def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
+def _reference_backward(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
                         seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1,
                         *mod_slots):
     SEEDS_SEEN.append(("backward", seed, seed_tensor))
@@ -61,17 +61,22 @@ def _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_ma
     if parsed.modifiers.active:
         from fagen import reference
 
+        if grad_lse is not None and bool(grad_lse.any()):
+            raise NotImplementedError("this test's reference backward with a mask_mod / score_mod has no lse gradient")
+
         grads = reference.attention_backward(*(t.detach().double().numpy() for t in (q, k, v, grad_o)), parsed,
                                              inputs=_mod_inputs(parsed, mod_slots))
         return tuple(torch.from_numpy(g).to(q.dtype) for g in grads)
     with torch.enable_grad():
         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-        out, _ = _reference_forward(*leaves, spec)
-        return torch.autograd.grad(out, leaves, grad_o)
+        out, lse_out = _reference_forward(*leaves, spec)
+        if grad_lse is None:
+            return torch.autograd.grad(out, leaves, grad_o)
+        return torch.autograd.grad((out, lse_out), leaves, (grad_o, grad_lse))
 
 
-def _reference_backward_input_grads(q, k, v, o, lse, grad_o, spec, kv_lengths=None, block_mask=None, seed=0, offset=0,
-                                    seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
+def _reference_backward_input_grads(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, block_mask=None, seed=0,
+                                    offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1,
                                     max_seqlen_k=-1, *mod_slots):
     """The input-gradient op in float64: dq, dk, dv and one gradient per mod_tensor slot (empty where the slot
     has no derivative), from fagen/reference.py's score_input_grads."""
@@ -79,7 +84,7 @@ def _reference_backward_input_grads(q, k, v, o, lse, grad_o, spec, kv_lengths=No
 
     SEEDS_SEEN.append(("backward_input_grads", seed, seed_tensor))
     parsed = spec_from_dict(json.loads(spec))
-    dq, dk, dv = _reference_backward(q, k, v, o, lse, grad_o, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
+    dq, dk, dv = _reference_backward(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths, block_mask, seed, offset, seed_tensor,
                                      cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *mod_slots)
     SEEDS_SEEN.pop()
     grads = reference.score_input_grads(*(t.detach().double().numpy() for t in (q, k, v, grad_o)), parsed,
@@ -163,14 +168,25 @@ def test_compiled_function_follows_a_new_spec_object():
         torch.testing.assert_close(compiled(q, k, v, spec), want)
 
 
-def test_the_op_alone_is_differentiable_and_lse_is_not():
+def test_the_op_alone_is_differentiable_lse_included():
+    """The op's autograd rule hands the backward op the gradients of both outputs: o's alone, lse's alone (dO is
+    then zeros) and both, against autograd through the reference's own o and lse."""
     q, k, v = _inputs()
+    weights = torch.randn(2, 3, 19)
+
+    def losses(o, lse):
+        return {"o": o.square().sum(), "lse": (lse * weights).sum(), "both": o.square().sum() + (lse * weights).sum()}
+
     o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC.canonical_json())
-    assert o.requires_grad and not lse.requires_grad
-    got = torch.autograd.grad(o.square().sum(), (q, k, v))
-    want = _grads(lambda *t: _reference_forward(*t, SPEC.canonical_json())[0], q, k, v)[1:]
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w)
+    assert o.requires_grad and lse.requires_grad
+    for name in ("o", "lse", "both"):
+        o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC.canonical_json())
+        got = torch.autograd.grad(losses(o, lse)[name], (q, k, v))
+        # (lse alone does not depend on v: its gradient is None there, 0 from the op)
+        want = torch.autograd.grad(losses(*_reference_forward(q, k, v, SPEC.canonical_json()))[name], (q, k, v),
+                                   allow_unused=True)
+        for g, w, t in zip(got, want, (q, k, v)):
+            torch.testing.assert_close(g, torch.zeros_like(t) if w is None else w)
 
 
 def test_fake_tensors_get_the_kernels_shapes():
@@ -180,7 +196,7 @@ def test_fake_tensors_get_the_kernels_shapes():
         q = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 4, 9, 64, dtype=torch.bfloat16, device="cuda")
         o, lse = torch.ops.fagen.attention_forward(q, k, k, '{"head_dim": 64}')
-        dq, dk, dv = torch.ops.fagen.attention_backward(q, k, k, o, lse, o, '{"head_dim": 64}')
+        dq, dk, dv = torch.ops.fagen.attention_backward(q, k, k, o, lse, o, None, '{"head_dim": 64}')
     assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
@@ -194,7 +210,7 @@ def test_fake_outputs_keep_the_layout_of_heads_interleaved_inputs():
     with FakeTensorMode():
         q = torch.empty(2, 7, 4, 64, dtype=torch.bfloat16, device="cuda").transpose(1, 2)
         o, lse = torch.ops.fagen.attention_forward(q, q, q, '{"head_dim": 64}')
-        dq, _, _ = torch.ops.fagen.attention_backward(q, q, q, o, lse, o, '{"head_dim": 64}')
+        dq, _, _ = torch.ops.fagen.attention_backward(q, q, q, o, lse, o, lse, '{"head_dim": 64}')
     assert o.stride() == q.stride() == dq.stride() and o.transpose(1, 2).is_contiguous()
     assert lse.is_contiguous()
 
