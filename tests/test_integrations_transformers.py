@@ -39,13 +39,13 @@ def calls(monkeypatch):
     """fagen attention on the CPU through the reference below; every call recorded."""
     recorded = Calls()
 
-    def reference(q, k, v, spec, *, seed=0, offset=0, inputs=None):
+    def reference(q, k, v, spec, *, seed=0, offset=0, inputs=None, return_lse=False):
         assert isinstance(spec, str), "the integration passes the spec as a JSON string (torch.compile folds it)"
         fields = json.loads(spec)
         spec_from_dict(fields)  # a valid fagen spec, or this raises
         recorded.append({"spec": fields, "q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape),
-                         "seed": seed, "offset": offset, "inputs": inputs})
-        return reference_attention(q, k, v, fields, inputs)
+                         "seed": seed, "offset": offset, "inputs": inputs, "return_lse": return_lse})
+        return reference_attention(q, k, v, fields, inputs, return_lse)
 
     fagen_hf.register()
     fagen_hf.reset_fallbacks()
@@ -55,9 +55,10 @@ def calls(monkeypatch):
     fagen_hf.reset_fallbacks()
 
 
-def reference_attention(q, k, v, fields, inputs=None):
+def reference_attention(q, k, v, fields, inputs=None, return_lse=False):
     """softmax(scale * Q K^T + mask) V in float64, with fagen's masks (bottom-right aligned) and the
-    packed-sequence mask_mod the integration uses (doc[b, i] == doc[b, j])."""
+    packed-sequence mask_mod the integration uses (doc[b, i] == doc[b, j]); with return_lse, (o, lse) as
+    fagen.attention returns them (lse float32, differentiable)."""
     q64, k64, v64 = q.double(), k.double(), v.double()
     group = q.shape[1] // k.shape[1]   # grouped KV heads: fagen takes k, v with their own head count
     k64, v64 = k64.repeat_interleave(group, dim=1), v64.repeat_interleave(group, dim=1)
@@ -76,7 +77,8 @@ def reference_attention(q, k, v, fields, inputs=None):
         doc = inputs["doc"]
         visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
     scores = scores.masked_fill(~visible, float("-inf"))
-    return (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v64).to(q.dtype)
+    out = (torch.softmax(scores, dim=-1).nan_to_num(0.0) @ v64).to(q.dtype)
+    return (out, torch.logsumexp(scores, dim=-1).float()) if return_lse else out
 
 
 def tiny(config_class, **overrides):
@@ -316,11 +318,10 @@ def test_dropout_maps_to_the_spec_with_a_fresh_seed_per_call_from_torchs_generat
     ({"head_dim": 264}, "head dims"),
     ({"dtype": torch.float64}, "dtypes"),
     ({"kwargs": {"output_attentions": True}}, "output_attentions"),
-    ({"kwargs": {"s_aux": torch.zeros(2)}}, "s_aux"),
     ({"kwargs": {"position_bias": torch.zeros(1, 2, 8, 8)}}, "position_bias"),
     ({"dropout": 1.0}, "dropout"),
     ({"dropout": 1e-6}, "dropout"),   # below the 16-bit draws' resolution: it would drop nothing
-], ids=["head-dim-264", "float64", "output-attentions", "sinks", "position-bias", "dropout-1", "dropout-1e-6"])
+], ids=["head-dim-264", "float64", "output-attentions", "position-bias", "dropout-1", "dropout-1e-6"])
 def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reason):
     q, k, v = qkv(head_dim=case.get("head_dim", 32), dtype=case.get("dtype", torch.float32))
     kwargs = case.get("kwargs", {})
@@ -331,6 +332,41 @@ def test_what_fagen_cannot_express_falls_back_with_one_warning(calls, case, reas
     found = fallback_warnings(records)
     assert len(found) == 1 and reason in str(found[0].message)
     assert not calls
+
+
+def test_sinks_run_on_fagen_through_its_lse(calls):
+    """gpt-oss's s_aux (a sink logit per query head in the softmax's denominator): fagen's o and lse, then
+    o * sigmoid(lse - sink), against softmax over the scores with the sink's column appended (gpt-oss's eager
+    maths); gradients reach q, k, v and the sinks. A sinks tensor fagen cannot take (a wrong shape) falls back,
+    to the model's eager function where the module's file has one; this test module has none: an error."""
+    q, k, v = (t.requires_grad_() for t in qkv(heads=4, kv_heads=2))
+    sinks = torch.tensor([0.5, -1.0, 2.0, 0.0], requires_grad=True)
+    out, _ = fagen_hf.attention_forward(Module(groups=2), q, k, v, None, s_aux=sinks)
+    assert calls[-1]["return_lse"] and not fagen_hf.fallback_reasons()
+    scores = (q @ k.repeat_interleave(2, 1).transpose(-1, -2)) * 32 ** -0.5
+    scores = scores.masked_fill(~torch.ones(8, 8, dtype=torch.bool).tril(), float("-inf"))
+    combined = torch.cat([scores, sinks[None, :, None, None].expand(1, 4, 8, 1)], dim=-1)
+    expected = (torch.softmax(combined, -1)[..., :-1] @ v.repeat_interleave(2, 1)).transpose(1, 2)
+    assert max_error(out, expected) < TOLERANCE
+    got = torch.autograd.grad(out.square().sum(), (q, k, v, sinks))
+    want = torch.autograd.grad(expected.square().sum(), (q, k, v, sinks))
+    for g, w in zip(got, want):
+        assert max_error(g, w) < TOLERANCE
+    with pytest.raises(ValueError, match="s_aux.*eager"):
+        fagen_hf.attention_forward(Module(groups=2), q, k, v, None, s_aux=torch.zeros(3))
+
+
+def test_gpt_oss_matches_eager_forward_and_backward(calls):
+    """A tiny gpt-oss (sinks on every layer, sliding window on alternate ones, mixture of experts): logits and
+    every parameter's gradient, the sinks' included, against attn_implementation="eager"."""
+    GptOssConfig = pytest.importorskip("transformers").GptOssConfig
+    config = tiny(GptOssConfig, head_dim=32, num_local_experts=4, num_experts_per_tok=2, sliding_window=6,
+                  layer_types=["sliding_attention", "full_attention"])
+    eager, ours = model_pair(config)
+    assert_training_step_matches(eager, ours, tokens())
+    assert len(calls) == 2 and not fagen_hf.fallback_reasons()
+    assert [call["spec"]["mask"] for call in calls] == ["sliding_window", "causal"]
+    assert all(call["return_lse"] for call in calls)
 
 
 def test_neutral_keyword_arguments_stay_on_fagen(calls):

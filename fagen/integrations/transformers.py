@@ -11,6 +11,8 @@ mask interface does not know, transformers builds no mask at all, and a padding 
 without a word.
 
 Gemma-2-style logit soft-capping (`softcap`) becomes the spec's score_mod `cap * tanh(score / cap)`.
+gpt-oss's attention sinks (`s_aux`, a learned logit per head added to the softmax's denominator with no
+value) are applied to fagen's output through its LSE, which is differentiable: o * sigmoid(lse - sink).
 
 `fagen_mask` builds SDPA's boolean masks, but returns None when the mask is one fagen's kernels
 apply by themselves: no padding, the queries being the last positions of the keys (fagen aligns the
@@ -24,10 +26,13 @@ looks for packed sequences only when the model makes no KV cache: train on packe
 use_cache=False, or every attention implementation attends across the sequences' boundaries.)
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
-change the maths) goes to transformers' own SDPA path, with one warning per reason and process.
+change the maths) goes to transformers' own SDPA path, with one warning per reason and process -- except
+calls with soft-capping or sinks, which SDPA would drop without a word: those go to the model's own
+eager attention function (and where a model has none, fagen raises rather than answer wrongly).
 """
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -51,6 +56,9 @@ NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past
 _NOT_GIVEN = object()
 #: Calls with (query heads / KV heads) x Nq up to this many rows run the decode kernel (its plan's Br).
 DECODE_ROWS = 16
+#: Keyword arguments that change the maths and that transformers' SDPA path drops without a word: a call that
+#: falls back with one of them takes the model's eager attention function instead.
+SDPA_DROPS = ("softcap", "s_aux")
 
 _warned: set[str] = set()
 
@@ -84,14 +92,15 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(low), key.to(low), value.to(low)
     documents = attention_mask if _is_documents(attention_mask) else None
-    reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout, kwargs)
+    sinks = _sinks(kwargs.get("s_aux"), query)
+    reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout,
+                          kwargs if sinks is None else {name: v for name, v in kwargs.items() if name != "s_aux"})
     if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
         attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
     cap = _softcap(kwargs.get("softcap"))
-    if reason is not None and cap is not None:
-        reason += " (and transformers' SDPA ignores softcap)"
     if reason is not None:
-        return _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs)
+        return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window,
+                         kwargs)
 
     head_dim, seq_q, seq_k = query.shape[3], query.shape[2], key.shape[2]
     # Grouped KV heads go to the kernels as they are: query head h reads KV head h // (H / H_kv), which
@@ -126,8 +135,21 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
-    out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs)
+    if sinks is None:
+        out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs)
+    else:   # the sink's share of the denominator, exp(sink) / (exp(lse) + exp(sink)), taken off each row (in fp32)
+        out, lse = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs, return_lse=True)
+        out = (out.float() * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
+
+
+def _sinks(value, query):
+    """gpt-oss's sink logits (`s_aux`): a float tensor of one value per query head on the query's device, or None
+    (then `s_aux`, where given, is a keyword argument fagen does not implement)."""
+    if (isinstance(value, torch.Tensor) and value.is_floating_point() and value.shape == (query.shape[1],)
+            and value.device == query.device):
+        return value
+    return None
 
 
 def _window(module, sliding_window):
@@ -180,14 +202,29 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     return None
 
 
-def _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs):
-    """transformers' SDPA path, warned about once per reason.
+def _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs):
+    """transformers' SDPA path, or the model's eager attention where SDPA would drop one of SDPA_DROPS; warned
+    about once per reason.
 
     A None mask can mean more here than SDPA assumes: fagen_mask() also skips sliding-window masks
     and causal masks with Nq < Nk (bottom-right aligned), which SDPA's is_causal cannot express. Those
-    get their mask written out."""
-    _warn_once(reason)
+    get their mask written out (and every causal one for the eager function, which has no is_causal)."""
     seq_q, seq_k = query.shape[2], key.shape[2]
+    dropped = [name for name in SDPA_DROPS if kwargs.get(name) is not None]
+    if dropped:
+        eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+        if eager is None:
+            raise ValueError(f"fagen attention cannot run this call ({reason}), and transformers' SDPA would drop "
+                             f"{', '.join(dropped)}; {type(module).__name__}'s module has no eager_attention_forward "
+                             "to fall back on: use attn_implementation=\"eager\"")
+        _warn_once(f"{reason} (with {', '.join(dropped)}, which SDPA drops)", "the model's eager attention")
+        if attention_mask is None and is_causal:
+            attention_mask = bottom_right_mask(seq_q, seq_k, window, query.device)
+        if attention_mask is not None and attention_mask.dtype == torch.bool:   # eager adds its mask to the scores
+            attention_mask = torch.zeros(attention_mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+                ~attention_mask, torch.finfo(query.dtype).min)
+        return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+    _warn_once(reason)
     if attention_mask is None and is_causal and ((window is not None and window < seq_k)
                                                  or 1 < seq_q != seq_k):
         attention_mask = bottom_right_mask(seq_q, seq_k, window, query.device)
@@ -195,10 +232,10 @@ def _sdpa(reason, module, query, key, value, attention_mask, dropout, scaling, i
                                   is_causal=is_causal, **kwargs)
 
 
-def _warn(reason: str) -> bool:
+def _warn(reason: str, instead: str = "transformers' SDPA") -> bool:
     if reason not in _warned:
         _warned.add(reason)
-        warnings.warn(f"fagen attention: using transformers' SDPA instead: {reason}", stacklevel=4)
+        warnings.warn(f"fagen attention: using {instead} instead: {reason}", stacklevel=4)
     return True
 
 
