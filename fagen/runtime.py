@@ -926,12 +926,8 @@ class Kernel:
                 functions: Optional[dict] = None):
         functions = functions or self._functions.get(device) or self._load(device)
         # (in the device's context: the thread's may be another GPU's, or none on autograd's thread)
-        previous = driver.enter_device(device)
-        try:
+        with driver.on_device(device):
             driver.launch(functions[symbol], grid, threads, smem, stream, arguments, symbol)
-        finally:
-            if previous:   # (the caller's context, on another device)
-                driver.leave_device(previous)
 
     @staticmethod
     def _finish(symbol: str, device: int):

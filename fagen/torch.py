@@ -382,6 +382,35 @@ _input_names = compile_constant(_declared_inputs)
 
 
 # ---- eager fast path -------------------------------------------------------------------------
+_RUNTIME_TENSOR_ARGUMENTS = ("seed", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k")
+
+
+def _runtime_tensor_places(kwargs: dict) -> tuple:
+    """Where the torch tensors among a call's run-time keywords sit: a keyword's name, or ("inputs", name) for a
+    mask_mod / score_mod input."""
+    places = tuple(name for name in _RUNTIME_TENSOR_ARGUMENTS if isinstance(kwargs.get(name), torch.Tensor))
+    inputs = kwargs.get("inputs")
+    if inputs:
+        places += tuple(("inputs", name) for name, value in inputs.items() if isinstance(value, torch.Tensor))
+    return places
+
+
+def _place_value(kwargs: dict, place):
+    return kwargs["inputs"][place[1]] if isinstance(place, tuple) else kwargs[place]
+
+
+def _with_places(kwargs: dict, places: tuple, tensors: list) -> dict:
+    """`kwargs` with the tensors at `places` replaced by `tensors` (as autograd unpacked them: checked against
+    in-place changes since the forward)."""
+    if not places:
+        return kwargs
+    kwargs = dict(kwargs)
+    for place, tensor in zip(places, tensors):
+        if isinstance(place, tuple):
+            kwargs["inputs"] = {**kwargs["inputs"], place[1]: tensor}
+        else:
+            kwargs[place] = tensor
+    return kwargs
 class _EagerAttention(torch.autograd.Function):
     """The same kernels as the ops, without the dispatcher round trip (eager calls only)."""
 
@@ -392,10 +421,11 @@ class _EagerAttention(torch.autograd.Function):
         o, lse, ctx.forward_key = kernel.forward_keyed(q, k, v, **runtime_kwargs)
         ctx.kernel, ctx.runtime_kwargs, ctx.grad_input_names = kernel, runtime_kwargs, grad_input_names
         ctx.grad_input_dtypes = [t.dtype for t in grad_inputs]
-        # a seed tensor is saved like the inputs, so that changing it in place before the backward is
-        # torch's "modified by an inplace operation" error, not a backward with another mask
-        seed = runtime_kwargs.get("seed")
-        ctx.save_for_backward(q, k, v, o, lse, seed if isinstance(seed, torch.Tensor) else None)
+        # the run-time tensors (a seed, kv_lengths, block_mask, cu_seqlens, mask_mod / score_mod inputs) are saved
+        # like q, k, v, so that changing one in place before the backward is torch's "modified by an inplace
+        # operation" error, not a backward of other offsets or another mask (the ops save them too)
+        ctx.runtime_tensors = _runtime_tensor_places(runtime_kwargs)
+        ctx.save_for_backward(q, k, v, o, lse, *(_place_value(runtime_kwargs, place) for place in ctx.runtime_tensors))
         # an output that did not reach the loss (lse, as a rule) gets None, not a zero tensor made (and filled on
         # the GPU) at every backward
         ctx.set_materialize_grads(False)
@@ -405,8 +435,8 @@ class _EagerAttention(torch.autograd.Function):
     def backward(ctx, grad_o, grad_lse):
         if grad_o is None and grad_lse is None:
             return (None,) * (6 + len(ctx.grad_input_dtypes))
-        q, k, v, o, lse, seed = ctx.saved_tensors
-        kwargs = ctx.runtime_kwargs if seed is None else {**ctx.runtime_kwargs, "seed": seed}
+        q, k, v, o, lse, *runtime_tensors = ctx.saved_tensors
+        kwargs = _with_places(ctx.runtime_kwargs, ctx.runtime_tensors, runtime_tensors)
         grad_o, d_lse = _grads_of_outputs(o, grad_o, grad_lse)
         if not ctx.grad_input_names:
             if ctx.forward_key is not None:   # (the cheap route on autograd's thread: see Kernel.backward_after)

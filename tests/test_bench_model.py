@@ -94,6 +94,9 @@ def test_rows_compute_speedups_loss_differences_and_targets():
     assert fast.target == 1.0 and slow.target == 1.05
     assert slow.speedup("sdpa") is None and slow.loss_difference("flash") == pytest.approx(0.1)
     assert fake_report().overhead[0].ratio == pytest.approx(1.5) and fake_report().overhead[1].ratio is None
+    # rounds timed in pairs: the median of the pairs' ratios, not the ratio of the medians (2.0 / 1.0 here)
+    paired = OverheadRow("forward", False, us={"fagen": 2.0, "sdpa": 1.0}, round_ratios=[1.2, 2.5, 1.4])
+    assert paired.ratio == pytest.approx(1.4) and paired.to_dict()["fagen_over_sdpa"] == pytest.approx(1.4)
     # packed rows: held to SDPA with the packed mask (flash takes no mask) and to Flex; no issue target
     assert packed.impls == ("fagen", "sdpa", "flex") and packed.target is None
     assert packed.speedup("sdpa") == pytest.approx(1.5) and packed.speedup("flex") == pytest.approx(1.2)
@@ -120,7 +123,8 @@ def test_tables_and_json(tmp_path):
     assert third["target"] is None and third["packing_check"]["unpacked_vs_sdpa"] == 2.5
     assert "packing_check" not in first
     assert data["overhead"][0] == {"mode": "forward", "compiled": False, "fagen_us": 30.0, "sdpa_us": 20.0,
-                                   "fagen_over_sdpa": 1.5, "target": 2.0, "fagen_note": "", "sdpa_note": ""}
+                                   "fagen_over_sdpa": 1.5, "round_ratios": [], "target": 2.0, "fagen_note": "",
+                                   "sdpa_note": ""}
 
 
 def _run(*args):

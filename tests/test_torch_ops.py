@@ -523,6 +523,46 @@ def test_the_eager_path_saves_a_seed_tensor_for_the_backward():
     assert seen[-1] == ("backward", 3)
 
 
+@pytest.mark.parametrize("place", ["kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "inputs"])
+def test_the_eager_path_saves_every_run_time_tensor_for_the_backward(place):
+    """kv_lengths, block_mask, cu_seqlens and mask_mod / score_mod inputs are saved like the seed tensor: the
+    backward gets the forward's tensors (unpacked by autograd, not just the kwargs dict's references), and one
+    changed in place in between -- a packing buffer refilled for the next micro-batch before this one's backward
+    -- is torch's in-place error, not a backward of other offsets. (The ops save them in _setup_context.)"""
+    seen = []
+
+    class Kernel(_StandInKernel):
+        def forward(self, q, k, v, **kwargs):
+            return q.clone(), q.new_zeros(q.shape[:3])
+
+        def backward(self, q, k, v, o, lse, do, **kwargs):
+            seen.append(kwargs)
+            return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    def runtime_kwargs():
+        tensor = torch.tensor([0, 5, 19], dtype=torch.int32)
+        kwargs = {"seed": 0, "offset": 0, "kv_lengths": None, "block_mask": None}
+        if place == "inputs":
+            kwargs["inputs"] = {"documents": tensor, "window": 3.0}
+        else:
+            kwargs[place] = tensor
+        return kwargs, tensor
+
+    q, k, v = _inputs()
+    kwargs, tensor = runtime_kwargs()
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+    o.sum().backward()
+    got = seen[-1]["inputs"] if place == "inputs" else seen[-1]
+    assert torch.equal(got["documents" if place == "inputs" else place], tensor)
+    if place == "inputs":
+        assert got["window"] == 3.0
+    kwargs, tensor = runtime_kwargs()
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+    tensor[1] = 7
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        o.sum().backward()
+
+
 def test_the_cuda_kernel_of_the_forward_op_restores_what_the_dispatcher_dropped(monkeypatch):
     """The dispatcher drops trailing arguments equal to their defaults before it calls the op's CUDA kernel in
     Python. A call with none left goes straight to Kernel.forward; but a spec that declares inputs gets them back

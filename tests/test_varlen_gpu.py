@@ -347,6 +347,41 @@ def test_packed_autograd_backward_is_keyed_by_its_forward(monkeypatch):
     assert any(key[0] == "packed" for key in kernel._fast_backward_after)
 
 
+@pytest.mark.parametrize("eager", [True, False], ids=["eager", "ops"])
+def test_offsets_refilled_before_the_backward_are_an_error_not_other_gradients(eager, monkeypatch):
+    """A packing buffer refilled in place for the next micro-batch before this one's backward: the backward would
+    read the new offsets with the old activations. Both routes (the eager autograd.Function and the ops) save
+    cu_seqlens for the backward, so this is torch's in-place error; a buffer left alone still gives the
+    reference's gradients."""
+    import torch
+
+    import fagen
+    import fagen.torch as fagen_torch
+    from fagen import reference
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", eager)
+    spec = SPECS[0]
+    lengths = [60, 0, 77, 3]
+    as64 = lambda t: t.detach().double().cpu().numpy()  # noqa: E731
+    for refill in (True, False):
+        q, k, v, (cu, _) = _packed_inputs(lengths, lengths, seed=41)
+        for t in (q, k, v):
+            t.requires_grad_(True)
+        o = fagen.attention(q, k, v, spec, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=77, max_seqlen_k=77)
+        do = torch.randn_like(o)
+        if refill:
+            cu.copy_(torch.tensor([0, 70, 70, 137, 140], dtype=torch.int32, device="cuda"))
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                o.backward(do)
+            continue
+        o.backward(do)
+        cu64 = cu.cpu().numpy()
+        want_o, _ = reference.packed_forward(as64(q), as64(k), as64(v), cu64, cu64, spec)
+        want = reference.packed_backward(as64(q), as64(k), as64(v), as64(do), cu64, cu64, spec, o=want_o)
+        for got, ref in zip((q.grad, k.grad, v.grad), want):
+            assert np.linalg.norm(as64(got) - ref) / np.linalg.norm(ref) < 1e-2
+
+
 PACKED_FOLD_CASES = [(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 2),
                      (Spec(head_dim=64, dtype="fp16", mask="none", layout="packed"), 1),            # MQA
                      (Spec(head_dim=96, dtype="bf16", mask="sliding_window", window=70, layout="packed"), 2),
