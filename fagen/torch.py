@@ -411,6 +411,8 @@ def _with_places(kwargs: dict, places: tuple, tensors: list) -> dict:
         else:
             kwargs[place] = tensor
     return kwargs
+
+
 class _EagerAttention(torch.autograd.Function):
     """The same kernels as the ops, without the dispatcher round trip (eager calls only)."""
 
@@ -424,8 +426,10 @@ class _EagerAttention(torch.autograd.Function):
         # the run-time tensors (a seed, kv_lengths, block_mask, cu_seqlens, mask_mod / score_mod inputs) are saved
         # like q, k, v, so that changing one in place before the backward is torch's "modified by an inplace
         # operation" error, not a backward of other offsets or another mask (the ops save them too)
-        ctx.runtime_tensors = _runtime_tensor_places(runtime_kwargs)
-        ctx.save_for_backward(q, k, v, o, lse, *(_place_value(runtime_kwargs, place) for place in ctx.runtime_tensors))
+        places = ctx.runtime_tensors = _runtime_tensor_places(runtime_kwargs)
+        ctx.save_for_backward(q, k, v, o, lse, *(_place_value(runtime_kwargs, place) for place in places))
+        if places:   # (held once, by autograd: saved-tensor hooks, e.g. offloading, then see them all)
+            ctx.runtime_kwargs = _with_places(runtime_kwargs, places, [None] * len(places))
         # an output that did not reach the loss (lse, as a rule) gets None, not a zero tensor made (and filled on
         # the GPU) at every backward
         ctx.set_materialize_grads(False)
@@ -489,10 +493,13 @@ EAGER_FAST_PATH = True
 
 
 def _as_tensor_or_none(value, name: str):
+    """A run-time argument as a torch tensor. Host values (lists, numpy arrays) are copied, so that the caller
+    changing them before the backward cannot change what the backward reads (tensors are saved for it); a GPU
+    array of another library is viewed in place, as a torch tensor is taken."""
     if value is None or isinstance(value, torch.Tensor):
         return value
     try:
-        return torch.as_tensor(value)
+        return torch.as_tensor(value) if hasattr(value, "__cuda_array_interface__") else torch.tensor(value)
     except (TypeError, ValueError, RuntimeError) as err:
         raise runtime.ArgumentError(f"{name}: expected a tensor or a list of integers ({err})") from None
 
@@ -590,6 +597,9 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     kv_lengths = _as_tensor_or_none(kv_lengths, "kv_lengths")
     block_mask = _as_tensor_or_none(block_mask, "block_mask")
     packed = cu_seqlens_q is not None or cu_seqlens_k is not None
+    if packed:
+        cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
+        cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
     if EAGER_FAST_PATH and type(q) is torch.Tensor and not torch.compiler.is_compiling():
         if not q.is_cuda:
             raise runtime.ArgumentError(f"q: tensor is on {q.device}; fagen kernels need CUDA tensors")
@@ -608,9 +618,6 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
             o, lse = kernel.forward(q, k, v, **kwargs)
     else:
         key = _key_of(spec)
-        if packed:
-            cu_seqlens_q = _as_tensor_or_none(cu_seqlens_q, "cu_seqlens_q")
-            cu_seqlens_k = _as_tensor_or_none(cu_seqlens_k, "cu_seqlens_k")
         o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, seed_tensor,
                                                    cu_seqlens_q, cu_seqlens_k,
                                                    -1 if max_seqlen_q is None else max_seqlen_q,

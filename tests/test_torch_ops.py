@@ -563,6 +563,47 @@ def test_the_eager_path_saves_every_run_time_tensor_for_the_backward(place):
         o.sum().backward()
 
 
+def test_the_eager_backward_takes_the_run_time_tensors_autograd_unpacks():
+    """Under saved-tensor hooks (offloading: torch.autograd.graph.save_on_cpu) autograd hands the backward what the
+    hooks unpack, not the forward's objects: the backward must take those, every run-time tensor at once, each in
+    its own place. Host values are copied on the way in (a list changed later cannot reach the backward)."""
+    seen = []
+
+    class Kernel(_StandInKernel):
+        def forward(self, q, k, v, **kwargs):
+            return q.clone(), q.new_zeros(q.shape[:3])
+
+        def backward(self, q, k, v, o, lse, do, **kwargs):
+            seen.append(kwargs)
+            return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+    given = {"seed": torch.tensor([5]), "kv_lengths": torch.tensor([1, 2], dtype=torch.int32),
+             "block_mask": torch.tensor([1, 0, 1], dtype=torch.uint8), "cu_seqlens_q": torch.tensor([0, 3, 9]),
+             "cu_seqlens_k": torch.tensor([0, 4, 11]), "documents": torch.tensor([7, 7, 8, 8])}
+    kwargs = {name: given[name] for name in ("seed", "kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k")}
+    kwargs.update(offset=0, inputs={"documents": given["documents"], "window": 3.0})
+    originals = {}   # id of an unpacked copy -> the tensor it copies
+
+    def unpack(tensor):
+        copy = tensor.clone()
+        originals[id(copy)] = tensor
+        return copy
+
+    q, k, v = _inputs()
+    with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpack):
+        o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+    o.sum().backward()
+    got = {**seen[-1], **seen[-1]["inputs"]}
+    for name, tensor in given.items():
+        assert originals.get(id(got[name])) is tensor, name   # the unpacked copy of this very tensor
+    assert got["window"] == 3.0 and got["offset"] == 0
+    assert kwargs["inputs"]["documents"] is given["documents"]   # the caller's dict is left as it was
+    lengths = [0, 2, 5]
+    held = fagen_torch._as_tensor_or_none(lengths, "cu_seqlens_q")
+    lengths[1] = 4
+    assert held.tolist() == [0, 2, 5]
+
+
 def test_the_cuda_kernel_of_the_forward_op_restores_what_the_dispatcher_dropped(monkeypatch):
     """The dispatcher drops trailing arguments equal to their defaults before it calls the op's CUDA kernel in
     Python. A call with none left goes straight to Kernel.forward; but a spec that declares inputs gets them back

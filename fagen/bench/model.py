@@ -423,9 +423,13 @@ def measure_overhead(*, compiled: bool = True, calls: int = 2000, rounds: int = 
                     row.notes[impl] = reason(err)
             samples = {impl: [] for impl in ready}
             for round_number in range(rounds):
-                order = list(ready) if round_number % 2 == 0 else list(reversed(ready))
+                order = list(samples) if round_number % 2 == 0 else list(reversed(samples))
                 for impl in order:
-                    samples[impl].append(_round_us(ready[impl], calls))
+                    try:
+                        samples[impl].append(_round_us(ready[impl], calls))
+                    except Exception as err:  # (an out-of-memory, a recompile error: the model rows are kept)
+                        row.notes[impl] = reason(err)
+                        del samples[impl]
             row.us = {impl: statistics.median(values) for impl, values in samples.items()}
             if len(samples) == 2:
                 row.round_ratios = [mine / theirs for mine, theirs in zip(samples["fagen"], samples["sdpa"])]
