@@ -523,21 +523,27 @@ def test_the_eager_path_saves_a_seed_tensor_for_the_backward():
     assert seen[-1] == ("backward", 3)
 
 
+class _RecordingKernel(_StandInKernel):
+    """A stand-in kernel whose forward copies q and whose backward records the keywords it was given."""
+
+    def __init__(self):
+        self.seen = []
+
+    def forward(self, q, k, v, **kwargs):
+        return q.clone(), q.new_zeros(q.shape[:3])
+
+    def backward(self, q, k, v, o, lse, do, **kwargs):
+        self.seen.append(kwargs)
+        return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
+
+
 @pytest.mark.parametrize("place", ["kv_lengths", "block_mask", "cu_seqlens_q", "cu_seqlens_k", "inputs"])
 def test_the_eager_path_saves_every_run_time_tensor_for_the_backward(place):
     """kv_lengths, block_mask, cu_seqlens and mask_mod / score_mod inputs are saved like the seed tensor: the
     backward gets the forward's tensors (unpacked by autograd, not just the kwargs dict's references), and one
     changed in place in between -- a packing buffer refilled for the next micro-batch before this one's backward
     -- is torch's in-place error, not a backward of other offsets. (The ops save them in _setup_context.)"""
-    seen = []
-
-    class Kernel(_StandInKernel):
-        def forward(self, q, k, v, **kwargs):
-            return q.clone(), q.new_zeros(q.shape[:3])
-
-        def backward(self, q, k, v, o, lse, do, **kwargs):
-            seen.append(kwargs)
-            return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
+    kernel = _RecordingKernel()
 
     def runtime_kwargs():
         tensor = torch.tensor([0, 5, 19], dtype=torch.int32)
@@ -550,14 +556,14 @@ def test_the_eager_path_saves_every_run_time_tensor_for_the_backward(place):
 
     q, k, v = _inputs()
     kwargs, tensor = runtime_kwargs()
-    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, kernel, kwargs)
     o.sum().backward()
-    got = seen[-1]["inputs"] if place == "inputs" else seen[-1]
+    got = kernel.seen[-1]["inputs"] if place == "inputs" else kernel.seen[-1]
     assert torch.equal(got["documents" if place == "inputs" else place], tensor)
     if place == "inputs":
         assert got["window"] == 3.0
     kwargs, tensor = runtime_kwargs()
-    o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+    o, _ = fagen_torch._EagerAttention.apply(q, k, v, kernel, kwargs)
     tensor[1] = 7
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         o.sum().backward()
@@ -567,16 +573,7 @@ def test_the_eager_backward_takes_the_run_time_tensors_autograd_unpacks():
     """Under saved-tensor hooks (offloading: torch.autograd.graph.save_on_cpu) autograd hands the backward what the
     hooks unpack, not the forward's objects: the backward must take those, every run-time tensor at once, each in
     its own place. Host values are copied on the way in (a list changed later cannot reach the backward)."""
-    seen = []
-
-    class Kernel(_StandInKernel):
-        def forward(self, q, k, v, **kwargs):
-            return q.clone(), q.new_zeros(q.shape[:3])
-
-        def backward(self, q, k, v, o, lse, do, **kwargs):
-            seen.append(kwargs)
-            return do.clone(), torch.zeros_like(k), torch.zeros_like(v)
-
+    kernel = _RecordingKernel()
     given = {"seed": torch.tensor([5]), "kv_lengths": torch.tensor([1, 2], dtype=torch.int32),
              "block_mask": torch.tensor([1, 0, 1], dtype=torch.uint8), "cu_seqlens_q": torch.tensor([0, 3, 9]),
              "cu_seqlens_k": torch.tensor([0, 4, 11]), "documents": torch.tensor([7, 7, 8, 8])}
@@ -591,9 +588,9 @@ def test_the_eager_backward_takes_the_run_time_tensors_autograd_unpacks():
 
     q, k, v = _inputs()
     with torch.autograd.graph.saved_tensors_hooks(lambda tensor: tensor, unpack):
-        o, _ = fagen_torch._EagerAttention.apply(q, k, v, Kernel(), kwargs)
+        o, _ = fagen_torch._EagerAttention.apply(q, k, v, kernel, kwargs)
     o.sum().backward()
-    got = {**seen[-1], **seen[-1]["inputs"]}
+    got = {**kernel.seen[-1], **kernel.seen[-1]["inputs"]}
     for name, tensor in given.items():
         assert originals.get(id(got[name])) is tensor, name   # the unpacked copy of this very tensor
     assert got["window"] == 3.0 and got["offset"] == 0
