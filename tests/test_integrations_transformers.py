@@ -435,6 +435,31 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
     assert materialised(mask(mask_function=sliding_window_causal_mask_function(3), local_size=4))
 
 
+def test_packed_sequence_masks_are_read_with_and_without_position_remapping():
+    """transformers ANDs the pattern with the packed-sequence mask; newer versions (5.2x) first evaluate the pattern
+    at each token's position inside its sequence (remap_positions_for_packed_sequence). Both forms give the ids and
+    the pattern underneath; a pattern that is not the kernels' still builds SDPA's mask."""
+    from transformers import masking_utils
+
+    ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
+    positions = torch.tensor([[0, 1, 2, 0, 1, 0, 1, 2]])
+    remap = getattr(masking_utils, "remap_positions_for_packed_sequence", None)
+    forms = {"plain": lambda pattern: pattern}
+    if remap is not None:
+        forms["remapped"] = lambda pattern: remap(pattern, positions)
+    for name, form in forms.items():
+        packed = masking_utils.and_masks(form(causal_mask_function), masking_utils.packed_sequence_mask_function(ids))
+        found = fagen_hf._packed_sequences(packed, 8)
+        assert found is not None and found[0] is causal_mask_function, name
+        assert found[1].dtype == torch.int32 and found[1].tolist() == ids.tolist(), name
+        result = mask(batch_size=1, mask_function=packed, allow_is_causal_skip=False)
+        assert isinstance(result, torch.Tensor) and result.dtype == torch.int32, name   # the ids, no (N, N) mask
+        chunked = masking_utils.and_masks(form(chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))),
+                                          masking_utils.packed_sequence_mask_function(ids))
+        result = mask(batch_size=1, mask_function=chunked, local_size=4, allow_is_causal_skip=False)
+        assert isinstance(result, torch.Tensor) and result.shape == (1, 1, 8, 8), name   # SDPA's boolean mask
+
+
 # ---- torch.compile ---------------------------------------------------------------------------
 @pytest.fixture
 def reference_op(monkeypatch):

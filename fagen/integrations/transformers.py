@@ -299,18 +299,29 @@ def _packed_sequences(mask_function, kv_length: int):
     mode only (while tracing, the SDPA mask is built as before)."""
     if is_tracing() or getattr(mask_function, "__name__", None) != "and_mask" or not mask_function.__closure__:
         return None
-    functions = dict(zip(mask_function.__code__.co_freevars,
-                         (cell.cell_contents for cell in mask_function.__closure__))).get("mask_functions")
+    functions = _closure(mask_function).get("mask_functions")
     if not isinstance(functions, tuple) or len(functions) != 2:
         return None
     pattern, packed = functions
     if getattr(packed, "__qualname__", None) != "packed_sequence_mask_function.<locals>.inner_mask":
         return None
-    ids = dict(zip(packed.__code__.co_freevars, (cell.cell_contents for cell in packed.__closure__ or ()))).get(
-        "packed_sequence_mask")
+    if getattr(pattern, "__qualname__", None) == "remap_positions_for_packed_sequence.<locals>.inner_mask":
+        # (transformers >= 5.2x) the pattern evaluated at each token's position inside its sequence. Where the
+        # AND above lets a pair through, both tokens are in one sequence, whose positions go up by exactly 1
+        # (transformers starts a new sequence wherever they do not): the distance i - j is the same either way,
+        # so the causal or window pattern underneath is what the kernels' bottom-right mask gives.
+        pattern = _closure(pattern).get("mask_function")
+        if not callable(pattern):
+            return None
+    ids = _closure(packed).get("packed_sequence_mask")
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
         return None
     return pattern, ids.to(torch.int32)
+
+
+def _closure(function) -> dict:
+    """A nested function's free variables by name (what transformers' mask-function factories captured)."""
+    return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
 
 
 def _bottom_right(q_length, kv_length, q_offset, kv_offset) -> bool:
