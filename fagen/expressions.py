@@ -216,9 +216,11 @@ class _Parser:
             self.fail(f"only declared tensor inputs can be subscripted, not {ast.unparse(node.value)}")
         name = node.value.id
         kind = self.inputs.get(name)
-        if kind is None or kind == "scalar":
-            what = "scalar input" if kind == "scalar" else "name"
-            self.fail(f"{what} '{name}' cannot be subscripted (only float32 / int32 tensor inputs can)")
+        if kind == "scalar":
+            self.fail(f"scalar input '{name}' cannot be subscripted (only float32 / int32 tensor inputs can)")
+        if kind is None:
+            self.fail(f"unknown input '{name}': declare it in the spec's inputs as a tensor, e.g. inputs: "
+                      f"{{{name}: float32}} (or int32)")
         parts = node.slice.elts if isinstance(node.slice, ast.Tuple) else [node.slice]
         if any(isinstance(part, (ast.Slice, ast.Starred)) for part in parts):
             self.fail(f"slices are not supported in {ast.unparse(node)}: index with one position per dimension")

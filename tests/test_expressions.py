@@ -43,6 +43,8 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
     ("i in j", None, None, "comparison 'In' is not supported"),
     ("doc[b, i] == doc", None, {"doc": "int32"}, "tensor input 'doc' must be subscripted"),
     ("w[i] > 0", None, {"w": "scalar"}, "scalar input 'w' cannot be subscripted"),
+    (None, "score + bias[h]", None, "unknown input 'bias': declare it in the spec's inputs as a tensor, e.g. inputs: "
+                                    "{bias: float32}"),
     ("doc[i / 2] > 0", None, {"doc": "int32"}, "the index i/2 of 'doc' is not an integer expression"),
     ("doc[b, i, j] > 0", None, {"doc": "int32"}, "tensor 'doc' takes 1 or 2 subscripts, got 3"),
     ("doc[0:i] > 0", None, {"doc": "int32"}, "slices are not supported"),
