@@ -7,7 +7,13 @@ Three ops are registered through `torch.library`, with fake (meta) implementatio
     fagen::attention_backward(q, k, v, o, lse, grad_o, grad_lse?, spec, (the same run-time arguments)) -> (dq, dk, dv)
     fagen::attention_backward_input_grads(the same) -> (dq, dk, dv, the gradients of score_mod's tensor inputs)
 
-The forward's autograd is its own Autograd kernel (`_forward_autograd`): with grad, a node whose backward calls one
+A call with no run-time argument takes two ops of their own, with the same kernels and only the arguments before the
+run-time ones (torch.compile's generated code passes every argument of a schema, which costs host time per call):
+
+    fagen::attention_forward_plain(q, k, v, spec) -> (o, lse)
+    fagen::attention_backward_plain(q, k, v, o, lse, grad_o, grad_lse?, spec) -> (dq, dk, dv)
+
+A forward op's autograd is its own Autograd kernel (`_autograd_kernel`): with grad, a node whose backward calls one
 of the backward ops; without, on plain CUDA tensors, the CUDA kernel called directly (no second dispatch).
 
 (seed_tensor: a dropout seed on the GPU that replaces `seed`; cu_seqlens and max_seqlen: specs with
@@ -175,6 +181,13 @@ _library.define(f"attention_backward(Tensor q, Tensor k, Tensor v, Tensor o, Ten
 _library.define(f"attention_backward_input_grads(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, "
                 f"Tensor? grad_lse, str spec, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor, Tensor, "
                 + ", ".join("Tensor" for _ in range(MOD_SLOTS)) + ")")
+# The same two passes for a call with no run-time argument (the common one: a model's causal attention), as
+# their own ops: torch.compile's generated code calls an op with every argument of its schema, the defaults as
+# keywords, and the dispatcher parses each one on every call (`python dev/plain_ops_cost.py`: 9 µs of a compiled
+# forward's host time on the dev machine's CPU, 43 -> 34 µs, and 14-25 µs of a compiled forward + backward)
+_library.define("attention_forward_plain(Tensor q, Tensor k, Tensor v, str spec) -> (Tensor, Tensor)")
+_library.define("attention_backward_plain(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, "
+                "Tensor? grad_lse, str spec) -> (Tensor, Tensor, Tensor)")
 
 
 def _runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
@@ -231,9 +244,19 @@ def _backward_input_grads_cuda(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengt
     return (dq, dk, dv, *(q.new_empty(0, dtype=torch.float32) if g is None else g for g in slots))
 
 
+def _plain_forward_cuda(q, k, v, spec):
+    return kernel_for(spec, q.get_device()).forward(q, k, v)
+
+
+def _plain_backward_cuda(q, k, v, o, lse, grad_o, grad_lse, spec):
+    return kernel_for(spec, q.get_device()).backward(q, k, v, o, lse, grad_o, d_lse=grad_lse)
+
+
 _library.impl("attention_forward", _forward_cuda, "CUDA")
 _library.impl("attention_backward", _backward_cuda, "CUDA")
 _library.impl("attention_backward_input_grads", _backward_input_grads_cuda, "CUDA")
+_library.impl("attention_forward_plain", _plain_forward_cuda, "CUDA")
+_library.impl("attention_backward_plain", _plain_backward_cuda, "CUDA")
 
 
 @torch.library.register_fake("fagen::attention_forward")
@@ -252,6 +275,10 @@ def _backward_fake(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, blo
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
     return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+
+torch.library.register_fake("fagen::attention_forward_plain")(_forward_fake)
+torch.library.register_fake("fagen::attention_backward_plain")(_backward_fake)
 
 
 @torch.library.register_fake("fagen::attention_backward_input_grads")
@@ -306,10 +333,10 @@ _FORWARD_DEFAULTS = (None, None, 0, 0, None, None, None, -1, -1) + (None,) * MOD
 _CUDA_KEY = torch._C.DispatchKey.CUDA
 
 
-def _forward_below_autograd(keyset, inputs):
-    """attention_forward's outputs from the kernels below autograd (a dispatch mode, fake tensors, CUDA)."""
+def _below_autograd(op, keyset, inputs):
+    """A forward op's outputs from the kernels below autograd (a dispatch mode, fake tensors, CUDA)."""
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.fagen.attention_forward.default.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
+        return op.redispatch(keyset & torch._C._after_autograd_keyset, *inputs)
 
 
 class _ForwardOp(torch.autograd.Function):
@@ -319,7 +346,7 @@ class _ForwardOp(torch.autograd.Function):
     @staticmethod
     def forward(ctx, *inputs_then_keyset):
         *inputs, keyset = inputs_then_keyset
-        output = _forward_below_autograd(keyset, inputs)
+        output = _below_autograd(torch.ops.fagen.attention_forward.default, keyset, inputs)
         _setup_context(ctx, inputs, output)
         return output
 
@@ -328,19 +355,48 @@ class _ForwardOp(torch.autograd.Function):
         return (*_backward_rule(ctx, grad_o, grad_lse), None)
 
 
-def _forward_autograd(keyset, *inputs):
-    """attention_forward's Autograd kernel (issue 10: host time). With no input requiring grad -- a compiled
-    graph's forward, inference -- and nothing between autograd and the CUDA kernel (plain CUDA tensors: no
-    dispatch mode, fake or functional tensor), it calls the CUDA kernel itself instead of redispatching, which
-    would box the arguments and cross into Python a second time."""
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
-        return _ForwardOp.apply(*inputs, *_FORWARD_DEFAULTS[len(inputs) - 4:], keyset)
-    if (keyset & torch._C._after_ADInplaceOrView_keyset).highestPriorityTypeId() == _CUDA_KEY:
-        return _forward_cuda(*inputs)
-    return _forward_below_autograd(keyset, inputs)
+class _PlainForwardOp(torch.autograd.Function):
+    """attention_forward_plain's autograd node: its backward is attention_backward_plain."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, spec, keyset):
+        o, lse = _below_autograd(torch.ops.fagen.attention_forward_plain.default, keyset, (q, k, v, spec))
+        ctx.save_for_backward(q, k, v, o, lse)
+        ctx.spec = spec
+        ctx.set_materialize_grads(False)   # (an output that did not reach the loss: None, not a zero tensor)
+        return o, lse
+
+    @staticmethod
+    def backward(ctx, grad_o, grad_lse):
+        if grad_o is None and grad_lse is None:
+            return (None,) * 5
+        q, k, v, o, lse = ctx.saved_tensors
+        grad_o, grad_lse = _grads_of_outputs(o, grad_o, grad_lse)
+        return (*torch.ops.fagen.attention_backward_plain(q, k, v, o, lse, grad_o, grad_lse, ctx.spec), None, None)
 
 
-_library.impl("attention_forward", _forward_autograd, "Autograd", with_keyset=True)
+def _autograd_kernel(op, node, cuda):
+    """A forward op's Autograd kernel (issue 10: host time): with an input requiring grad, `node(keyset, inputs)`,
+    the op's autograd node. With none -- a compiled graph's forward, inference -- and nothing between autograd
+    and the CUDA kernel (plain CUDA tensors: no dispatch mode, fake or functional tensor), it calls `cuda`, the
+    op's CUDA kernel, itself instead of redispatching, which would box the arguments and cross into Python a
+    second time."""
+    def kernel(keyset, *inputs):
+        if torch.is_grad_enabled() and torch._C._any_requires_grad(*inputs):
+            return node(keyset, inputs)
+        if (keyset & torch._C._after_ADInplaceOrView_keyset).highestPriorityTypeId() == _CUDA_KEY:
+            return cuda(*inputs)
+        return _below_autograd(op, keyset, inputs)
+    return kernel
+
+
+_library.impl("attention_forward", _autograd_kernel(
+    torch.ops.fagen.attention_forward.default,
+    lambda keyset, inputs: _ForwardOp.apply(*inputs, *_FORWARD_DEFAULTS[len(inputs) - 4:], keyset),
+    _forward_cuda), "Autograd", with_keyset=True)
+_library.impl("attention_forward_plain", _autograd_kernel(
+    torch.ops.fagen.attention_forward_plain.default, lambda keyset, inputs: _PlainForwardOp.apply(*inputs, keyset),
+    _plain_forward_cuda), "Autograd", with_keyset=True)
 
 
 def _mod_slots(key: str, inputs: Optional[dict]) -> list:
@@ -490,6 +546,10 @@ class _FirstColumns(torch.autograd.Function):
 
 #: Eager calls take the autograd.Function above; False routes them through the ops as well.
 EAGER_FAST_PATH = True
+#: Calls through the ops with no run-time argument take the plain ops (attention_forward_plain): about 9 µs less
+#: host time per compiled forward and 14-25 µs per compiled forward + backward on the dev machine's CPU. Off until
+#: the GPU tests have run with it on (written when no device time was left; the CPU tests run both routes).
+PLAIN_OPS = False
 
 
 def _as_tensor_or_none(value, name: str):
@@ -618,9 +678,13 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
             o, lse = kernel.forward(q, k, v, **kwargs)
     else:
         key = _key_of(spec)
-        o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, seed_tensor,
-                                                   cu_seqlens_q, cu_seqlens_k,
-                                                   -1 if max_seqlen_q is None else max_seqlen_q,
-                                                   -1 if max_seqlen_k is None else max_seqlen_k,
-                                                   *_mod_slots(key, inputs))
+        if (PLAIN_OPS and kv_lengths is None and block_mask is None and seed == 0 and seed_tensor is None and offset == 0
+                and not packed and not inputs):
+            o, lse = torch.ops.fagen.attention_forward_plain(q, k, v, key)
+        else:
+            o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, seed_tensor,
+                                                       cu_seqlens_q, cu_seqlens_k,
+                                                       -1 if max_seqlen_q is None else max_seqlen_q,
+                                                       -1 if max_seqlen_k is None else max_seqlen_k,
+                                                       *_mod_slots(key, inputs))
     return (o, lse) if return_lse else o

@@ -129,11 +129,15 @@ def test_cuda_graph_capture_and_replay_forward_and_backward(spec):
             assert rel(t.grad, leaf.grad) < 2e-2, f"replay {trial}: d{name}"
 
 
+@pytest.mark.parametrize("plain_ops", [False, True], ids=["ops", "plain ops"])
 @pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
-def test_torch_compile_fullgraph_matches_eager(spec, mode):
+def test_torch_compile_fullgraph_matches_eager(spec, mode, plain_ops, monkeypatch):
+    """(plain ops: fagen.torch.PLAIN_OPS, the ops of calls without run-time arguments)"""
     import fagen
+    import fagen.torch as fagen_torch
 
     torch = _torch()
+    monkeypatch.setattr(fagen_torch, "PLAIN_OPS", plain_ops)
     torch._dynamo.reset()
 
     class Block(torch.nn.Module):
@@ -224,16 +228,17 @@ def test_op_without_grad_reaches_dispatch_modes_and_runs_with_its_arguments():
     assert relative_error(o.double().cpu().numpy(), want) < 1e-2
 
 
-def test_opcheck_of_the_forward_op():
+def test_opcheck_of_the_forward_ops():
     """torch.library.opcheck: the schema, the autograd registration and the fake implementation agree with
     what the op does on real tensors."""
     torch = _torch()
     import fagen.torch  # noqa: F401  (registers the ops)
 
-    for requires_grad in (False, True):
-        q, k, v = _inputs(n=128, requires_grad=requires_grad)
-        torch.library.opcheck(torch.ops.fagen.attention_forward.default, (q, k, v, SPEC_STRING),
-                              test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    for op in (torch.ops.fagen.attention_forward.default, torch.ops.fagen.attention_forward_plain.default):
+        for requires_grad in (False, True):
+            q, k, v = _inputs(n=128, requires_grad=requires_grad)
+            torch.library.opcheck(op, (q, k, v, SPEC_STRING),
+                                  test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 @pytest.mark.parametrize("eager", [True, False], ids=["eager", "op"])

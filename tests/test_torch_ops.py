@@ -95,12 +95,25 @@ def _reference_backward_input_grads(q, k, v, o, lse, grad_o, grad_lse, spec, kv_
                           for g in slots))
 
 
+#: the plain ops' calls (fagen::attention_forward_plain, attention_backward_plain), by name
+PLAIN_OPS_SEEN = []
+
+
+def _recorded(name, reference):
+    def run(*args):
+        PLAIN_OPS_SEEN.append(name)
+        return reference(*args)
+    return run
+
+
 @pytest.fixture(scope="module", autouse=True)
 def cpu_reference_ops():
     if not _registered:
         fagen_torch._library.impl("attention_forward", _reference_forward, "CPU")
         fagen_torch._library.impl("attention_backward", _reference_backward, "CPU")
         fagen_torch._library.impl("attention_backward_input_grads", _reference_backward_input_grads, "CPU")
+        fagen_torch._library.impl("attention_forward_plain", _recorded("forward_plain", _reference_forward), "CPU")
+        fagen_torch._library.impl("attention_backward_plain", _recorded("backward_plain", _reference_backward), "CPU")
         _registered.append(True)
 
 
@@ -168,19 +181,21 @@ def test_compiled_function_follows_a_new_spec_object():
         torch.testing.assert_close(compiled(q, k, v, spec), want)
 
 
-def test_the_op_alone_is_differentiable_lse_included():
+@pytest.mark.parametrize("op", ["attention_forward", "attention_forward_plain"])
+def test_the_op_alone_is_differentiable_lse_included(op):
     """The op's autograd rule hands the backward op the gradients of both outputs: o's alone, lse's alone (dO is
     then zeros) and both, against autograd through the reference's own o and lse."""
+    forward = getattr(torch.ops.fagen, op)
     q, k, v = _inputs()
     weights = torch.randn(2, 3, 19)
 
     def losses(o, lse):
         return {"o": o.square().sum(), "lse": (lse * weights).sum(), "both": o.square().sum() + (lse * weights).sum()}
 
-    o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC.canonical_json())
+    o, lse = forward(q, k, v, SPEC.canonical_json())
     assert o.requires_grad and lse.requires_grad
     for name in ("o", "lse", "both"):
-        o, lse = torch.ops.fagen.attention_forward(q, k, v, SPEC.canonical_json())
+        o, lse = forward(q, k, v, SPEC.canonical_json())
         got = torch.autograd.grad(losses(o, lse)[name], (q, k, v))
         # (lse alone does not depend on v: its gradient is None there, 0 from the op)
         want = torch.autograd.grad(losses(*_reference_forward(q, k, v, SPEC.canonical_json()))[name], (q, k, v),
@@ -189,17 +204,54 @@ def test_the_op_alone_is_differentiable_lse_included():
             torch.testing.assert_close(g, torch.zeros_like(t) if w is None else w)
 
 
-def test_fake_tensors_get_the_kernels_shapes():
+@pytest.mark.parametrize("plain", [False, True], ids=["ops", "plain ops"])
+def test_fake_tensors_get_the_kernels_shapes(plain):
     from torch._subclasses.fake_tensor import FakeTensorMode
 
+    forward, backward = ((torch.ops.fagen.attention_forward_plain, torch.ops.fagen.attention_backward_plain) if plain
+                         else (torch.ops.fagen.attention_forward, torch.ops.fagen.attention_backward))
     with FakeTensorMode():
         q = torch.empty(2, 4, 7, 64, dtype=torch.bfloat16, device="cuda")
         k = torch.empty(2, 4, 9, 64, dtype=torch.bfloat16, device="cuda")
-        o, lse = torch.ops.fagen.attention_forward(q, k, k, '{"head_dim": 64}')
-        dq, dk, dv = torch.ops.fagen.attention_backward(q, k, k, o, lse, o, None, '{"head_dim": 64}')
+        o, lse = forward(q, k, k, '{"head_dim": 64}')
+        dq, dk, dv = backward(q, k, k, o, lse, o, None, '{"head_dim": 64}')
     assert o.shape == q.shape and o.dtype == torch.bfloat16 and o.is_contiguous()
     assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
     assert dq.shape == q.shape and dk.shape == k.shape and dv.shape == k.shape
+
+
+@pytest.mark.parametrize("plain_ops", [True, False], ids=["plain ops on", "off"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["ops", "compiled"])
+def test_calls_without_run_time_arguments_take_the_plain_ops(compiled, plain_ops, monkeypatch):
+    """With PLAIN_OPS, a call with no run-time argument goes through fagen::attention_forward_plain and its backward
+    through attention_backward_plain (torch.compile's generated code passes every argument of an op's schema, the
+    defaults as keywords: host time per call); one with a run-time argument, or any call without PLAIN_OPS,
+    through the full ops. Both against the reference."""
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    monkeypatch.setattr(fagen_torch, "PLAIN_OPS", plain_ops)
+    torch._dynamo.reset()
+    key = SPEC.canonical_json()
+    lengths = torch.tensor([23, 11], dtype=torch.int32)
+    calls = {"plain": lambda q, k, v: fagen.attention(q, k, v, key),
+             "kv_lengths": lambda q, k, v: fagen.attention(q, k, v, key, kv_lengths=lengths)}
+    for name, fn in calls.items():
+        if compiled:
+            fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+        q, k, v = _inputs()
+        PLAIN_OPS_SEEN.clear()
+        got = _grads(fn, q, k, v)
+        assert PLAIN_OPS_SEEN == (["forward_plain", "backward_plain"] if name == "plain" and plain_ops else []), name
+        if name == "plain":
+            for g, w in zip(got, _grads(lambda *t: _reference_forward(*t, key)[0], q, k, v)):
+                torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("op", ["attention_forward", "attention_forward_plain"])
+def test_opcheck_of_the_forward_ops(op):
+    """torch.library.opcheck on the CPU reference kernels: schema, autograd registration, fake kernel."""
+    q, k, v = _inputs()
+    torch.library.opcheck(getattr(torch.ops.fagen, op).default, (q, k, v, SPEC.canonical_json()),
+                          test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
 
 def test_fake_outputs_keep_the_layout_of_heads_interleaved_inputs():

@@ -21,6 +21,7 @@ def main() -> None:
     key = OVERHEAD_SPEC
     kernel = fagen_torch.kernel_for(key, 0)
     op = torch.ops.fagen.attention_forward.default
+    plain = torch.ops.fagen.attention_forward_plain.default
 
     def below_autograd():
         with torch._C._AutoDispatchBelowAutograd():
@@ -37,6 +38,7 @@ def main() -> None:
         "_forward_cuda": lambda: fagen_torch._forward_cuda(q, k, v, key),
         "op below autograd": below_autograd,
         "op (dispatcher, autograd kernel)": lambda: op(q, k, v, key),
+        "plain op (dispatcher, autograd kernel)": lambda: plain(q, k, v, key),
         "fagen.attention eager": lambda: fagen.attention(q, k, v, key),
         "fagen.attention compiled": lambda: fagen_compiled(q, k, v),
     }
