@@ -149,6 +149,26 @@ def test_llama_with_grouped_kv_heads_matches_eager_forward_and_backward(calls):
         assert call["seed"] == 0 and call["offset"] == 0
 
 
+#: Decoder families whose attention goes through AttentionInterface, beyond the ones tested one by one here
+#: (names of transformers' config classes; one missing from the installed version is skipped)
+MORE_FAMILIES = ["Qwen3Config", "Qwen3MoeConfig", "Qwen2MoeConfig", "Gemma3TextConfig", "GemmaConfig", "Phi3Config",
+                 "MixtralConfig", "Olmo2Config", "Olmo3Config", "CohereConfig", "Cohere2Config", "GraniteConfig",
+                 "SmolLM3Config", "Glm4Config", "Exaone4Config", "GPTNeoXConfig"]
+
+
+@pytest.mark.parametrize("name", MORE_FAMILIES)
+def test_more_decoder_families_train_on_fagen_and_match_eager(calls, name):
+    """A training step of a tiny model of each family on fagen (logits and every parameter's gradient against
+    eager), every attention call on fagen, none falling back."""
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    # (special token ids inside the tiny vocabulary: some families' defaults are an embedding's padding index)
+    eager, ours = model_pair(tiny(config_class, pad_token_id=None, bos_token_id=None, eos_token_id=None))
+    assert_training_step_matches(eager, ours, tokens(seq=20))
+    assert len(calls) == 2 and not fagen_hf.fallback_reasons()
+
+
 @pytest.mark.parametrize("config_class", [LlamaConfig, MistralConfig], ids=["llama", "mistral-window"])
 def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_class):
     """Sequences packed back to back in one row (position_ids restarting at 0, as transformers'
