@@ -169,6 +169,19 @@ def test_more_decoder_families_train_on_fagen_and_match_eager(calls, name):
     assert len(calls) == 2 and not fagen_hf.fallback_reasons()
 
 
+@pytest.mark.parametrize("name", ["Gemma3TextConfig", "Cohere2Config", "Olmo3Config", "Exaone4Config"])
+def test_sliding_window_layers_of_more_families_run_as_fagens_window(calls, name):
+    """Families whose layers are sliding-window ones by default (with a window shorter than the sequence here):
+    every call is fagen's sliding_window mask with the config's window, and the step matches eager."""
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    eager, ours = model_pair(tiny(config_class, pad_token_id=None, bos_token_id=None, eos_token_id=None, sliding_window=5))
+    assert_training_step_matches(eager, ours, tokens(seq=20))
+    assert not fagen_hf.fallback_reasons() and len(calls) == 2
+    assert all(call["spec"]["mask"] == "sliding_window" and call["spec"]["window"] == 5 for call in calls)
+
+
 @pytest.mark.parametrize("config_class", [LlamaConfig, MistralConfig], ids=["llama", "mistral-window"])
 def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_class):
     """Sequences packed back to back in one row (position_ids restarting at 0, as transformers'
