@@ -402,10 +402,13 @@ _library.impl("attention_forward_plain", _autograd_kernel(
 def _mod_slots(key: str, inputs: Optional[dict]) -> list:
     """A mask_mod / score_mod's inputs dict as the ops' mod_tensor0.., mod_scalar0.. arguments, in the
     spec's declaration order (the ops' schema has no dict type)."""
-    if not inputs:
-        return []
     tensor_names, scalar_names, _, _ = _input_names(key)
     names = list(tensor_names + scalar_names)
+    if not inputs:
+        # (the op cannot tell a missing scalar from 0.0, which the dispatcher drops like a default)
+        if names:
+            raise runtime.ArgumentError(f"inputs: the spec declares {names}, got none")
+        return []
     if set(inputs) != set(names):
         raise runtime.ArgumentError(f"inputs: the spec declares {names}, got {sorted(inputs)}")
     tensors = [_as_tensor_or_none(inputs[name], f"inputs {name}") for name in tensor_names]
@@ -678,13 +681,13 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
             o, lse = kernel.forward(q, k, v, **kwargs)
     else:
         key = _key_of(spec)
+        mod_slots = _mod_slots(key, inputs)   # ([] where the spec declares no inputs)
         if (PLAIN_OPS and kv_lengths is None and block_mask is None and seed == 0 and seed_tensor is None and offset == 0
-                and not packed and not inputs):
+                and not packed and not mod_slots):
             o, lse = torch.ops.fagen.attention_forward_plain(q, k, v, key)
         else:
             o, lse = torch.ops.fagen.attention_forward(q, k, v, key, kv_lengths, block_mask, seed, offset, seed_tensor,
                                                        cu_seqlens_q, cu_seqlens_k,
                                                        -1 if max_seqlen_q is None else max_seqlen_q,
-                                                       -1 if max_seqlen_k is None else max_seqlen_k,
-                                                       *_mod_slots(key, inputs))
+                                                       -1 if max_seqlen_k is None else max_seqlen_k, *mod_slots)
     return (o, lse) if return_lse else o

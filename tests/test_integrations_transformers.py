@@ -471,7 +471,8 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
 def test_packed_sequence_masks_are_read_with_and_without_position_remapping():
     """transformers ANDs the pattern with the packed-sequence mask; newer versions (5.2x) first evaluate the pattern
     at each token's position inside its sequence (remap_positions_for_packed_sequence). Both forms give the ids and
-    the pattern underneath; a pattern that is not the kernels' still builds SDPA's mask."""
+    the pattern underneath, causal or the config's window; a pattern that is not exactly one of the kernels' (chunked,
+    or a window or causal pattern with an overlay) still builds SDPA's mask, the exact one."""
     from transformers import masking_utils
 
     ids = torch.tensor([[0, 0, 0, 1, 1, 2, 2, 2]])
@@ -487,10 +488,26 @@ def test_packed_sequence_masks_are_read_with_and_without_position_remapping():
         assert found[1].dtype == torch.int32 and found[1].tolist() == ids.tolist(), name
         result = mask(batch_size=1, mask_function=packed, allow_is_causal_skip=False)
         assert isinstance(result, torch.Tensor) and result.dtype == torch.int32, name   # the ids, no (N, N) mask
-        chunked = masking_utils.and_masks(form(chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long))),
-                                          masking_utils.packed_sequence_mask_function(ids))
-        result = mask(batch_size=1, mask_function=chunked, local_size=4, allow_is_causal_skip=False)
-        assert isinstance(result, torch.Tensor) and result.shape == (1, 1, 8, 8), name   # SDPA's boolean mask
+        window = masking_utils.and_masks(form(sliding_window_causal_mask_function(4)),
+                                         masking_utils.packed_sequence_mask_function(ids))
+        result = mask(batch_size=1, mask_function=window, local_size=4, allow_is_causal_skip=False)
+        assert isinstance(result, torch.Tensor) and result.dtype == torch.int32, name   # the config's window (4)
+        # not the kernels' masks: SDPA's boolean mask, the exact one (an image block OR-ed in, a key AND-ed out:
+        # neither shows at the few points a probe of the pattern would look at)
+        block = lambda b, h, i, j: (i >= 5) & (j >= 5)   # noqa: E731
+        not_key_6 = lambda b, h, i, j: j != 6   # noqa: E731
+        others = {"chunked": chunked_causal_mask_function(4, torch.zeros(1, dtype=torch.long)),
+                  "window + block": masking_utils.or_masks(sliding_window_causal_mask_function(4), block),
+                  "window - key 6": masking_utils.and_masks(sliding_window_causal_mask_function(4), not_key_6),
+                  "causal + block": masking_utils.or_masks(causal_mask_function, block)}
+        for other, pattern in others.items():
+            function = masking_utils.and_masks(form(pattern), masking_utils.packed_sequence_mask_function(ids))
+            result = mask(batch_size=1, mask_function=function, local_size=None if other.startswith("causal") else 4,
+                          allow_is_causal_skip=False)
+            exact = masking_utils.sdpa_mask(batch_size=1, q_length=8, kv_length=8, mask_function=function,
+                                            allow_is_causal_skip=False)
+            assert isinstance(result, torch.Tensor) and result.dtype == torch.bool, (name, other)
+            assert torch.equal(result, exact), (name, other)
 
 
 # ---- torch.compile ---------------------------------------------------------------------------

@@ -491,6 +491,30 @@ def test_modifier_inputs_are_checked_against_the_spec():
         fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 1.0})
     slots = fagen_torch._mod_slots(MOD_SPEC.canonical_json(), {"cap": 3, "slope": [1.0, 2.0, 3.0]})
     assert len(slots) == 8 and slots[0].shape == (3,) and slots[1:4] == [None] * 3 and slots[4:] == [3.0, 0, 0, 0]
+    assert fagen_torch._mod_slots(SPEC.canonical_json(), None) == []
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["ops", "compiled"])
+def test_a_call_without_the_inputs_its_spec_declares_is_refused(compiled, monkeypatch):
+    """Through the ops, a missing scalar input cannot be told from 0.0 (the dispatcher drops it like a default), so a
+    call that gives none of the declared inputs is refused by fagen.attention, not run with the cap at 0."""
+    from fagen.runtime import ArgumentError
+
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    scalar_only = fagen.Spec(head_dim=32, dtype="fp32", mask="causal", score_mod="cap * tanh(score / cap)",
+                             inputs={"cap": "scalar"}).canonical_json()
+
+    def fn(q, k, v):
+        return fagen.attention(q, k, v, scalar_only)
+
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    # (under torch.compile dynamo reports the error it saw while tracing, with its message)
+    with pytest.raises(Exception) as info:
+        fn(*_inputs())
+    assert "inputs: the spec declares ['cap'], got none" in str(info.value)
+    assert compiled or isinstance(info.value, ArgumentError)
 
 
 def test_flex_style_callables_with_torch_functions_become_spec_text():
