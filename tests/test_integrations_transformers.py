@@ -259,6 +259,86 @@ def test_mistral_sliding_window_maps_to_fagen_window(calls):
     assert all(c["window"] == 5 for c in calls.specs)
 
 
+def test_a_configs_window_applies_only_where_the_layer_takes_it():
+    """The window comes from the call, the module, or the config's layer_types naming the layer sliding; a config's
+    sliding_window alone is not the layer's (Moshi's and Kyutai's configs carry one their attention does not apply)."""
+    class Module:
+        def __init__(self, layer_types=None, layer_idx=0):
+            self.config = type("Config", (), {"sliding_window": 5, "layer_types": layer_types})()
+            self.layer_idx = layer_idx
+
+    assert fagen_hf._window(Module(), 7) == 7 and fagen_hf._window(Module(), None) is None   # the call's
+    assert fagen_hf._window(Module(), fagen_hf._NOT_GIVEN) is None
+    types = ["sliding_attention", "full_attention"]
+    assert fagen_hf._window(Module(types, 0), fagen_hf._NOT_GIVEN) == 5
+    assert fagen_hf._window(Module(types, 1), fagen_hf._NOT_GIVEN) is None
+
+
+def test_moshi_attends_to_every_earlier_token_as_its_sdpa_model_does(calls):
+    """Moshi's config has a sliding_window (3000 by default) that its attention does not apply. (Against its SDPA
+    model: transformers 5.17's eager Moshi differs from its own SDPA one.)"""
+    config_class = getattr(transformers, "MoshiConfig", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no Moshi")
+    config = config_class(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                          num_key_value_heads=4, ffn_dim=128, max_position_embeddings=256, sliding_window=5,
+                          audio_vocab_size=64, num_codebooks=2,
+                          depth_decoder_config=dict(hidden_size=64, num_hidden_layers=1, num_attention_heads=4, ffn_dim=128,
+                                                    audio_vocab_size=64, num_codebooks=2))
+    torch.manual_seed(0)
+    sdpa = transformers.MoshiForCausalLM._from_config(copy.deepcopy(config), attn_implementation="sdpa").eval()
+    ours = transformers.MoshiForCausalLM._from_config(copy.deepcopy(config), attn_implementation="fagen").eval()
+    ours.load_state_dict(sdpa.state_dict())
+    x = tokens(batch=1, seq=20)
+    with torch.no_grad():
+        assert max_error(sdpa(x, use_cache=False).logits, ours(x, use_cache=False).logits) < TOLERANCE
+    assert calls and all(call["spec"]["mask"] == "causal" for call in calls) and not fagen_hf.fallback_reasons()
+
+
+@pytest.mark.parametrize("name", ["BloomConfig", "XGLMConfig", "GPTNeoXJapaneseConfig"])
+def test_models_with_their_own_attention_code_get_their_masks_written_out(calls, name):
+    """Models whose attention is their own code build their causal masks through the mask interface all the same: a
+    mask skipped for fagen's kernels would leave them attending to the future. fagen_mask writes it out (the eager
+    mask they add to their scores) and says so once; the model then matches eager."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    config_class = getattr(transformers, name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {name}")
+    sizes = dict(vocab_size=VOCAB, hidden_size=64, n_embed=64, d_model=64, num_hidden_layers=2, n_layer=2, num_layers=2,
+                 num_attention_heads=4, n_head=4, attention_heads=4, intermediate_size=128, ffn_dim=128,
+                 max_position_embeddings=64, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    defaults = config_class().to_dict()
+    config = config_class(**{key: value for key, value in sizes.items() if key in defaults})
+    assert CONFIG_MAPPING[config.model_type] is config_class
+    eager, ours = model_pair(config)
+    x = tokens(batch=1, seq=16)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        with torch.no_grad():
+            assert max_error(eager(x).logits, ours(x).logits) < TOLERANCE
+    assert not calls and any("masks are written out" in str(w.message) for w in fallback_warnings(records))
+
+
+def test_bigbird_pegasus_decoder_stays_causal(calls):
+    """BigBirdPegasus uses the interface, but its decoder's self-attention modules say is_causal=False and it
+    supports neither SDPA nor the attention backend: its causal masks are written out, so its decoder stays causal."""
+    config_class = getattr(transformers, "BigBirdPegasusConfig", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no BigBirdPegasus")
+    config = config_class(vocab_size=VOCAB, d_model=64, decoder_layers=2, encoder_layers=2, decoder_attention_heads=2,
+                          encoder_attention_heads=2, decoder_ffn_dim=128, encoder_ffn_dim=128, max_position_embeddings=64,
+                          attention_type="original_full")
+    torch.manual_seed(0)
+    eager = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
+    ours = transformers.AutoModelForSeq2SeqLM.from_config(copy.deepcopy(config), attn_implementation="fagen").eval()
+    ours.load_state_dict(eager.state_dict())
+    x, d = tokens(batch=1, seq=16), tokens(batch=1, seq=10, seed=5)
+    with torch.no_grad():
+        assert max_error(eager(input_ids=x, decoder_input_ids=d).logits,
+                         ours(input_ids=x, decoder_input_ids=d).logits) < TOLERANCE
+
+
 def test_mistral_window_longer_than_the_sequence_runs_as_causal(calls):
     eager, ours = model_pair(tiny(MistralConfig, sliding_window=64))
     x = tokens(seq=16)
@@ -387,6 +467,30 @@ def test_sinks_run_on_fagen_through_its_lse(calls):
         assert max_error(g, w) < TOLERANCE
     with pytest.raises(ValueError, match="s_aux.*eager"):
         fagen_hf.attention_forward(Module(groups=2), q, k, v, None, s_aux=torch.zeros(3))
+
+
+def test_arguments_sdpa_would_drop_go_to_an_eager_function_that_takes_them_or_raise(calls, monkeypatch):
+    """A fallback with a keyword argument that changes the maths and that transformers' SDPA does not apply (a
+    per-token `sinks`, a sparse `block_indices`) goes to the module's eager_attention_forward where that takes it by
+    name, and raises where it does not: SDPA would drop it without a word."""
+    import sys
+
+    seen = []
+
+    def eager_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, sinks=None,
+                                **kwargs):
+        seen.append(sinks)
+        return query.transpose(1, 2), None
+
+    monkeypatch.setattr(sys.modules[Module.__module__], "eager_attention_forward", eager_attention_forward, raising=False)
+    q, k, v = qkv()
+    sinks = torch.zeros(2)
+    with warnings.catch_warnings(record=True):
+        warnings.simplefilter("always")
+        out, _ = fagen_hf.attention_forward(Module(), q, k, v, None, sinks=sinks)
+    assert seen == [sinks] and torch.equal(out, q.transpose(1, 2)) and not calls
+    with pytest.raises(ValueError, match="drop block_indices"):
+        fagen_hf.attention_forward(Module(), q, k, v, None, block_indices=torch.zeros(1, 1, 8, 2, dtype=torch.long))
 
 
 def test_gpt_oss_matches_eager_forward_and_backward(calls):

@@ -38,7 +38,7 @@ import warnings
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 from transformers.utils.import_utils import is_tracing
 
 import fagen.torch as fagen_torch
@@ -56,9 +56,14 @@ NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past
 _NOT_GIVEN = object()
 #: Calls with (query heads / KV heads) x Nq up to this many rows run the decode kernel (its plan's Br).
 DECODE_ROWS = 16
-#: Keyword arguments that change the maths and that transformers' SDPA path drops without a word: a call that
-#: falls back with one of them takes the model's eager attention function instead.
+#: Keyword arguments that change the maths and that the models' eager attention functions apply, where their
+#: signatures do not always name them (gpt-oss reads `s_aux`); transformers' SDPA path drops them without a word.
 SDPA_DROPS = ("softcap", "s_aux")
+#: The keyword arguments that change the maths which transformers' SDPA path does apply (or, for
+#: output_attentions, says it does not). A fallback with any other goes to the model's eager attention function
+#: where that takes it (SDPA_DROPS, or a parameter of that name: Inkling's `sinks`), else raises (MiniMax-M3's
+#: `block_indices`, whose sparse mask the model builds only for its own implementations).
+SDPA_HONOURS = frozenset({"position_bias", "output_attentions"})
 
 _warned: set[str] = set()
 
@@ -154,7 +159,9 @@ def _sinks(value, query):
 
 def _window(module, sliding_window):
     """The layer's sliding window, or None. Most models pass it per layer (None on full-attention
-    layers); a few keep it on the module; the rest build every layer's mask from the config's."""
+    layers); a few keep it on the module; otherwise the config's window applies only to a layer its
+    layer_types names "sliding_attention". (A config's sliding_window alone does not say the layer uses it:
+    Moshi's and Kyutai's configs carry one, 3000 and 375, that their attention does not apply.)"""
     if sliding_window is not _NOT_GIVEN:
         return sliding_window
     window = getattr(module, "sliding_window", _NOT_GIVEN)
@@ -162,13 +169,11 @@ def _window(module, sliding_window):
         return window
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
-    if window is None:
-        return None
     layer_types = getattr(config, "layer_types", None)
     layer = getattr(module, "layer_idx", None)
-    if layer_types is not None and layer is not None and layer < len(layer_types):
-        return window if layer_types[layer] == "sliding_attention" else None
-    return window
+    if window is None or layer_types is None or layer is None or not 0 <= layer < len(layer_types):
+        return None
+    return window if layer_types[layer] == "sliding_attention" else None
 
 
 def _softcap(value):
@@ -182,9 +187,7 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     """Why fagen cannot compute this call exactly, or None when it can."""
     if attention_mask is not None:
         return "an explicit attention mask (padding, packed sequences or a pattern fagen has no kernel for)"
-    changing = [name for name, value in kwargs.items()
-                if name not in NEUTRAL_KWARGS and value is not None and value is not False
-                and not (name == "softcap" and _softcap(value) is not None)]
+    changing = [name for name in _changing(kwargs) if not (name == "softcap" and _softcap(kwargs[name]) is not None)]
     if changing:
         return f"keyword arguments fagen does not implement: {', '.join(sorted(changing))}"
     if query.device.type not in DEVICE_TYPES:
@@ -202,6 +205,24 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     return None
 
 
+def _changing(kwargs) -> list:
+    """The keyword arguments of a call that change the attention's maths (given, and not NEUTRAL_KWARGS)."""
+    return [name for name, value in kwargs.items() if name not in NEUTRAL_KWARGS and value is not None
+            and value is not False]
+
+
+_eager_parameters: dict = {}
+
+
+def _parameters(function) -> frozenset:
+    names = _eager_parameters.get(function)
+    if names is None:
+        import inspect
+
+        names = _eager_parameters[function] = frozenset(inspect.signature(function).parameters)
+    return names
+
+
 def _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window, kwargs):
     """transformers' SDPA path, or the model's eager attention where SDPA would drop one of SDPA_DROPS; warned
     about once per reason.
@@ -210,13 +231,13 @@ def _fallback(reason, module, query, key, value, attention_mask, dropout, scalin
     and causal masks with Nq < Nk (bottom-right aligned), which SDPA's is_causal cannot express. Those
     get their mask written out (and every causal one for the eager function, which has no is_causal)."""
     seq_q, seq_k = query.shape[2], key.shape[2]
-    dropped = [name for name in SDPA_DROPS if kwargs.get(name) is not None]
+    dropped = [name for name in _changing(kwargs) if name not in SDPA_HONOURS]
     if dropped:
         eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
-        if eager is None:
+        if eager is None or not all(name in SDPA_DROPS or name in _parameters(eager) for name in dropped):
             raise ValueError(f"fagen attention cannot run this call ({reason}), and transformers' SDPA would drop "
                              f"{', '.join(dropped)}; {type(module).__name__}'s module has no eager_attention_forward "
-                             "to fall back on: use attn_implementation=\"eager\"")
+                             "taking it to fall back on: use attn_implementation=\"eager\"")
         _warn_once(f"{reason} (with {', '.join(dropped)}, which SDPA drops)", "the model's eager attention")
         if attention_mask is None and is_causal:
             attention_mask = bottom_right_mask(seq_q, seq_k, window, query.device)
@@ -265,6 +286,10 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is.
     SDPA's own skips are turned off: one of them (an empty static cache's prefill) relies on is_causal
     aligning at the top left, and fagen aligns at the bottom right."""
+    if not _takes_skipped_masks(config):   # (the model's own attention code adds the eager mask to its scores)
+        return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
+                          kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
+                          local_size=local_size, config=config, **kwargs)
     # (_no_padding reads the padding mask back to the host: once per call)
     if _bottom_right(q_length, kv_length, q_offset, kv_offset) and _no_padding(attention_mask, kv_offset, kv_length):
         if allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config):
@@ -278,6 +303,59 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, config=config, **kwargs)
+
+
+_model_checks: dict[str, bool] = {}
+
+
+def _takes_skipped_masks(config) -> bool:
+    """Whether the model of this config can be given no mask (or sequence ids) for fagen's kernels to apply: its
+    attention goes through AttentionInterface, and its modules' is_causal is what transformers' SDPA path relies on.
+    Not so for models whose attention is their own code (Bloom, XGLM, TrOCR, MVP, GPT-NeoX-Japanese: a skipped
+    causal mask would leave them attending to the future) or that support neither SDPA nor the attention backend
+    (BigBirdPegasus: its decoder's self-attention modules say is_causal=False). Those get every mask written out,
+    and fagen's attention, where it is called at all, falls back with it."""
+    return _config_module_takes_skipped_masks(type(config).__module__, type(config).__name__)
+
+
+def _config_module_takes_skipped_masks(config_module: str, config_name: str) -> bool:
+    # (read once per config class from the model's module, as transformers reads it in
+    # PreTrainedModel._can_set_attn_implementation; a config whose modeling module cannot be found, remote code,
+    # is taken as before: masks skipped)
+    taken = _model_checks.get(config_module)
+    if taken is None:
+        taken = _model_checks[config_module] = _model_module_takes_skipped_masks(config_module)
+    if not taken:
+        _warn(f"{config_name}'s model cannot be left a mask for fagen's kernels to apply (its attention is its own "
+              "code, or supports neither SDPA nor the attention backend): its masks are written out",
+              "the model's own attention or the fallback")
+    return taken
+
+
+# (torch.compile runs it while tracing, once per graph: it reads source files and warns)
+_config_module_takes_skipped_masks = fagen_torch.compile_constant(_config_module_takes_skipped_masks)
+
+
+def _model_module_takes_skipped_masks(config_module: str) -> bool:
+    import inspect
+    import re
+
+    from transformers import PreTrainedModel
+
+    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+    if module is None:
+        return True
+    try:
+        code = inspect.getsource(module)
+    except (OSError, TypeError):
+        return True
+    if re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE) and \
+            "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
+        return False
+    models = [value for value in vars(module).values()
+              if isinstance(value, type) and issubclass(value, PreTrainedModel) and value.__module__ == module.__name__]
+    return not models or any(getattr(model, "_supports_sdpa", False) or getattr(model, "_supports_attention_backend",
+                                                                                  False) for model in models)
 
 
 #: The mask_mod of packed sequences (fagen_mask's ids are its input `doc`).
