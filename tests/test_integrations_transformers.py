@@ -259,19 +259,43 @@ def test_mistral_sliding_window_maps_to_fagen_window(calls):
     assert all(c["window"] == 5 for c in calls.specs)
 
 
-def test_a_configs_window_applies_only_where_the_layer_takes_it():
-    """The window comes from the call, the module, or the config's layer_types naming the layer sliding; a config's
-    sliding_window alone is not the layer's (Moshi's and Kyutai's configs carry one their attention does not apply)."""
+def test_a_configs_window_applies_only_where_the_layer_takes_it(monkeypatch):
+    """The window comes from the call, the module, the config's layer_types naming the layer sliding, or else the
+    pattern the mask function left to the kernels (the model builds one for every layer): a config's
+    sliding_window alone is not the layer's (Moshi's and Kyutai's configs carry one their causal masks do not
+    apply; PhiMoE's sliding masks do)."""
     class Module:
         def __init__(self, layer_types=None, layer_idx=0):
             self.config = type("Config", (), {"sliding_window": 5, "layer_types": layer_types})()
             self.layer_idx = layer_idx
 
     assert fagen_hf._window(Module(), 7) == 7 and fagen_hf._window(Module(), None) is None   # the call's
-    assert fagen_hf._window(Module(), fagen_hf._NOT_GIVEN) is None
     types = ["sliding_attention", "full_attention"]
     assert fagen_hf._window(Module(types, 0), fagen_hf._NOT_GIVEN) == 5
     assert fagen_hf._window(Module(types, 1), fagen_hf._NOT_GIVEN) is None
+    left = {}
+    monkeypatch.setattr(fagen_hf, "_left_to_kernels", left)
+    assert fagen_hf._window(Module(), fagen_hf._NOT_GIVEN) == 5          # no mask function ran: the config's
+    for pattern, window in ((causal_mask_function, None), (sliding_window_causal_mask_function(4), 4)):   # (mask()'s
+        # config has window 4)
+        assert mask(mask_function=pattern, local_size=window) is None
+        assert left == {"window": window} and fagen_hf._window(Module(), fagen_hf._NOT_GIVEN) == window
+        assert fagen_hf._window(Module(types, 1), fagen_hf._NOT_GIVEN) is None   # layer_types first
+
+
+@pytest.mark.parametrize("config_name, window", [("PhimoeConfig", 5), ("PhimoeConfig", None)])
+def test_models_that_build_one_mask_for_every_layer_get_its_window(calls, config_name, window):
+    """PhiMoE passes no window to its attention: its layers get the one its mask says (sliding where the config has a
+    window, causal where it has none)."""
+    config_class = getattr(transformers, config_name, None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
+    config = tiny(config_class, sliding_window=window, num_local_experts=4, num_experts_per_tok=2,
+                  pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    eager, ours = model_pair(config)
+    assert_training_step_matches(eager, ours, tokens(seq=20))
+    assert not fagen_hf.fallback_reasons() and len(calls) == 2
+    assert all(call["spec"]["mask"] == ("sliding_window" if window else "causal") for call in calls)
 
 
 def test_moshi_attends_to_every_earlier_token_as_its_sdpa_model_does(calls):

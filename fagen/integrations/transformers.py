@@ -157,11 +157,19 @@ def _sinks(value, query):
     return None
 
 
+#: What fagen_mask last left to the kernels: {"window": the pattern's window, None for plain causal}; empty where
+#: it wrote the mask out. (A model that passes no window to its attention builds one mask type for every layer,
+#: so the last one is the one; a module global, not per thread, so that activation checkpointing's recompute on
+#: autograd's thread reads what the forward did.)
+_left_to_kernels: dict = {}
+
+
 def _window(module, sliding_window):
     """The layer's sliding window, or None. Most models pass it per layer (None on full-attention
-    layers); a few keep it on the module; otherwise the config's window applies only to a layer its
-    layer_types names "sliding_attention". (A config's sliding_window alone does not say the layer uses it:
-    Moshi's and Kyutai's configs carry one, 3000 and 375, that their attention does not apply.)"""
+    layers); a few keep it on the module; models with layer_types name the layer's kind there. The rest build one
+    mask for every layer from the config, causal or sliding (PhiMoE's create_sliding_window_causal_mask where its
+    config has a window): the pattern fagen_mask left to the kernels says which. A config's sliding_window alone
+    does not: Moshi's and Kyutai's configs carry one (3000, 375) that their causal masks do not apply."""
     if sliding_window is not _NOT_GIVEN:
         return sliding_window
     window = getattr(module, "sliding_window", _NOT_GIVEN)
@@ -169,11 +177,14 @@ def _window(module, sliding_window):
         return window
     config = getattr(module, "config", None)
     window = getattr(config, "sliding_window", None)
+    if window is None:
+        return None
     layer_types = getattr(config, "layer_types", None)
     layer = getattr(module, "layer_idx", None)
-    if window is None or layer_types is None or layer is None or not 0 <= layer < len(layer_types):
-        return None
-    return window if layer_types[layer] == "sliding_attention" else None
+    if layer_types is not None and layer is not None and 0 <= layer < len(layer_types):
+        return window if layer_types[layer] == "sliding_attention" else None
+    # (no mask function ran: a direct call with no mask, as before, the config's window)
+    return _left_to_kernels.get("window", window)
 
 
 def _softcap(value):
@@ -290,15 +301,18 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                           kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                           local_size=local_size, config=config, **kwargs)
+    _left_to_kernels.clear()
     # (_no_padding reads the padding mask back to the host: once per call)
     if _bottom_right(q_length, kv_length, q_offset, kv_offset) and _no_padding(attention_mask, kv_offset, kv_length):
         if allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config):
+            _left_to_kernels["window"] = local_size
             return None
         packed = _packed_sequences(mask_function, kv_length)
         # (transformers clears allow_is_causal_skip for every packed mask, overlays or not: the pattern's structure
         # has to be transformers' own causal or sliding-window function, which a probe of a few points cannot tell
         # from one with an image block or another overlay OR-ed or AND-ed in)
         if packed is not None and _is_kernel_pattern(packed[0], local_size, config, exact=True):
+            _left_to_kernels["window"] = local_size
             return packed[1]
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
