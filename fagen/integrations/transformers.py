@@ -52,7 +52,7 @@ HEAD_DIMS = frozenset(range(1, 257))   # the spec's head_dim: any from 1 to 256
 #: Keyword arguments transformers passes along that do not change the attention maths.
 NEUTRAL_KWARGS = frozenset({"position_ids", "cache_position", "use_cache", "past_key_values", "position_embeddings",
                             "output_hidden_states", "output_router_logits", "return_dict", "num_items_in_batch",
-                            "layer_idx", "max_length_q", "max_length_k"})
+                            "layer_idx", "max_length_q", "max_length_k", "logits_to_keep"})
 _NOT_GIVEN = object()
 #: Calls with (query heads / KV heads) x Nq up to this many rows run the decode kernel (its plan's Br).
 DECODE_ROWS = 16
