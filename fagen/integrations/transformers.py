@@ -27,8 +27,10 @@ use_cache=False, or every attention implementation attends across the sequences'
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process -- except
-calls with soft-capping or sinks, which SDPA would drop without a word: those go to the model's own
-eager attention function (and where a model has none, fagen raises rather than answer wrongly).
+calls with an argument SDPA would drop without a word (soft-capping, sinks, sparse indices): those go to the
+model's own eager attention function where it takes the argument, and raise where none does rather than answer
+wrongly. Models whose attention is their own code (Bloom, ...) get every mask written out: no kernel of fagen's
+would apply a mask left to it.
 """
 from __future__ import annotations
 
