@@ -170,7 +170,9 @@ FAMILIES: tuple[Family, ...] = (
            # mask 8 x 8 x 1024 186 -> 183, 16 x 16 x 1024 709 -> 700, 2 x 16 x 3001 710 -> 647; causal 4 x 16 x 4096
            # 1311 -> 1221. (96 keys: 187, 716, 709, 1330.)
            # Not where a mask_mod reads run-time summaries (document ids: ptxas spilled 8-80 B at 255 registers).
-           timed_first=((64, 64, 128, 4), (192, 128, 112, 8)),
+           # d = 128: 64 x 64 at two blocks is the plan of the specs forward_wgmma_ws leaves to this family (mask_mods
+           # reading inputs at key positions; timed there, see forward_wgmma_ws's spec_rules)
+           timed_first=((64, 64, 128, 4), (192, 128, 112, 8), (128, 64, 64, 4)),
            extra_tiles=((128, 112, "Bc = 112 only at d = 192 (and what pads to it), without a mask_mod read through "
                                    "run-time summaries (spills)", lambda spec: not spec.modifiers.summaries),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
@@ -197,7 +199,16 @@ FAMILIES: tuple[Family, ...] = (
                   # O and S accumulators, P~ in pairs, 32 of state: the consumers' 224 registers
                   ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
                    lambda r, c, hd, w: r * hd / (32 * (w - 4)) + 3 * r * c / (64 * (w - 4)) + 32 <= 224),
-                  ("d = 128 (timed faster there only)", lambda r, c, hd, w: hd == 128))),
+                  ("d = 128 (timed faster there only)", lambda r, c, hd, w: hd == 128)),
+           # A mask_mod reading inputs at key positions (packed documents) leaves a row block few visible key blocks,
+           # and one 128-row block per SM leaves each block's start and end exposed: forward_wgmma's 64 x 64 at two
+           # blocks of one warpgroup was faster (H200, bf16, d = 128, doc[b, i] == doc[b, j] with the bench's
+           # document ids, dev/gpu/plans_documents_d128.txt and plans_mods_d128_small.txt, forward us, this family
+           # -> 64 x 64): documents of about 128 tokens (16 x 16 x 1024) 204 -> 145, about 256 (4 x 16 x 2048) 121 ->
+           # 95, about 1024 (4 x 16 x 8192) 663 -> 642, about 2048 (1 x 16 x 16384) 449 -> 477. Masks without such
+           # inputs kept this family: prefix-LM 156 -> 193 at 2048, dilated 162 -> 207, causal 195 -> 207.
+           spec_rules=(("not a mask_mod that reads inputs at key positions (documents: forward_wgmma's 64 x 64 at two "
+                        "blocks, timed faster)", lambda spec: not spec.modifiers.mask_reads_keys),)),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
     # registers; shared memory holds Q_i and two cp.async stages of K_j, V_j, rows padded by 16 bytes.
     Family("forward_fa2_mma", "forward_fa2_mma.cu.j2", ("forward",),

@@ -211,32 +211,45 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
             assert call.launches[0][4].endswith("_summary")
 
 
-@pytest.mark.parametrize("head_dim", [64, 96, 128])
-def test_tile_walk_past_one_block_of_tiles(head_dim):
+@pytest.mark.parametrize("head_dim, mask_mod", [(64, "documents"), (96, "documents"), (128, "documents"),
+                                               (128, "window_sinks")])
+def test_tile_walk_past_one_block_of_tiles(head_dim, mask_mod):
     """A block classifies THREADS tiles at a time (TileWalk); a longer walk refills its bits. At N = 20000 the
     d = 64 forward walks 157 key tiles (Bc = 128, 128 threads), the d = 96 backward 313 query tiles (Br = 64,
-    128 threads) and the d = 128 warp-specialized forward 157 key tiles (its producer's 128 threads): o, dq, dk, dv against SDPA in fp32 with the same mask as a boolean tensor (causal, within
-    documents that cross the refill boundaries)."""
+    128 threads), the d = 128 documents forward 313 key tiles (forward_wgmma, Bc = 64) and the d = 128
+    warp-specialized forward (a window with sinks, which reads no input) 157 key tiles (its producer's 128
+    threads): o, dq, dk, dv against SDPA in fp32 with the same mask as a boolean tensor (causal, within documents
+    that cross the refill boundaries; or a band of 3000 keys and the first 4, whose tiles change class across
+    them)."""
     import torch
     import torch.nn.functional as F
 
     from fagen.runtime import compile as compile_spec
 
-    spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
-    kernel = compile_spec(spec)
-    if head_dim == 128:   # the warp-specialized forward's producer walks alone
-        assert kernel.solution.plans["forward"].family == "forward_wgmma_ws"
     seq = 20000
-    lengths = [7000, 1, 9500, seq - 16501]   # boundaries inside the first and second chunk of tiles
-    doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda", dtype=torch.int32),
-                                  torch.tensor(lengths, device="cuda"))[None]
+    positions = torch.arange(seq, device="cuda")
+    causal = positions[None, :] <= positions[:, None]
+    if mask_mod == "documents":
+        spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]",
+                    inputs={"doc": "int32"})
+        lengths = [7000, 1, 9500, seq - 16501]   # boundaries inside the first and second chunk of tiles
+        doc = torch.repeat_interleave(torch.arange(len(lengths), device="cuda", dtype=torch.int32),
+                                      torch.tensor(lengths, device="cuda"))[None]
+        inputs = {"doc": doc}
+        allowed = causal & (doc[0][:, None] == doc[0][None, :])
+    else:
+        spec = Spec(head_dim=head_dim, dtype="bf16", mask_mod="j <= i and (i - j < 3000 or j < 4)")
+        inputs = None
+        allowed = causal & ((positions[:, None] - positions[None, :] < 3000) | (positions[None, :] < 4))
+    kernel = compile_spec(spec)
+    if head_dim == 128:   # documents: forward_wgmma's 64 x 64 (timed faster); otherwise the warp-specialized forward
+        expected = "forward_wgmma" if mask_mod == "documents" else "forward_wgmma_ws"
+        assert kernel.solution.plans["forward"].family == expected
     q, k, v = _qkv(batch=1, heads=2, seq=seq, d=head_dim)
     do = torch.randn_like(q)
-    o, lse = kernel.forward(q, k, v, inputs={"doc": doc})
-    dq, dk, dv = kernel.backward(q, k, v, o, lse, do, inputs={"doc": doc})
+    o, lse = kernel.forward(q, k, v, inputs=inputs)
+    dq, dk, dv = kernel.backward(q, k, v, o, lse, do, inputs=inputs)
 
-    positions = torch.arange(seq, device="cuda")
-    allowed = (positions[None, :] <= positions[:, None]) & (doc[0][:, None] == doc[0][None, :])
     q32, k32, v32 = (t.float().requires_grad_(True) for t in (q, k, v))
     ref = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=allowed)
     ref.backward(do.float())

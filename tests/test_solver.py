@@ -509,16 +509,24 @@ def test_warpgroup_wide_backward_at_head_dims_of_whole_panels(head_dim, panel_by
 
 def test_the_warp_specialized_forward_takes_d_128():
     """forward_wgmma_ws where it was timed faster (d = 128 on sm_90, any mask kind, dropout, packed, a
-    score_mod, a mask_mod: its producer walks the tiles and hands the walk over); other head dims and sm_80 keep
-    their families."""
+    score_mod, a mask_mod reading nothing at key positions: its producer walks the tiles and hands the walk over);
+    other head dims and sm_80 keep their families. A mask_mod reading inputs at key positions (documents) takes
+    forward_wgmma's 64 x 64 at two blocks, timed faster there."""
     target = target_for("sm_90")
     for extra in ({}, {"mask": "causal", "dropout": 0.1}, {"layout": "packed"}, {"mask": "sliding_window", "window": 300},
                   {"score_mod": "30 * tanh(score / 30)"}, {"head_dim": 100}, {"mask": "causal", "mask_mod": "i >= j - 64"},
-                  {"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}, "dropout": 0.1},
                   {"mask_mod": "j < prefix[b] or j <= i", "inputs": {"prefix": "int32"}, "layout": "packed"}):
         plan = solve(Spec(**{"head_dim": 128, "dtype": "bf16", **extra}), target).plans["forward"]
         assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("forward_wgmma_ws", 128, 128, 12, 128)
         assert plan.resident_warps == 12   # one block: all 64 K registers, split by setmaxnreg
+    documents = {"mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}}
+    for extra in ({}, {"dropout": 0.1}, {"layout": "packed"}, {"head_dim": 112}, {"mask": "sliding_window", "window": 512}):
+        plan = solve(Spec(**{"head_dim": 128, "dtype": "bf16", **documents, **extra}), target).plans["forward"]
+        assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("forward_wgmma", 64, 64, 4, 128)
+        assert plan.resident_warps == 8   # two blocks of one warpgroup
+    _, broken = evaluate(family_named("forward_wgmma_ws"), Spec(head_dim=128, dtype="bf16", **documents), target,
+                         "forward", 128, 128, 12)
+    assert broken and all("key positions" in b for b in broken)
     plan, broken = evaluate(family_named("forward_wgmma_ws"), Spec(head_dim=64, dtype="bf16", mask_mod="i >= j"), target,
                             "forward", 128, 128, 12)
     assert broken and all("d = 128" in b for b in broken)

@@ -49,9 +49,12 @@ SPECS = [
     Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
     # a mask_mod on the warp-specialized backward (the producer's walk handed over with each stage)
     Spec(head_dim=64, dtype="fp16", mask_mod="j <= i and (i - j < 100 or j < 4)"),
-    # ... and on the warp-specialized d = 128 forward, a document mask tested ahead of the tile, packed (spare rows)
+    # ... a document mask at d = 128, packed (spare rows): forward_wgmma's 64 x 64 at two blocks, tested ahead
     Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"},
          layout="packed"),
+    # ... and on the warp-specialized d = 128 forward, a mask_mod with a per-batch input, packed (the producer's
+    # walk handed over with each stage, spare rows)
+    Spec(head_dim=128, dtype="bf16", mask_mod="j < prefix[b] or j <= i", inputs={"prefix": "int32"}, layout="packed"),
     Spec(head_dim=128, dtype="bf16", score_mod="cap * tanh(score / cap) + bias[h, i - j]",
          inputs={"cap": "scalar", "bias": "float32"}, dropout=0.1),
     # score_mod input gradients (fagen.testing asks for them): per-head sums of a derivative that reads the score
