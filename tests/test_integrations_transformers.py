@@ -202,6 +202,32 @@ def test_packed_sequences_run_as_a_document_mask_and_match_eager(calls, config_c
         assert ids.dtype == torch.int32 and ids[0].tolist() == [0] * 5 + [1] + [2] * 9 + [3] * 3
 
 
+def test_llama4_chunked_attention_runs_as_a_document_mask_of_chunks_and_matches_eager(calls):
+    """Llama 4's chunked-attention layers (attend within the query's chunk of attention_chunk_size positions,
+    causally) run on fagen as the documents mask_mod with each position's chunk id; its full-attention layer as
+    plain causal. Forward and backward against the eager model, no fallback."""
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, intermediate_size_mlp=256,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                              max_position_embeddings=256, attention_chunk_size=4, num_local_experts=2)
+    assert config.layer_types.count("chunked_attention") == 3
+    eager, ours = model_pair(config)
+    x = tokens(seq=13)
+    with warnings.catch_warnings(record=True) as records:
+        warnings.simplefilter("always")
+        expected, got = eager(x, use_cache=False).logits, ours(x, use_cache=False).logits
+        assert max_error(got, expected) < TOLERANCE
+        expected.square().sum().backward()
+        got.square().sum().backward()
+    assert not fallback_warnings(records) and not fagen_hf.fallback_reasons()
+    grads = [(a.grad, b.grad) for a, b in zip(eager.parameters(), ours.parameters()) if a.grad is not None]
+    assert grads and max(max_error(a, b) for a, b in grads) < 1e-3
+    documents = [call for call in calls if call["spec"].get("mask_mod") == fagen_hf.DOCUMENT_MASK]
+    assert len(documents) == 3 and len(calls) == 4   # 3 chunked layers, 1 full (the reference differentiates itself)
+    assert all(call["inputs"]["doc"][0].tolist() == [p // 4 for p in range(13)] for call in documents)
+
+
 def test_gemma2_soft_capping_runs_as_a_score_mod_and_matches_eager(calls):
     """Gemma 2's attention logit soft-capping (and its alternating sliding-window layers) on fagen:
     the cap becomes the spec's score_mod, whose backward sympy derives; no fallback."""
@@ -592,6 +618,17 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
     assert materialised(mask(allow_is_causal_skip=False))
     chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
     assert materialised(mask(mask_function=chunked, local_size=4))           # chunked attention is not a window
+    # ... but where the config's attention_chunk_size says it is the model's chunked attention, over a whole
+    # sequence: each position's chunk id, for the documents mask_mod (no (N, N) mask)
+    chunk_config = tiny(LlamaConfig, attention_chunk_size=4)
+    ids = mask(mask_function=chunked, local_size=4, config=chunk_config)
+    assert ids.dtype == torch.int32 and ids.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1]] * 2
+    assert mask(mask_function=chunked, local_size=4, config=chunk_config, kv_length=4, q_length=4) is None  # one chunk
+    assert materialised(mask(mask_function=chunked, local_size=4, config=chunk_config, q_length=4, kv_length=12,
+                             q_offset=8), 4, 12)                             # after a cache: written out
+    assert materialised(mask(mask_function=chunked, local_size=4, config=chunk_config, attention_mask=padded[:, :8]))
+    assert materialised(mask(mask_function=chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
+                             local_size=4, config=chunk_config))
     assert materialised(mask(mask_function=window, local_size=4, config=tiny(LlamaConfig)))
     assert materialised(mask(mask_function=sliding_window_causal_mask_function(3), local_size=4))
 

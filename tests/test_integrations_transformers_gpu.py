@@ -207,6 +207,25 @@ def test_packed_sequences_match_sdpa_with_the_packed_mask(fagen_calls):
     assert fagen_calls and all('"mask_mod": "doc[b, i] == doc[b, j]"' in spec for spec in fagen_calls)
 
 
+def test_llama4_chunked_attention_matches_sdpa(fagen_calls):
+    """Llama 4's chunked-attention layers as the documents mask_mod over chunk ids (chunks of 128 at d = 128; SDPA
+    gets transformers' (N, N) chunked mask), its full-attention layer as causal."""
+    from transformers import Llama4TextConfig
+
+    config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, intermediate_size_mlp=1024,
+                              num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
+                              max_position_embeddings=4096, attention_chunk_size=128, num_local_experts=2)
+    nets = models(config)
+    x = batch()
+    with torch.no_grad():
+        logits = {name: model(x, use_cache=False).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"], logits["fp32"])
+    sdpa_error = relative_error(logits["sdpa"], logits["fp32"])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+    chunked = [spec for spec in fagen_calls if '"mask_mod": "doc[b, i] == doc[b, j]"' in spec]
+    assert len(chunked) == 3 and len(fagen_calls) == 4
+
+
 def test_gemma2_soft_capping_matches_eager(fagen_calls):
     """Gemma 2's logit soft-capping as fagen's score_mod (transformers' SDPA ignores softcap, so the
     float32 reference is the eager implementation)."""

@@ -24,6 +24,8 @@ derived, and attention_forward runs the spec's causal (or window) mask AND the m
 run-time summaries). Nothing is read back to the host, and no (N, N) mask is built. (transformers
 looks for packed sequences only when the model makes no KV cache: train on packed rows with
 use_cache=False, or every attention implementation attends across the sequences' boundaries.)
+Llama 4's chunked attention over a whole sequence (no cache before it) goes the same way: the ids are each
+position's chunk, position // attention_chunk_size.
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process -- except
@@ -296,7 +298,8 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
     else SDPA's boolean mask (B, 1, Nq, Nk).
 
     transformers passes allow_is_causal_skip=True only for its plain patterns (causal, sliding window,
-    chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is.
+    chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is. Chunked
+    attention and packed sequences return (B, N) int32 ids instead (chunks, sequences) for the documents mask_mod.
     SDPA's own skips are turned off: one of them (an empty static cache's prefill) relies on is_causal
     aligning at the top left, and fagen aligns at the bottom right."""
     if not _takes_skipped_masks(config):   # (the model's own attention code adds the eager mask to its scores)
@@ -309,6 +312,10 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         if allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config):
             _left_to_kernels["window"] = local_size
             return None
+        chunks = _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset, kv_offset, batch_size)
+        if chunks is not None:
+            _left_to_kernels["window"] = None
+            return chunks if chunks.numel() else None
         packed = _packed_sequences(mask_function, kv_length)
         # (transformers clears allow_is_causal_skip for every packed mask, overlays or not: the pattern's structure
         # has to be transformers' own causal or sliding-window function, which a probe of a few points cannot tell
@@ -414,6 +421,36 @@ def _packed_sequences(mask_function, kv_length: int):
     if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[-1] != kv_length:
         return None
     return pattern, ids.to(torch.int32)
+
+
+def _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset, kv_offset, batch_size):
+    """Llama 4's chunked attention, when mask_function is exactly transformers' chunked_causal_mask_function for
+    the config's attention_chunk_size, over a whole sequence (no cache before it, no padding: checked by the
+    caller): the (B, N) int32 ids of each position's chunk, position // chunk, which the documents mask_mod
+    (causal, and within one chunk) turns into that mask. An empty tensor where one chunk covers every key (plain
+    causal). None otherwise (a chunk after a cache, decoding: the mask is written out). Read from the closures, in
+    eager mode only, as _packed_sequences."""
+    chunk = getattr(config, "attention_chunk_size", None)
+    if (is_tracing() or chunk is None or local_size != chunk or getattr(mask_function, "__name__", None) != "and_mask"
+            or not mask_function.__closure__):
+        return None
+    parts = _closure(mask_function).get("mask_functions")
+    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+        return None
+    overlay = parts[0]
+    if getattr(overlay, "__qualname__", None) != "chunked_overlay.<locals>.inner_mask":
+        return None
+    fields = _closure(overlay)
+    left_padding = fields.get("left_padding")
+    if fields.get("chunk_size") != chunk or not isinstance(left_padding, torch.Tensor):
+        return None
+    if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or q_offset or kv_offset \
+            or q_length != kv_length:
+        return None
+    if kv_length <= chunk:
+        return torch.empty(0, dtype=torch.int32)
+    ids = torch.arange(kv_length, device=left_padding.device, dtype=torch.int32) // chunk
+    return ids.expand(batch_size, kv_length).contiguous()
 
 
 def _closure(function) -> dict:
