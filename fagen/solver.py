@@ -206,7 +206,8 @@ FAMILIES: tuple[Family, ...] = (
            # document ids, dev/gpu/plans_documents_d128.txt and plans_mods_d128_small.txt, forward us, this family
            # -> 64 x 64): documents of about 128 tokens (16 x 16 x 1024) 204 -> 145, about 256 (4 x 16 x 2048) 121 ->
            # 95, about 1024 (4 x 16 x 8192) 663 -> 642, about 2048 (1 x 16 x 16384) 449 -> 477. Masks without such
-           # inputs kept this family: prefix-LM 156 -> 193 at 2048, dilated 162 -> 207, causal 195 -> 207.
+           # inputs kept this family: prefix-LM 156 -> 193 at 2048, dilated 162 -> 207, causal 195 -> 207. (Other
+           # mask_mods reading at key positions, a table over i - j, follow the documents mask here untimed.)
            spec_rules=(("not a mask_mod that reads inputs at key positions (documents: forward_wgmma's 64 x 64 at two "
                         "blocks, timed faster)", lambda spec: not spec.modifiers.mask_reads_keys),)),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
