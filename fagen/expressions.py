@@ -1631,7 +1631,8 @@ class Modifiers:
         """Does the mask_mod read an input at a key position (doc[b, j], t[h, i - j])? Tested per score, a thread
         reads one value per key column it holds (32 on a 128-key tile), so the wgmma forwards test such a mask_mod
         ahead of the tile's scores: forward_wgmma where that gives it a third resident block (the solver's
-        key_mask_mod_registers), forward_wgmma_ws always (MASK_READS_KEYS in the generated struct)."""
+        key_mask_mod_registers), forward_wgmma_ws always (MASK_READS_KEYS in the generated struct; the solver gives
+        such specs forward_wgmma's 64 x 64 at d = 128 instead, so only a forced plan runs it there)."""
         return self.mask is not None and any(J in load.free_symbols for load in self.mask.atoms(sp.Indexed))
 
     def _light(self, expr) -> bool:

@@ -226,6 +226,12 @@ def test_llama4_chunked_attention_runs_as_a_document_mask_of_chunks_and_matches_
     documents = [call for call in calls if call["spec"].get("mask_mod") == fagen_hf.DOCUMENT_MASK]
     assert len(documents) == 3 and len(calls) == 4   # 3 chunked layers, 1 full (the reference differentiates itself)
     assert all(call["inputs"]["doc"][0].tolist() == [p // 4 for p in range(13)] for call in documents)
+    # a prefill into a cache (no cache before it) goes the same way
+    calls.clear()
+    with torch.no_grad():
+        assert max_error(ours(x).logits, eager(x).logits) < TOLERANCE
+    assert sum(call["spec"].get("mask_mod") == fagen_hf.DOCUMENT_MASK for call in calls) == 3
+    assert not fagen_hf.fallback_reasons()
 
 
 def test_gemma2_soft_capping_runs_as_a_score_mod_and_matches_eager(calls):
@@ -629,6 +635,10 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
     assert materialised(mask(mask_function=chunked, local_size=4, config=chunk_config, attention_mask=padded[:, :8]))
     assert materialised(mask(mask_function=chunked_causal_mask_function(3, torch.zeros(2, dtype=torch.long)),
                              local_size=4, config=chunk_config))
+    # the chunks counted from each row's left padding, as transformers' overlay counts them (a direct call: through
+    # transformers the padding mask would have been written out above)
+    shifted = mask(mask_function=chunked_causal_mask_function(4, torch.tensor([0, 3])), local_size=4, config=chunk_config)
+    assert shifted.tolist() == [[0, 0, 0, 0, 1, 1, 1, 1], [-1, -1, -1, 0, 0, 0, 0, 1]]
     assert materialised(mask(mask_function=window, local_size=4, config=tiny(LlamaConfig)))
     assert materialised(mask(mask_function=sliding_window_causal_mask_function(3), local_size=4))
 

@@ -208,13 +208,14 @@ def test_packed_sequences_match_sdpa_with_the_packed_mask(fagen_calls):
 
 
 def test_llama4_chunked_attention_matches_sdpa(fagen_calls):
-    """Llama 4's chunked-attention layers as the documents mask_mod over chunk ids (chunks of 128 at d = 128; SDPA
-    gets transformers' (N, N) chunked mask), its full-attention layer as causal."""
+    """Llama 4's chunked-attention layers as the documents mask_mod over chunk ids (chunks of 100 at d = 128, so that
+    chunk boundaries fall inside the kernels' tiles; SDPA gets transformers' (N, N) chunked mask), its
+    full-attention layer as causal."""
     from transformers import Llama4TextConfig
 
     config = Llama4TextConfig(vocab_size=VOCAB, hidden_size=512, intermediate_size=1024, intermediate_size_mlp=1024,
                               num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=128,
-                              max_position_embeddings=4096, attention_chunk_size=128, num_local_experts=2)
+                              max_position_embeddings=4096, attention_chunk_size=100, num_local_experts=2)
     nets = models(config)
     x = batch()
     with torch.no_grad():

@@ -447,10 +447,13 @@ def _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset,
     if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or q_offset or kv_offset \
             or q_length != kv_length:
         return None
+    # (transformers derives left_padding from the padding mask the caller found free of padding, so it is 0; one
+    # chunk covering every key is then plain causal. The ids below still count each row's chunks from its
+    # left_padding, as chunked_overlay does, which costs nothing: no read back to the host)
     if kv_length <= chunk:
         return torch.empty(0, dtype=torch.int32)
-    ids = torch.arange(kv_length, device=left_padding.device, dtype=torch.int32) // chunk
-    return ids.expand(batch_size, kv_length).contiguous()
+    positions = torch.arange(kv_length, device=left_padding.device)[None, :] - left_padding.reshape(-1, 1)
+    return (positions // chunk).to(torch.int32).expand(batch_size, kv_length).contiguous()
 
 
 def _closure(function) -> dict:
