@@ -39,13 +39,14 @@ def calls(monkeypatch):
     """fagen attention on the CPU through the reference below; every call recorded."""
     recorded = Calls()
 
-    def reference(q, k, v, spec, *, seed=0, offset=0, inputs=None, return_lse=False):
+    def reference(q, k, v, spec, *, seed=0, offset=0, inputs=None, kv_lengths=None, return_lse=False):
         assert isinstance(spec, str), "the integration passes the spec as a JSON string (torch.compile folds it)"
         fields = json.loads(spec)
         spec_from_dict(fields)  # a valid fagen spec, or this raises
         recorded.append({"spec": fields, "q": tuple(q.shape), "k": tuple(k.shape), "v": tuple(v.shape),
-                         "seed": seed, "offset": offset, "inputs": inputs, "return_lse": return_lse})
-        return reference_attention(q, k, v, fields, inputs, return_lse)
+                         "seed": seed, "offset": offset, "inputs": inputs, "kv_lengths": kv_lengths,
+                         "return_lse": return_lse})
+        return reference_attention(q, k, v, fields, inputs, return_lse, kv_lengths)
 
     fagen_hf.register()
     fagen_hf.reset_fallbacks()
@@ -55,7 +56,7 @@ def calls(monkeypatch):
     fagen_hf.reset_fallbacks()
 
 
-def reference_attention(q, k, v, fields, inputs=None, return_lse=False):
+def reference_attention(q, k, v, fields, inputs=None, return_lse=False, kv_lengths=None):
     """softmax(scale * Q K^T + mask) V in float64, with fagen's masks (bottom-right aligned) and the
     packed-sequence mask_mod the integration uses (doc[b, i] == doc[b, j]); with return_lse, (o, lse) as
     fagen.attention returns them (lse float32, differentiable)."""
@@ -67,12 +68,18 @@ def reference_attention(q, k, v, fields, inputs=None, return_lse=False):
     distance = torch.arange(seq_q)[:, None] + (seq_k - seq_q) - torch.arange(seq_k)[None, :]
     visible = {"none": lambda: torch.ones_like(distance, dtype=torch.bool),
                "causal": lambda: distance >= 0,
-               "sliding_window": lambda: (distance >= 0) & (distance < fields.get("window", 0))}[fields["mask"]]()
+               "sliding_window": lambda: (distance >= 0) & (distance < fields.get("window", 0)),
+               "padding": lambda: torch.arange(seq_k)[None, None, None, :] < kv_lengths[:, None, None, None]
+               }[fields["mask"]]()
     if "score_mod" in fields:   # the integration's soft-capping: "C * tanh(score / C)"
         cap = float(fields["score_mod"].split(" * ")[0])
         assert fields["score_mod"] == f"{cap!r} * tanh(score / {cap!r})"
         scores = cap * torch.tanh(scores / cap)
-    if "mask_mod" in fields:
+    if fields.get("mask_mod") == fagen_hf.CACHE_MASK:   # a static cache's rows: j <= i + end[b] - Nq
+        assert fields["inputs"] == {"end": "int32"}
+        last = inputs["end"][:, None] - seq_q + torch.arange(seq_q)[None, :]
+        visible = visible & (torch.arange(seq_k)[None, None, None, :] <= last[:, None, :, None])
+    elif "mask_mod" in fields:
         assert fields["mask_mod"] == "doc[b, i] == doc[b, j]" and fields["inputs"] == {"doc": "int32"}
         doc = inputs["doc"]
         visible = visible & (doc[:, None, :, None] == doc[:, None, None, :])
@@ -434,6 +441,38 @@ def test_cached_prefill_and_decoding_match_eager(calls, config_class, extra):
     assert not fagen_hf.fallback_reasons()
 
 
+def test_static_cache_generation_runs_on_fagen_and_matches_eager(calls):
+    """A static cache (keys 0 .. max_cache_len - 1, the part past the queries still empty): the prefill runs the
+    mask_mod j <= i + end[b] - Nq with each row's end, the decoding steps the padding mask with kv_lengths = end
+    (the decode kernel's); the same tokens as the eager model, with and without an all-ones padding mask, no
+    fallback. A second chunk of several queries against the filled cache, likewise."""
+    from transformers import StaticCache
+
+    eager, ours = model_pair(tiny(LlamaConfig))
+    prompt = tokens(batch=2, seq=5)
+    ones = torch.ones_like(prompt)
+    for mask in (None, ones):
+        generated = {name: model.generate(prompt, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                                          pad_token_id=0, cache_implementation="static")
+                     for name, model in (("eager", eager), ("fagen", ours))}
+        assert torch.equal(generated["fagen"], generated["eager"])
+    prefills = [call for call in calls if call["spec"].get("mask_mod") == fagen_hf.CACHE_MASK]
+    steps = [call for call in calls if call["spec"]["mask"] == "padding"]
+    assert prefills and all(call["inputs"]["end"].tolist() == [5, 5] and call["k"][2] > 5 for call in prefills)
+    assert steps and all(call["q"][2] == 1 and call["kv_lengths"].shape == (2,) for call in steps)
+    assert sorted({call["kv_lengths"][0].item() for call in steps}) == list(range(6, 11))
+    x = tokens(batch=1, seq=16)
+    logits = {}
+    for name, model in (("eager", eager), ("fagen", ours)):
+        cache = StaticCache(config=model.config, max_cache_len=24)
+        model(x[:, :10], past_key_values=cache, use_cache=True)
+        logits[name] = model(x[:, 10:], past_key_values=cache, use_cache=True).logits
+    assert max_error(logits["fagen"], logits["eager"]) < TOLERANCE
+    assert any(call["inputs"] and call["inputs"].get("end") is not None and call["inputs"]["end"].tolist() == [16]
+               for call in calls)
+    assert not fagen_hf.fallback_reasons()
+
+
 # ---- the attention function alone -------------------------------------------------------------
 class Module(torch.nn.Module):
     """Stands in for an attention layer: what transformers' attention functions read off the module."""
@@ -619,9 +658,21 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
         return isinstance(result, torch.Tensor) and result.shape == (2, 1, q_length, kv_length)
 
     assert materialised(mask(q_length=4, kv_length=12, q_offset=8, attention_mask=padded), 4, 12)
-    assert materialised(mask(q_length=4, kv_length=12, q_offset=0), 4, 12)  # static-cache prefill: top-left
-    assert materialised(mask(q_length=4, kv_length=12, q_offset=torch.tensor(8)), 4, 12)
-    assert materialised(mask(allow_is_causal_skip=False))
+    # a static cache's prefill and steps (top-left in a cache longer than the queries): each row's key end
+    assert mask(q_length=4, kv_length=12, q_offset=0).flatten().tolist() == [4, 4]
+    assert mask(q_length=1, kv_length=12, q_offset=torch.tensor(8)).flatten().tolist() == [9, 9]
+    assert mask(q_length=4, kv_length=12, q_offset=0, attention_mask=ones).flatten().tolist() == [4, 4]
+    assert materialised(mask(q_length=4, kv_length=12, q_offset=0, attention_mask=padded), 4, 12)
+    assert materialised(mask(mask_function=window, local_size=4, q_length=4, kv_length=12, q_offset=0), 4, 12)
+    assert mask(q_length=4, kv_length=12, q_offset=torch.tensor(8)).flatten().tolist() == [12, 12]
+    # allow_is_causal_skip=False: transformers' own (a compileable cache's decoding steps) takes the row ends; a model
+    # whose code asks for its masks written out gets them
+    # (both read from the model's module, as loaded with the model; Falcon's asks for written-out masks)
+    import transformers.models.falcon.modeling_falcon  # noqa: F401
+    import transformers.models.mistral.modeling_mistral  # noqa: F401
+    from transformers import FalconConfig
+    assert mask(allow_is_causal_skip=False).flatten().tolist() == [8, 8]
+    assert materialised(mask(allow_is_causal_skip=False, config=FalconConfig(vocab_size=VOCAB)))
     chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
     assert materialised(mask(mask_function=chunked, local_size=4))           # chunked attention is not a window
     # ... but where the config's attention_chunk_size says it is the model's chunked attention, over a whole
@@ -697,7 +748,8 @@ def reference_op(monkeypatch):
         op = torch.ops.fagen_test.reference_attention.default
     fagen_hf.register()
     fagen_hf.reset_fallbacks()
-    monkeypatch.setattr(fagen.torch, "attention", lambda q, k, v, spec, *, seed=0, offset=0, inputs=None: op(q, k, v, spec))
+    monkeypatch.setattr(fagen.torch, "attention",
+                        lambda q, k, v, spec, *, seed=0, offset=0, inputs=None, kv_lengths=None: op(q, k, v, spec))
     monkeypatch.setattr(fagen_hf, "DEVICE_TYPES", ("cuda", "cpu"))
     yield
     fagen_hf.reset_fallbacks()

@@ -246,18 +246,25 @@ def test_gemma2_soft_capping_matches_eager(fagen_calls):
     assert fagen_calls and all('"score_mod": "5.0 * tanh(score / 5.0)"' in spec for spec in fagen_calls)
 
 
-def test_cached_generation_matches_sdpa(fagen_calls):
-    """Prefill, then one query at a time against a growing cache (Nq = 1 < Nk)."""
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_cached_generation_matches_sdpa(fagen_calls, cache):
+    """Prefill, then one query at a time against a growing cache (Nq = 1 < Nk). With a static cache (keys up to
+    its full length, the part past the queries still empty): the prefill as the mask_mod j <= i + end[b] - Nq, the
+    steps as the padding mask with each row's end (the decode kernel's)."""
     nets = models(config_for(128, 2))
     prompt = batch(seq=64, size=1)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
     generated = {name: nets[name].eval().generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0,
-                                                  output_logits=True, return_dict_in_generate=True)
+                                                  output_logits=True, return_dict_in_generate=True, **extra)
                  for name in ("fagen", "sdpa")}
     first_logits = {name: out.logits[0] for name, out in generated.items()}
     assert relative_error(first_logits["fagen"], first_logits["sdpa"]) < 2e-2
     assert len(fagen_calls) == 8 * 2
     # the 7 steps after the prefill (1 query x 2 heads per KV head) ask for the decode kernel
     assert sum('"decode"' in spec for spec in fagen_calls) == 7 * 2
+    if cache == "static":
+        assert sum('"mask": "padding"' in spec for spec in fagen_calls) == 7 * 2
+        assert sum('"mask_mod": "j <= i + end[b] - Nq"' in spec for spec in fagen_calls) == 2
     # every decode step's logits, as long as both have generated the same tokens so far (greedy bf16
     # decoding may part ways at a near tie, after which the inputs differ)
     same_prefix = 64

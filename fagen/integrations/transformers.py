@@ -25,7 +25,9 @@ run-time summaries). Nothing is read back to the host, and no (N, N) mask is bui
 looks for packed sequences only when the model makes no KV cache: train on packed rows with
 use_cache=False, or every attention implementation attends across the sequences' boundaries.)
 Llama 4's chunked attention over a whole sequence (no cache before it) goes the same way: the ids are each
-position's chunk, position // attention_chunk_size.
+position's chunk, position // attention_chunk_size. A static cache's causal mask (keys up to the cache's full
+length, the part past the queries empty) comes as each row's key end, a (B, 1, 1, 1) int32 tensor: the mask_mod
+`j <= i + end[b] - Nq`, or for one query the padding mask with kv_lengths = end.
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process -- except
@@ -101,11 +103,16 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         low = torch.get_autocast_dtype(query.device.type)
         query, key, value = query.to(low), key.to(low), value.to(low)
     documents = attention_mask if _is_documents(attention_mask) else None
+    ends = attention_mask.reshape(-1).to(query.device) if _is_cache_ends(attention_mask) else None
     sinks = _sinks(kwargs.get("s_aux"), query)
-    reason = _unsupported(query, key, value, None if documents is not None else attention_mask, dropout,
-                          kwargs if sinks is None else {name: v for name, v in kwargs.items() if name != "s_aux"})
+    reason = _unsupported(query, key, value, None if documents is not None or ends is not None else attention_mask,
+                          dropout, kwargs if sinks is None else {name: v for name, v in kwargs.items() if name != "s_aux"})
+    if ends is not None and reason is None and (not is_causal or window is not None):
+        reason = "a static cache's mask on a layer that is not plain causal"
     if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
         attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
+    if reason is not None and ends is not None:   # ... or the row ends
+        attention_mask = cache_mask(ends, query.shape[2], key.shape[2])
     cap = _softcap(kwargs.get("softcap"))
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window,
@@ -119,6 +126,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     # into a constant; fagen resolves and caches the kernel per distinct string.
     if not is_causal:
         mask = '"none"'
+    elif ends is not None:   # a static cache: one query (decoding) sees the keys before its row's end, as padding does
+        mask = '"padding"' if seq_q == 1 else '"none"'
     elif window is not None and window < seq_k:
         mask = f'"sliding_window", "window": {int(window)}'
     else:
@@ -135,19 +144,26 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     inputs = None
     if cap is not None:   # soft-capping: a score_mod with the cap written in (one spec per model)
         extra += f', "score_mod": "{cap!r} * tanh(score / {cap!r})"'
+    kv_lengths = None
     if documents is not None:   # packed sequences: a key is visible only within its query's sequence
         extra += f', "mask_mod": "{DOCUMENT_MASK}", "inputs": {{"doc": "int32"}}'
         inputs = {"doc": documents}
+    elif ends is not None and seq_q > 1:   # a static cache's rows past its first: causal from each row's end
+        extra += f', "mask_mod": "{CACHE_MASK}", "inputs": {{"end": "int32"}}'
+        inputs = {"end": ends}
     elif cap is None and seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
         # (the decode kernel takes no score_mod: soft-capped decoding runs the forward kernel)
         # generation's steps (one new token against the cache): the spec that also builds the split-KV
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
+    if ends is not None and seq_q == 1:
+        kv_lengths = ends
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
     if sinks is None:
-        out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs)
+        out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs, kv_lengths=kv_lengths)
     else:   # the sink's share of the denominator, exp(sink) / (exp(lse) + exp(sink)), taken off each row (in fp32)
-        out, lse = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs, return_lse=True)
+        out, lse = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs,
+                                         kv_lengths=kv_lengths, return_lse=True)
         out = (out.float() * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(query.dtype)
     return out.transpose(1, 2).contiguous(), None
 
@@ -323,6 +339,14 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         if packed is not None and _is_kernel_pattern(packed[0], local_size, config, exact=True):
             _left_to_kernels["window"] = local_size
             return packed[1]
+    # (a model that asks for its masks written out, allow_is_causal_skip=False in its own code, reads them itself;
+    # transformers' own False, for a compileable cache's decoding steps, is what the row ends stand for)
+    ends = None if not allow_is_causal_skip and _forces_written_masks(config) else \
+        _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_offset, attention_mask, batch_size,
+                    kwargs.get("device"))
+    if ends is not None:
+        _left_to_kernels["window"] = None
+        return ends
     return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                      kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                      local_size=local_size, allow_is_causal_skip=False, config=config, **kwargs)
@@ -357,6 +381,31 @@ def _config_module_takes_skipped_masks(config_module: str, config_name: str) -> 
 
 # (torch.compile runs it while tracing, once per graph: it reads source files and warns)
 _config_module_takes_skipped_masks = fagen_torch.compile_constant(_config_module_takes_skipped_masks)
+
+
+def _forces_written_masks(config) -> bool:
+    """Whether the model's code asks transformers for masks written out (allow_is_causal_skip=False: Doge, indexed
+    attention layers, ...), which it then reads itself. A config whose modeling module cannot be read: yes."""
+    return _config_module_forces_written_masks(type(config).__module__)
+
+
+def _config_module_forces_written_masks(config_module: str) -> bool:
+    forced = _forced_checks.get(config_module)
+    if forced is None:
+        import inspect
+
+        module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+        try:
+            forced = module is None or "allow_is_causal_skip=False" in inspect.getsource(module)
+        except (OSError, TypeError):
+            forced = True
+        _forced_checks[config_module] = forced
+    return forced
+
+
+_forced_checks: dict[str, bool] = {}
+# (torch.compile runs it while tracing, once per graph: it reads source files)
+_config_module_forces_written_masks = fagen_torch.compile_constant(_config_module_forces_written_masks)
 
 
 def _model_module_takes_skipped_masks(config_module: str) -> bool:
@@ -454,6 +503,57 @@ def _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset,
         return torch.empty(0, dtype=torch.int32)
     positions = torch.arange(kv_length, device=left_padding.device)[None, :] - left_padding.reshape(-1, 1)
     return (positions // chunk).to(torch.int32).expand(batch_size, kv_length).contiguous()
+
+
+def _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_offset, padding_mask, batch_size,
+                device):
+    """A static cache's causal mask (keys 0 .. max_cache_len - 1, the queries at q_offset .. q_offset + Nq - 1, the
+    cache past the last query still empty) as the (B, 1, 1, 1) int32 end of each row's keys, q_offset + Nq: query i sees
+    key j when j < end - Nq + i + 1 (causal, aligned at the top left of the cache). None where this is not that
+    mask: another pattern (a window, chunks, overlays), keys from an offset, or padding among the filled keys.
+    q_offset may be a tensor on the GPU (a compiled decoding step): nothing is read back then."""
+    if mask_function is not causal_mask_function or local_size is not None:
+        return None
+    if isinstance(kv_offset, torch.Tensor) or kv_offset != 0 or q_length > kv_length:
+        return None
+    if padding_mask is not None:
+        # (read back to the host, as _no_padding does: the filled keys must all be attended)
+        if is_tracing(padding_mask) or is_tracing(q_offset):
+            return None
+        end = int(q_offset) + q_length
+        if padding_mask.shape[-1] < end or not bool(padding_mask[:, :end].all()):
+            return None
+        device = padding_mask.device
+    if isinstance(q_offset, torch.Tensor):
+        if q_offset.numel() != 1:
+            return None
+        device = q_offset.device
+        ends = (q_offset.reshape(1) + q_length).to(torch.int32)
+    else:
+        if q_offset + q_length > kv_length:
+            return None
+        ends = torch.tensor([q_offset + q_length], dtype=torch.int32, device=device)
+    # (4-D, as transformers' prepared masks are: generate() makes a static cache's masks ahead and passes them to the
+    # model as its attention_mask, which transformers hands on unchanged only when it is 4-D)
+    return ends.expand(batch_size).reshape(batch_size, 1, 1, 1).contiguous()
+
+
+def _is_cache_ends(mask) -> bool:
+    """fagen_mask's static-cache row ends ((B, 1, 1, 1) int32: transformers' masks are bool or float), as opposed
+    to sequence ids or an SDPA mask."""
+    return (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.shape[1:] == (1, 1, 1)
+            and mask.dtype == torch.int32)
+
+
+def cache_mask(ends: torch.Tensor, seq_q: int, seq_k: int) -> torch.Tensor:
+    """SDPA's boolean (B, 1, Nq, Nk) mask for static-cache row ends (for calls that fall back to SDPA)."""
+    keys = torch.arange(seq_k, device=ends.device)
+    last = ends[:, None] - seq_q + torch.arange(seq_q, device=ends.device)[None, :]   # each query's own position
+    return (keys[None, None, :] <= last[:, :, None])[:, None]
+
+
+#: The mask_mod of a static cache's rows (fagen_mask's row ends are its input `end`).
+CACHE_MASK = "j <= i + end[b] - Nq"
 
 
 def _closure(function) -> dict:
