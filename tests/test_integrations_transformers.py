@@ -671,8 +671,14 @@ def test_mask_is_skipped_exactly_when_fagens_kernel_mask_is_exact():
     import transformers.models.falcon.modeling_falcon  # noqa: F401
     import transformers.models.mistral.modeling_mistral  # noqa: F401
     from transformers import FalconConfig
-    assert mask(allow_is_causal_skip=False).flatten().tolist() == [8, 8]
-    assert materialised(mask(allow_is_causal_skip=False, config=FalconConfig(vocab_size=VOCAB)))
+    step = dict(allow_is_causal_skip=False, q_length=1, kv_length=12, q_offset=torch.tensor(8))
+    assert mask(**step).flatten().tolist() == [9, 9]
+    assert materialised(mask(**step, config=FalconConfig(vocab_size=VOCAB)), 1, 12)
+    assert materialised(mask(allow_is_causal_skip=False))      # not a compileable cache's step: written out
+    assert materialised(mask(allow_is_causal_skip=False, q_length=1, kv_length=12, q_offset=8), 1, 12)
+    assert fagen_hf.asks_for_written_masks("create_causal_mask(**kw, allow_is_causal_skip=False)")
+    assert fagen_hf.asks_for_written_masks('mask_kwargs = {"config": c, "allow_is_causal_skip": False}')
+    assert not fagen_hf.asks_for_written_masks("create_causal_mask(**mask_kwargs)")
     chunked = chunked_causal_mask_function(4, torch.zeros(2, dtype=torch.long))
     assert materialised(mask(mask_function=chunked, local_size=4))           # chunked attention is not a window
     # ... but where the config's attention_chunk_size says it is the model's chunked attention, over a whole

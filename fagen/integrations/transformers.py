@@ -339,11 +339,12 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         if packed is not None and _is_kernel_pattern(packed[0], local_size, config, exact=True):
             _left_to_kernels["window"] = local_size
             return packed[1]
-    # (a model that asks for its masks written out, allow_is_causal_skip=False in its own code, reads them itself;
-    # transformers' own False, for a compileable cache's decoding steps, is what the row ends stand for)
-    ends = None if not allow_is_causal_skip and _forces_written_masks(config) else \
-        _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_offset, attention_mask, batch_size,
-                    kwargs.get("device"))
+    # (allow_is_causal_skip=False: transformers' own, for a compileable cache's one-token steps (q_offset a tensor),
+    # is what the row ends stand for; a model that asks for its masks written out in its own code reads them itself)
+    written = not allow_is_causal_skip and (
+        _forces_written_masks(config) or not (q_length == 1 and isinstance(q_offset, torch.Tensor)))
+    ends = None if written else _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_offset,
+                                            attention_mask, batch_size, kwargs.get("device"))
     if ends is not None:
         _left_to_kernels["window"] = None
         return ends
@@ -396,11 +397,18 @@ def _config_module_forces_written_masks(config_module: str) -> bool:
 
         module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
         try:
-            forced = module is None or "allow_is_causal_skip=False" in inspect.getsource(module)
+            forced = module is None or asks_for_written_masks(inspect.getsource(module))
         except (OSError, TypeError):
             forced = True
         _forced_checks[config_module] = forced
     return forced
+
+
+def asks_for_written_masks(source: str) -> bool:
+    """Whether model code passes allow_is_causal_skip=False, as a keyword or in a dict of mask arguments."""
+    import re
+
+    return re.search(r"""allow_is_causal_skip["']?\s*[=:]\s*False""", source) is not None
 
 
 _forced_checks: dict[str, bool] = {}
