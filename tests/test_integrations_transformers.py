@@ -786,3 +786,54 @@ def test_a_whole_compiled_model_falls_back_without_breaking_the_graph(reference_
         warnings.simplefilter("always")
         assert max_error(compiled(x, use_cache=False).logits, eager(x, use_cache=False).logits) < TOLERANCE
     assert len(fallback_warnings(records)) == 1
+
+
+#: The masks the op below was run with, in order (recorded when it runs, outside dynamo's trace).
+CACHE_OP_MASKS = []
+
+
+def _reference_cache_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: str, end: torch.Tensor | None,
+                        kv_lengths: torch.Tensor | None) -> torch.Tensor:
+    fields = json.loads(spec)
+    CACHE_OP_MASKS.append(fields.get("mask_mod", fields["mask"]))
+    return reference_attention(q, k, v, fields, None if end is None else {"end": end}, False, kv_lengths)
+
+
+def test_a_whole_compiled_model_decodes_from_a_static_cache_on_fagen(monkeypatch):
+    """Traced whole (fullgraph) with a static cache, a prefill and one-token steps: the row ends are made inside the
+    graph from the cache position (a tensor), and every call runs on fagen (the prefill's mask_mod, the steps'
+    padding mask with kv_lengths), matching eager."""
+    from transformers import StaticCache
+
+    try:
+        op = torch.library.custom_op("fagen_test::reference_cache_attention", mutates_args=())(_reference_cache_op)
+        op.register_fake(lambda q, k, v, spec, end, kv_lengths: q.new_empty(q.shape))
+    except RuntimeError:  # already defined by an earlier test in this process
+        op = torch.ops.fagen_test.reference_cache_attention.default
+    CACHE_OP_MASKS.clear()
+
+    def attention(q, k, v, spec, *, seed=0, offset=0, inputs=None, kv_lengths=None):
+        return op(q, k, v, spec, None if not inputs else inputs["end"], kv_lengths)
+
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    monkeypatch.setattr(fagen.torch, "attention", attention)
+    monkeypatch.setattr(fagen_hf, "DEVICE_TYPES", ("cuda", "cpu"))
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens(batch=2, seq=6)
+    logits = {}
+    for name, model in (("eager", eager), ("fagen", ours)):
+        cache = StaticCache(config=model.config, max_cache_len=16)
+        forward = torch.compile(model.forward, fullgraph=True, backend="eager") if name == "fagen" else model.forward
+        with torch.no_grad():
+            out = forward(input_ids=x, past_key_values=cache, use_cache=True, cache_position=torch.arange(6))
+            steps = [out.logits[:, -1]]
+            for step in range(3):
+                out = forward(input_ids=out.logits[:, -1:].argmax(-1), past_key_values=cache, use_cache=True,
+                              cache_position=torch.tensor([6 + step]))
+                steps.append(out.logits[:, -1])
+        logits[name] = torch.stack(steps)
+    assert max_error(logits["fagen"], logits["eager"]) < TOLERANCE
+    assert CACHE_OP_MASKS == [fagen_hf.CACHE_MASK] * 2 + ["padding"] * 6
+    assert not fagen_hf.fallback_reasons()
+    fagen_hf.reset_fallbacks()
