@@ -144,7 +144,6 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     inputs = None
     if cap is not None:   # soft-capping: a score_mod with the cap written in (one spec per model)
         extra += f', "score_mod": "{cap!r} * tanh(score / {cap!r})"'
-    kv_lengths = None
     if documents is not None:   # packed sequences: a key is visible only within its query's sequence
         extra += f', "mask_mod": "{DOCUMENT_MASK}", "inputs": {{"doc": "int32"}}'
         inputs = {"doc": documents}
@@ -156,8 +155,7 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # generation's steps (one new token against the cache): the spec that also builds the split-KV
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
-    if ends is not None and seq_q == 1:
-        kv_lengths = ends
+    kv_lengths = ends if ends is not None and seq_q == 1 else None   # (the padding mask's row ends)
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
     if sinks is None:
         out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs, kv_lengths=kv_lengths)
@@ -393,15 +391,12 @@ def _forces_written_masks(config) -> bool:
 def _config_module_forces_written_masks(config_module: str) -> bool:
     forced = _forced_checks.get(config_module)
     if forced is None:
-        import inspect
-
-        module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
-        try:
-            forced = module is None or asks_for_written_masks(inspect.getsource(module))
-        except (OSError, TypeError):
-            forced = True
-        _forced_checks[config_module] = forced
+        source = _modeling_source(config_module)
+        forced = _forced_checks[config_module] = source is None or asks_for_written_masks(source)
     return forced
+
+
+_forced_checks: dict[str, bool] = {}
 
 
 def asks_for_written_masks(source: str) -> bool:
@@ -411,24 +406,31 @@ def asks_for_written_masks(source: str) -> bool:
     return re.search(r"""allow_is_causal_skip["']?\s*[=:]\s*False""", source) is not None
 
 
-_forced_checks: dict[str, bool] = {}
 # (torch.compile runs it while tracing, once per graph: it reads source files)
 _config_module_forces_written_masks = fagen_torch.compile_constant(_config_module_forces_written_masks)
 
 
-def _model_module_takes_skipped_masks(config_module: str) -> bool:
+def _modeling_source(config_module: str):
+    """The source of the modeling module beside a configuration module, as loaded with the model; None where it is
+    not loaded or its source cannot be read (remote code)."""
     import inspect
+
+    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+    try:
+        return None if module is None else inspect.getsource(module)
+    except (OSError, TypeError):
+        return None
+
+
+def _model_module_takes_skipped_masks(config_module: str) -> bool:
     import re
 
     from transformers import PreTrainedModel
 
-    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
-    if module is None:
+    code = _modeling_source(config_module)
+    if code is None:
         return True
-    try:
-        code = inspect.getsource(module)
-    except (OSError, TypeError):
-        return True
+    module = sys.modules[config_module.replace(".configuration_", ".modeling_")]
     if re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE) and \
             "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
         return False
@@ -488,19 +490,12 @@ def _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset,
     causal). None otherwise (a chunk after a cache, decoding: the mask is written out). Read from the closures, in
     eager mode only, as _packed_sequences."""
     chunk = getattr(config, "attention_chunk_size", None)
-    if (is_tracing() or chunk is None or local_size != chunk or getattr(mask_function, "__name__", None) != "and_mask"
-            or not mask_function.__closure__):
+    if is_tracing() or chunk is None or local_size != chunk:
         return None
-    parts = _closure(mask_function).get("mask_functions")
-    if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
+    fields = _causal_overlay(mask_function, "chunked_overlay")
+    if fields is None or fields.get("chunk_size") != chunk or not isinstance(fields.get("left_padding"), torch.Tensor):
         return None
-    overlay = parts[0]
-    if getattr(overlay, "__qualname__", None) != "chunked_overlay.<locals>.inner_mask":
-        return None
-    fields = _closure(overlay)
-    left_padding = fields.get("left_padding")
-    if fields.get("chunk_size") != chunk or not isinstance(left_padding, torch.Tensor):
-        return None
+    left_padding = fields["left_padding"]
     if isinstance(q_offset, torch.Tensor) or isinstance(kv_offset, torch.Tensor) or q_offset or kv_offset \
             or q_length != kv_length:
         return None
@@ -606,14 +601,22 @@ def _is_kernel_pattern(mask_function, local_size, config, exact: bool = False) -
 def _is_sliding_window_function(mask_function, window: int) -> bool:
     """Whether mask_function is and_masks(sliding_window_overlay(window), causal_mask_function), which is what
     transformers' sliding_window_causal_mask_function(window) returns (4.5x to 5.2x)."""
-    if getattr(mask_function, "__name__", None) != "and_mask":
-        return False
+    fields = _causal_overlay(mask_function, "sliding_window_overlay")
+    return fields is not None and fields.get("sliding_window") == window
+
+
+def _causal_overlay(mask_function, factory: str):
+    """The captured variables of the overlay when mask_function is exactly and_masks(factory(...),
+    causal_mask_function), the form of transformers' sliding-window and chunked mask functions; else None."""
+    if getattr(mask_function, "__name__", None) != "and_mask" or not mask_function.__closure__:
+        return None
     parts = _closure(mask_function).get("mask_functions")
     if not isinstance(parts, tuple) or len(parts) != 2 or parts[1] is not causal_mask_function:
-        return False
+        return None
     overlay = parts[0]
-    return (getattr(overlay, "__qualname__", None) == "sliding_window_overlay.<locals>.inner_mask"
-            and _closure(overlay).get("sliding_window") == window)
+    if getattr(overlay, "__qualname__", None) != f"{factory}.<locals>.inner_mask":
+        return None
+    return _closure(overlay)
 
 
 def _probe_sliding_window(mask_function, window: int) -> bool:
