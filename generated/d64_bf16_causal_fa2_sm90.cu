@@ -83,6 +83,12 @@ static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warp
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
+// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64. H200,
+// bf16, B x H x N = 4 x 16 x 2048, main kernel us, fragments -> staged (dev/gpu/template_ab.sh): d = 96 causal
+// 163.6 -> 160.7, documents 137.8 -> 130.7; d = 128 documents (64 x 64) 91.3 -> 86.5; d = 256 causal 286.7 -> 268.8,
+// a window of 1 key 108.4 -> 89.7. At d = 64 (64 x 128, three blocks per SM) causal 95.5 -> 95.6 and documents
+// 71.3 -> 73.9: there the other blocks already hide the stores.
+constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 4 * KV_BYTES;
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
 __device__ __forceinline__ void s_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
@@ -346,21 +352,40 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_causal_f
     wg::fence_registers(o_acc);
   }
 
+  // O goes out through the K, V stages, free once every warp's last product landed (all of them compute)
+  const unsigned o_stage = kv_tiles + warp * tc::StagedTile<O_TILES>::BYTES;
+  auto o_stage_free = [] { __syncthreads(); };
   // O = diag(l)^-1 O, written once; LSE = tau m + log l. Rows that saw no key: O = 0, LSE = -inf.
+  float inv_l[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
+    inv_l[half] = l > 0.f ? 1.f / l : 0.f;
     const int row = warp_row0 + group + half * 8;
-    if (row >= seq_q) continue;
-    const float inv_l = l > 0.f ? 1.f / l : 0.f;
-    elem_t* o_row = o + (long long)row * args.o_stride[2];
+    if (quad == 0 && row < seq_q)
+      args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
+  }
+  if (O_STAGED) {
 #pragma unroll
-    for (int t = 0; t < O_TILES; ++t) {
-      tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l, o_acc[t][2 * half + 1] * inv_l);
+    for (int t = 0; t < O_TILES; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
+    o_stage_free();
+    tc::store_tile_staged<elem_t, O_TILES, DATA_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+                                                     min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
+  } else {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int row = warp_row0 + group + half * 8;
+      if (row >= seq_q) continue;
+      elem_t* o_row = o + (long long)row * args.o_stride[2];
+#pragma unroll
+      for (int t = 0; t < O_TILES; ++t)
+        tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+                                         o_acc[t][2 * half + 1] * inv_l[half]);
     }
-    if (quad == 0) args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
   }
 }
 
@@ -949,18 +974,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
     dk += to_kv_head * args.dk_stride[1];
     dv += to_kv_head * args.dv_stride[1];
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = warp_col0 + group + half * 8;
-    if (key >= seq_k) continue;
-#pragma unroll
-    for (int n = 0; n < D_TILES; ++n) {
-      const int dim = dim0 + n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
-                                       dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
-    }
+  static_assert(tc::StagedTile<D_TILES>::BYTES <= DQ_STAGE_BYTES && dim0 == 0 && D_TILES * 8 == HEAD_DIM, "a warp's 16 keys x d in its dQ stage");
+  const int keys_here = min(16, seq_k - warp_col0);   // the same in every lane
+  if (keys_here > 0) {
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2], args.dk_stride[2],
+                                                     keys_here, dq_stage, dk_acc, SCALE);
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2], args.dv_stride[2],
+                                                     keys_here, dq_stage, dv_acc, 1.f);
   }
 }
 

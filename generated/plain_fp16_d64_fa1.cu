@@ -740,18 +740,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
     dk += to_kv_head * args.dk_stride[1];
     dv += to_kv_head * args.dv_stride[1];
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = warp_col0 + group + half * 8;
-    if (key >= seq_k) continue;
-#pragma unroll
-    for (int n = 0; n < D_TILES; ++n) {
-      const int dim = dim0 + n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
-                                       dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
-    }
+  static_assert(tc::StagedTile<D_TILES>::BYTES <= DQ_STAGE_BYTES && dim0 == 0 && D_TILES * 8 == HEAD_DIM, "a warp's 16 keys x d in its dQ stage");
+  const int keys_here = min(16, seq_k - warp_col0);   // the same in every lane
+  if (keys_here > 0) {
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2], args.dk_stride[2],
+                                                     keys_here, dq_stage, dk_acc, SCALE);
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2], args.dv_stride[2],
+                                                     keys_here, dq_stage, dv_acc, 1.f);
   }
 }
 

@@ -183,8 +183,8 @@ KNOWN_SPILLS = {
     # shared memory)
     ("documents_bf16_d64", "sm_80", "forward"): "8 / 8 B at 255 registers",
     # grouped KV heads folded on 128-row blocks (fagen/sources.py folds_kv_group): the consumers' head loop beside
-    # the mask_mod's tests; timed 10-26% faster folded at 32/8 and 16/4 heads, and 0-1.5% slower unfolded (2026-11-25)
-    ("documents_bf16_d64", "sm_90", "backward"): "8 / 8 B at 168 registers",
+    # the mask_mod's tests; timed 10-26% faster folded at 32/8 and 16/4 heads, and 0-1.5% slower unfolded (2026-11-25).
+    # (documents_bf16_d64's 8 B went with its dK, dV staged through shared memory, 2026-11-26.)
     ("dilated_fp16_d64_sm80", "sm_90", "backward"): "4 / 4 B at 168 registers",
 }
 

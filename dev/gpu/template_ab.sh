@@ -1,0 +1,14 @@
+# A/B of templates in one device call: this tree's, then .ab/old/* in their place (the device's copy only), then
+# this tree's again; each time the main kernel of both passes over windows, causal and documents masks
+# (dev/gpu/block_cost.py) at the head dims given (default 64 96 128 256).
+source dev/gpu/device_prelude.sh >/dev/null 2>&1
+DIMS=${*:-64 96 128 256}
+mkdir -p /tmp/ab_new && for f in .ab/old/*; do cp templates/$(basename $f) /tmp/ab_new/; done
+run() { echo "=== $1"; for d in $DIMS; do for p in forward backward; do
+  timeout 200 python3 dev/gpu/block_cost.py --pass $p --head-dim $d --only "mask_mod window 1" causal documents 2>&1 \
+    | grep -E "main" | sed "s/^/$p d=$d /"; done; done; }
+run "this tree"
+cp .ab/old/* templates/
+run "old templates"
+cp /tmp/ab_new/* templates/
+run "this tree again"
