@@ -49,17 +49,21 @@ def main() -> None:
         cases.append((f"mask_mod window {w}", {**base, "mask": "causal", "mask_mod": f"i - j < {w}"}, None,
                       lambda i, j, w=w: (j <= i) & (i - j < w)))
     cases.append(("causal", {**base, "mask": "causal"}, None, lambda i, j: j <= i))
+    prefix = n // 4   # the modifier benchmark's prefix length
+    cases.append(("prefix_lm", {**base, "mask_mod": "j < prefix[b] or j <= i", "inputs": {"prefix": "int32"}},
+                  {"prefix": torch.full((b,), prefix, dtype=torch.int32, device="cuda")},
+                  lambda i, j: (j < prefix) | (j <= i)))
     docs = document_ids(b, n, seed=n)
     cases.append(("documents", {**base, "mask": "causal", "mask_mod": "doc[b, i] == doc[b, j]", "inputs": {"doc": "int32"}},
-                  torch.from_numpy(docs).cuda(), None))
+                  {"doc": torch.from_numpy(docs).cuda()}, None))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(4))
     cases = [c for c in cases if not args.only or c[0] in args.only]
     runtime.precompile([Spec(**fields) for _, fields, _, _ in cases], jobs=12)
-    for label, fields, doc, allowed in cases:
+    for label, fields, inputs, allowed in cases:
         kernel = runtime.compile(Spec(**fields))
         plan = kernel.plans[args.pass_name]
-        fargs = {"inputs": {"doc": doc}} if doc is not None else {}
+        fargs = {"inputs": inputs} if inputs is not None else {}
         if allowed is None:
             pairs = sum(visible_pairs(lambda i, j, r=docs[s]: (j <= i) & (r[i] == r[j]), n, plan.block_r, plan.block_c)
                         for s in range(b)) * h
