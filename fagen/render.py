@@ -144,13 +144,6 @@ def decode_rows(plan: Plan) -> list[int]:
     return [1 << n for n in range(plan.block_r.bit_length()) if 1 << n <= plan.block_r]
 
 
-#: The warpgroup-MMA backwards whose warps each keep a dQ stage, through which their dK, dV leave as whole rows
-#: (templates/backward_wgmma_key_grads.cu.j2; backward_wgmma_wide's warps hold some dims of their keys and no stage).
-#: H200, bf16, 4 x 16 x 2048, main kernel us, from the fragments -> staged (dev/gpu/template_ab.sh): d = 128 causal
-#: 438 -> 416, documents 228 -> 204, a window of 1 key 135 -> 108; d = 64 causal 238 -> 226, documents 152 -> 140.
-KEY_GRADS_STAGED = ("backward_wgmma.cu.j2", "backward_wgmma_ws.cu.j2")
-
-
 def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool = False) -> dict:
     """The Jinja context of one pass's template; `input_grads`: the backward build that also adds score_mod's
     input gradients (`render_input_grad_backward`)."""
@@ -163,7 +156,6 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         # the family's option to test a mask_mod ahead of the backward's score products
         # (templates/backward_wgmma_rows.cu.j2): taken where the spec has one
         "mask_bits_ahead": bool(options.get("mask_bits_ahead")) and spec.mask_mod is not None,
-        "key_grads_staged": plan.template in KEY_GRADS_STAGED,
         "kernel_name": name,
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],

@@ -623,6 +623,10 @@ constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 // the 4 rows of one half-warp's 8-byte stores (8 words each) fall in disjoint banks (rows 8 words apart)
 constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 32;
 constexpr int DQ_STAGE_BYTES = 16 * DQ_STAGE_ROW_BYTES;   // per warp
+// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2).
+// H200, bf16, 4 x 16 x 2048, main kernel us, stored from the fragments -> staged (dev/gpu/template_ab.sh): d = 128
+// causal 438 -> 416, documents 228 -> 204, a window of 1 key 135 -> 108; d = 64 causal 238 -> 226, documents 152 -> 140.
+static_assert(fagen::tc::StagedTile<HEAD_DIM / 8>::BYTES <= DQ_STAGE_BYTES, "a warp's 16 keys x d in its dQ stage");
 constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 dims) per row
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
@@ -1142,11 +1146,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     }
     staged_dq_row0 = -1;   // (the last row block's atomics went out at once)
   } while (next_head(i));
+  const unsigned key_grads_stage = dq_stage;   // read by nothing once the warp's last dQ atomics are out
+  auto key_grads_stage_free = [] {};
   // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----
   tc::cp_async_wait<0>();
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
-  // dK_j = tau dK_g, dV_j = dV_g (the warp's dims from dim0): each lane writes its two adjacent dims as one 32-bit store
+  // dK_j = tau dK_g, dV_j = dV_g (the warp's 16 keys, its dims from dim0)
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
@@ -1156,13 +1162,13 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     dk += to_kv_head * args.dk_stride[1];
     dv += to_kv_head * args.dv_stride[1];
   }
-  static_assert(tc::StagedTile<D_TILES>::BYTES <= DQ_STAGE_BYTES && dim0 == 0 && D_TILES * 8 == HEAD_DIM, "a warp's 16 keys x d in its dQ stage");
   const int keys_here = min(16, seq_k - warp_col0);   // the same in every lane
+  key_grads_stage_free();
   if (keys_here > 0) {
-    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2], args.dk_stride[2],
-                                                     keys_here, dq_stage, dk_acc, SCALE);
-    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2], args.dv_stride[2],
-                                                     keys_here, dq_stage, dv_acc, 1.f);
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
+                                                     keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
+                                                     keys_here, key_grads_stage, dv_acc, 1.f, DATA_DIM - dim0);
   }
 }
 

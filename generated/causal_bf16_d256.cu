@@ -428,6 +428,7 @@ constexpr bool DROPOUT_SHUFFLED = true;             // dropout's draws shared ac
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
 constexpr int PT_BYTES = BLOCK_C * BLOCK_R * 2;     // one of P_drop^T, dS^T: one row per key
+static_assert(WARPS * fagen::tc::StagedTile<D_TILES>::BYTES <= 4 * QB_BYTES, "every warp's dK / dV tile in the Q, dO stages");
 constexpr float SCALE = 6.250000000e-02f;
 constexpr float SCALE_LOG2 = 9.016844006e-02f;
 constexpr float LOG2E = 1.4426950408889634f;
@@ -814,11 +815,16 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     stage ^= 1;
     i = i_next;
   }
+  // dK, dV leave through the Q_i, dO_i stages, free once every warp's last products landed (all of them compute).
+  // H200, bf16, 4 x 16 x 2048, main kernel us, from the fragments -> staged (dev/gpu/template_ab.sh): d = 256 causal
+  // 1150 -> 1104, documents 434 -> 385; d = 192 causal 1093 -> 1060, documents 412 -> 373.
+  const unsigned key_grads_stage = q_tile(0) + warp * tc::StagedTile<D_TILES>::BYTES;
+  auto key_grads_stage_free = [] { __syncthreads(); };
   // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----
   tc::cp_async_wait<0>();
   if (Mods::INPUT_GRADS && WITH_INPUT_GRADS) visibility.mods.flush_input_grads(input_grad_sums);   // every lane: a warp sum
 
-  // dK_j = tau dK_g, dV_j = dV_g (the warp's dims from dim0): each lane writes its two adjacent dims as one 32-bit store
+  // dK_j = tau dK_g, dV_j = dV_g (the warp's 16 keys, its dims from dim0)
   // Packed: the sequence's offsets are read again (cached) rather than held in registers through the loop.
   const Problem<PACKED> keys = PACKED ? Problem<PACKED>(args, problem.bh) : problem;
   elem_t* dk = keys.key_grad_rows(static_cast<elem_t*>(args.dk), args.dk_stride);
@@ -828,18 +834,13 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     dk += to_kv_head * args.dk_stride[1];
     dv += to_kv_head * args.dv_stride[1];
   }
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int key = warp_col0 + group + half * 8;
-    if (key >= seq_k) continue;
-#pragma unroll
-    for (int n = 0; n < D_TILES; ++n) {
-      const int dim = dim0 + n * 8 + quad * 2;
-      tc::store_pair<elem_t, DATA_DIM>(dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
-                                       dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
-    }
+  const int keys_here = min(16, seq_k - warp_col0);   // the same in every lane
+  key_grads_stage_free();
+  if (keys_here > 0) {
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
+                                                     keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
+    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
+                                                     keys_here, key_grads_stage, dv_acc, 1.f, DATA_DIM - dim0);
   }
 }
 

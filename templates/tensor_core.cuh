@@ -182,7 +182,8 @@ __device__ __forceinline__ void store_pair(T* row, int dim, float lo, float hi) 
 }
 
 // A warp's 16 x 8 TILES accumulator tile (rows group, group + 8; columns 8 n + 2 quad, + 1; each times `scale`) into
-// rows [0, valid_rows) of `rows` (row_stride elements apart; columns past DATA_DIM never written), through `stage`:
+// rows [0, valid_rows) and columns [0, valid_cols) of `rows` (row_stride elements apart: the tile's columns from the
+// first one the caller points at, the rest of a padded head dim never written), through `stage`:
 // StagedTile<TILES>::BYTES of shared memory that this warp alone uses (nothing else may read it meanwhile). Staged,
 // the tile goes out row by row, each warp store whole rows in 16-byte pieces where the rows start on 16-byte
 // boundaries (else element by element). Straight from the fragments, each store instruction wrote 4 bytes of each
@@ -195,8 +196,8 @@ struct StagedTile {
 };
 template <typename T, int TILES, int DATA_DIM>
 __device__ __forceinline__ void store_tile_staged(T* rows, long long row_stride, int valid_rows, unsigned stage,
-                                                  const float (&acc)[TILES][4], float scale) {
-  static_assert(TILES % 2 == 0 && DATA_DIM <= 8 * TILES, "whole 16-byte pieces, two rows' worth per warp store");
+                                                  const float (&acc)[TILES][4], float scale, int valid_cols = DATA_DIM) {
+  static_assert(TILES % 2 == 0, "whole 16-byte pieces, two rows' worth per warp store");
   constexpr int ROW_BYTES = StagedTile<TILES>::ROW_BYTES;
   const int lane = threadIdx.x % 32, group = lane / 4, quad = lane % 4;
   __syncwarp();   // every lane has read what the stage held before
@@ -207,12 +208,13 @@ __device__ __forceinline__ void store_tile_staged(T* rows, long long row_stride,
       asm volatile("st.shared.b32 [%0], %1;\n" :: "r"(stage + (group + 8 * half) * ROW_BYTES + n * 16 + quad * 4),
                    "r"(pack_pair<T>(acc[n][2 * half] * scale, acc[n][2 * half + 1] * scale)) : "memory");
   __syncwarp();
-  const bool pieces = DATA_DIM % 8 == 0
+  valid_cols = min(valid_cols, 8 * TILES);
+  const bool pieces = DATA_DIM % 8 == 0 && valid_cols % 8 == 0
                       && (reinterpret_cast<unsigned long long>(rows) | (unsigned long long)row_stride * sizeof(T)) % 16 == 0;
 #pragma unroll
   for (int step = 0; step < TILES / 2; ++step) {
     const int piece = step * 32 + lane, r = piece / TILES, c = piece % TILES;   // 8 columns from 8 c of row r
-    if (r >= valid_rows || 8 * c >= DATA_DIM) continue;
+    if (r >= valid_rows || 8 * c >= valid_cols) continue;
     uint4 v;
     asm volatile("ld.shared.v4.b32 { %0, %1, %2, %3 }, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
                  : "r"(stage + r * ROW_BYTES + c * 16) : "memory");
@@ -223,7 +225,7 @@ __device__ __forceinline__ void store_tile_staged(T* rows, long long row_stride,
       const T* values = reinterpret_cast<const T*>(&v);
 #pragma unroll
       for (int e = 0; e < 8; ++e)
-        if (8 * c + e < DATA_DIM) out[e] = values[e];
+        if (8 * c + e < valid_cols) out[e] = values[e];
     }
   }
 }
