@@ -391,7 +391,7 @@ def _forces_written_masks(config) -> bool:
 def _config_module_forces_written_masks(config_module: str) -> bool:
     forced = _forced_checks.get(config_module)
     if forced is None:
-        source = _modeling_source(config_module)
+        source = _modeling_source(_modeling_module(config_module))
         forced = _forced_checks[config_module] = source is None or asks_for_written_masks(source)
     return forced
 
@@ -410,12 +410,15 @@ def asks_for_written_masks(source: str) -> bool:
 _config_module_forces_written_masks = fagen_torch.compile_constant(_config_module_forces_written_masks)
 
 
-def _modeling_source(config_module: str):
-    """The source of the modeling module beside a configuration module, as loaded with the model; None where it is
-    not loaded or its source cannot be read (remote code)."""
+def _modeling_module(config_module: str):
+    """The modeling module beside a configuration module, as loaded with the model; None where it is not loaded."""
+    return sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
+
+
+def _modeling_source(module):
+    """A modeling module's source; None where there is no module or its source cannot be read (remote code)."""
     import inspect
 
-    module = sys.modules.get(config_module.replace(".configuration_", ".modeling_"))
     try:
         return None if module is None else inspect.getsource(module)
     except (OSError, TypeError):
@@ -427,10 +430,10 @@ def _model_module_takes_skipped_masks(config_module: str) -> bool:
 
     from transformers import PreTrainedModel
 
-    code = _modeling_source(config_module)
+    module = _modeling_module(config_module)
+    code = _modeling_source(module)
     if code is None:
         return True
-    module = sys.modules[config_module.replace(".configuration_", ".modeling_")]
     if re.search(r"^class \w*Attention\w*\(nn\.Module\):", code, re.MULTILINE) and \
             "ALL_ATTENTION_FUNCTIONS.get_interface(" not in code:
         return False
