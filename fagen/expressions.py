@@ -1681,16 +1681,21 @@ class Modifiers:
         used = self._tile_program[2]
         return tuple((k, used[name]) for k, (name, _, _) in enumerate(self.tensors) if name in used)
 
-    def summary_kernel(self, symbol: str) -> str:
-        """The summary kernel for `summaries`, or "" when there is none."""
-        if not self.summaries:
-            return ""
+    def summary_calls(self) -> str:
+        """The C++ statements that write `summaries` (one summarise_input each), or "" when there is none: the
+        forward's summary kernel is made of them, and the backward's _delta kernel runs them before its rows."""
         calls = []
         for k, dim in self.summaries:
             ctype = "int" if self.tensors[k][1] == "int32" else "float"
             calls.append(f"  fagen::summarise_input<{ctype}>(args, {k}, {dim});")
+        return "\n".join(calls)
+
+    def summary_kernel(self, symbol: str) -> str:
+        """The summary kernel for `summaries`, or "" when there is none."""
+        if not self.summaries:
+            return ""
         return "\n".join([f'extern "C" __global__ void __launch_bounds__(256) {symbol}(const fagen::AttentionArgs args) {{',
-                          *calls, "}", ""])
+                          self.summary_calls(), "}", ""])
 
     def raw_score(self, scale: float) -> Optional[sp.Expr]:
         """score_mod(tau s) / tau: the score_mod on the kernels' raw product s = q.k and in its units, which is

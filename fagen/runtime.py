@@ -1737,9 +1737,9 @@ class Kernel:
         args["delta"] = base = as_device_tensor("scratch", scratch).pointer
         if dq_accum_at:
             args["dq_accum"] = base + 4 * dq_accum_at
-        launches = [(main + "_summary", SUMMARY_GRID, 256, 0)] if self.modifiers.summaries else []
         grid = self._blocks_grid(plan, key_blocks, problems[0] * (kv_heads if folded else heads), args)
-        launches += [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
+        # (_delta also writes the mask_mod inputs' summaries, where there are any, before the main kernel reads them)
+        launches = [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))

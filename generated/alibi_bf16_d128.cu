@@ -1177,7 +1177,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
 // The row passes themselves are fagen::delta_rows, dq_convert_rows and kv_group_sum_rows
 // (attention_common.cuh): 16-byte vectors when every tensor they touch allows, else one element at a time.
 
-// D_i = rowsum(dO_i o O_i), and dq_accum cleared.
+// D_i = rowsum(dO_i o O_i), and dq_accum cleared; first, where the mask_mod reads run-time inputs, their per-tile
+// bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_config;
   fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);

@@ -718,7 +718,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
 // The row passes themselves are fagen::delta_rows, dq_convert_rows and kv_group_sum_rows
 // (attention_common.cuh): 16-byte vectors when every tensor they touch allows, else one element at a time.
 
-// D_i = rowsum(dO_i o O_i), and dq_accum cleared.
+// D_i = rowsum(dO_i o O_i), and dq_accum cleared; first, where the mask_mod reads run-time inputs, their per-tile
+// bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwindow128_fa1_sm90_br128_bc128_w8_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d32_bf16_slidingwindow128_fa1_sm90_br128_bc128_w8_config;
   fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);

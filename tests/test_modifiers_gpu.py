@@ -205,10 +205,13 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
         if seed == 1:   # the second iteration must not run the full paths
             monkeypatch.setattr(runtime.Kernel, "_forward", full_path)
             monkeypatch.setattr(runtime.Kernel, "_backward", full_path)
-    for table in (kernel._fast_forward, kernel._fast_backward):   # (other cases' shapes share the kernel)
+    # (other cases' shapes share the kernel) the forward launches its summary kernel first; the backward's _delta,
+    # its first launch, writes the summaries itself
+    for table, first in ((kernel._fast_forward, "_summary"), (kernel._fast_backward, "_delta")):
         for call in table.values():
             assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 6, 2),)
-            assert call.launches[0][4].endswith("_summary")
+            assert call.launches[0][4].endswith(first)
+            assert not any(launch[4].endswith("_summary") for launch in call.launches[1:])
 
 
 @pytest.mark.parametrize("head_dim, mask_mod", [(64, "documents"), (96, "documents"), (128, "documents"),
