@@ -344,6 +344,24 @@ def test_forward_wgmma_is_held_to_the_solvers_resident_blocks(variant, blocks):
 DOCUMENTS = dict(mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
 
 
+def test_the_backwards_summaries_are_written_by_its_delta_kernel():
+    """A mask_mod whose tiles read run-time summaries: the forward gets a _summary kernel; the backward has none, its
+    _delta kernel writes them first (one launch fewer), and a spec without summaries has no such calls."""
+    spec = next(s for _, s in VARIANTS if s.variant_name == "documents_bf16_d64")
+    solution = solve(spec)
+    rendered = render(spec, solution)
+    forward, backward = (kernel_name(spec, p, solution.plans[p]) for p in ("forward", "backward"))
+    assert f"{forward}_summary" in rendered.kernels["forward"]
+    assert not any(symbol.endswith("_summary") for symbol in rendered.kernels["backward"])
+    delta = re.search(rf"{backward}_delta\(const fagen::AttentionArgs args\) \{{(.*?)\n\}}", rendered.pass_texts["backward"],
+                      re.S).group(1)
+    assert "fagen::summarise_input<int>(args, 0, 1);" in delta
+    assert delta.index("summarise_input") < delta.index("delta_rows")
+    assert "_summary(" not in rendered.pass_texts["backward"]
+    plain = Spec(head_dim=64, dtype="bf16", mask="causal")
+    assert "summarise_input<" not in render(plain, solve(plain)).pass_texts["backward"]
+
+
 @pytest.mark.parametrize("fields, foldable, folds", [
     (dict(head_dim=64, mask="causal"), True, True),
     (dict(head_dim=128, mask="padding"), True, True),
