@@ -57,10 +57,15 @@ def kernel_name(spec: Spec, pass_name: str, plan: Plan) -> str:
     return f"fagen_{PASS_PREFIX[pass_name]}_{spec.canonical_name}_br{plan.block_r}_bc{plan.block_c}_w{plan.warps}{tag}"
 
 
+def has_summary_kernel(spec: Spec, pass_name: str) -> bool:
+    """Whether the pass has a _summary kernel for the mask_mod inputs' per-tile bounds: the forward's, where its
+    mask_mod reads run-time inputs; the backward's _delta kernel writes them itself (summary_calls)."""
+    return pass_name == "forward" and bool(spec.modifiers.summaries)
+
+
 def kernel_symbols(spec: Spec, pass_name: str, plan: Plan) -> list[str]:
     main = kernel_name(spec, pass_name, plan)
-    # the mask_mod inputs' per-tile bounds: the forward's own kernel; the backward's _delta writes them
-    if pass_name == "forward" and spec.modifiers.summaries:
+    if has_summary_kernel(spec, pass_name):
         return _kernel_symbols(spec, pass_name, plan, main) + [f"{main}_summary"]
     return _kernel_symbols(spec, pass_name, plan, main)
 
@@ -184,8 +189,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "folds_kv_group": "true" if folds_kv_group(spec, plan) else "false",
         "input_grads": "true" if input_grads else "false",
         "rows_last_first": "true" if spec.keys_grow_with_rows else "false",
-        # the backward's _delta kernel also writes the mask_mod inputs' summaries: the backward has no _summary launch
-        "summarise_inputs": spec.modifiers.summary_calls() if pass_name == "backward" else "",
+        # the statements the backward's _delta kernel runs first: the mask_mod inputs' summaries (no _summary kernel)
+        "summary_calls": spec.modifiers.summary_calls() if pass_name == "backward" else "",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
         # causal / sliding_window as their expression (fagen/expressions.py MASK_KIND_TEXT), or no mask kind test
         "kind_type": f"{mods_namespace(spec)}::KindMask" if spec.kind_mask else "fagen::NoMods",
@@ -241,7 +246,7 @@ def _pass_body(spec: Spec, solution: Solution, pass_name: str, input_grads: bool
     plan = solution.plans[pass_name]
     return (_environment.get_template(plan.template).render(template_context(spec, pass_name, plan, input_grads))
             + (spec.modifiers.summary_kernel(f"{kernel_name(spec, pass_name, plan)}_summary")
-               if pass_name == "forward" else ""))
+               if has_summary_kernel(spec, pass_name) else ""))
 
 
 def render_input_grad_backward(spec: Spec, solution: Solution) -> str:

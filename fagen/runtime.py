@@ -314,7 +314,8 @@ def _small_tensor_key(value, dtype, device: int):
 #: The small kernels around a pass's main one(s): launched without the plan's dynamic shared memory.
 _HELPER_KERNELS = ("_delta", "_dq_convert", "_kv_group_sum", "_combine", "_summary")
 
-#: The summary kernel's grid (templates/attention_common.cuh summarise_input loops over what it does not cover).
+#: The summary kernel's grid, and the least of the backward's _delta, which writes the summaries there
+#: (templates/attention_common.cuh summarise_input loops over what it does not cover).
 SUMMARY_GRID = (64, 1, 1)
 
 #: The backward's row passes (_delta, _dq_convert, _kv_group_sum; attention_common.cuh for_row_chunks) loop over
@@ -740,7 +741,7 @@ class Kernel:
             if not math.isfinite(scalars[n]):
                 raise ArgumentError(f"inputs {name}: must be finite, got {scalars[n]}")
         args["mod_tensor"], args["mod_size"], args["mod_stride"], args["mod_scalar"] = pointers, sizes, strides, scalars
-        if mods.summaries:   # min / max per SUMMARY_GRAIN positions, written by the pass's _summary kernel
+        if mods.summaries:   # min / max per SUMMARY_GRAIN positions: the forward's _summary kernel, the backward's _delta
             summaries = [0] * 4
             for slot, shape in self._summary_workspaces(args):
                 workspace = _allocate(like, shape, "fp32", stream)
@@ -1738,8 +1739,13 @@ class Kernel:
         if dq_accum_at:
             args["dq_accum"] = base + 4 * dq_accum_at
         grid = self._blocks_grid(plan, key_blocks, problems[0] * (kv_heads if folded else heads), args)
-        # (_delta also writes the mask_mod inputs' summaries, where there are any, before the main kernel reads them)
-        launches = [(main + "_delta", row_pass_grid(rows), 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
+        # _delta also writes the mask_mod inputs' summaries, where there are any, before the main kernel reads them:
+        # at least the summary kernel's grid, whose entries follow the inputs' lengths, not the query rows (a few
+        # query rows over a long key-side input)
+        delta_grid = row_pass_grid(rows)
+        if self.modifiers.summaries:
+            delta_grid = (max(delta_grid[0], SUMMARY_GRID[0]), 1, 1)
+        launches = [(main + "_delta", delta_grid, 256, 0), (main, grid, plan.threads, plan.smem_bytes)]
         if self.spec.deterministic:
             launches.append((main + "_dq", problem_grid(math.ceil(problems[2] / plan.block_r), problems[0] * heads, args),
                              plan.threads, plan.smem_bytes))

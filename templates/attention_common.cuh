@@ -718,6 +718,10 @@ __device__ __forceinline__ long long row_start(long long r, long long heads, lon
 
 // Calls body(row, chunk) for every (row, chunk of VEC elements) of `rows` rows of CHUNKS chunks, and
 // reduce(row, valid) once per row and warp step with every lane of the warp present (for shuffles).
+// The grid walks the rows from the last one back: the main kernel's grid dispatches the (sequence, head) pairs
+// in order, so the rows its last blocks wrote (dQ's accumulator, the dK / dV workspace), which L2 still holds
+// when the pass after it starts, are the last rows; and the rows the pass before it touches last (D, the cleared
+// accumulator, dO) are the first ones, which its first blocks read.
 template <int CHUNKS, typename Body, typename Reduce>
 __device__ __forceinline__ void for_row_chunks(long long rows, Body body, Reduce reduce) {
   constexpr int LANES = row_lanes<CHUNKS>();
@@ -726,8 +730,9 @@ __device__ __forceinline__ void for_row_chunks(long long rows, Body body, Reduce
   const long long step = (long long)gridDim.x * warps * ROWS_PER_WARP;
   for (long long warp_row = ((long long)blockIdx.x * warps + threadIdx.x / 32) * ROWS_PER_WARP; warp_row < rows;
        warp_row += step) {   // the same bound for the whole warp
-    const long long row = warp_row + (threadIdx.x % 32) / LANES;
-    const bool valid = row < rows;
+    const long long back = warp_row + (threadIdx.x % 32) / LANES;   // how far from the last row
+    const bool valid = back < rows;
+    const long long row = rows - 1 - back;
     if (valid)
       for (int c = lane; c < CHUNKS; c += LANES) body(row, c);
     reduce(row, valid);
