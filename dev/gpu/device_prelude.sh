@@ -15,3 +15,11 @@ gpu_suite() {
       | grep -E "ERROR SUMMARY|RACECHECK SUMMARY|Race" | head -8
   done
 }
+# A / B of templates in one device call (the device's copy only): the caller's function $1, given a label, run on this
+# tree's templates, then with .ab/old/* in their place, then on this tree's again (dev/gpu/template_ab.sh, row_pass_ab.sh).
+ab_templates() {
+  mkdir -p /tmp/ab_new && for f in .ab/old/*; do cp "templates/$(basename "$f")" /tmp/ab_new/; done
+  "$1" "this tree"; cp .ab/old/* templates/
+  "$1" "old templates"; cp /tmp/ab_new/* templates/
+  "$1" "this tree again"
+}
