@@ -4,6 +4,11 @@ What `fagen build` does, as a library. Files are written only when their bytes c
 habit), so a rebuild leaves untouched files with their old mtimes and make-like tools stay quiet.
 nvcc is skipped when the `.json` beside the `.cubin` records a compile of the very same inputs
 (source, headers, arch, compiler): the cache is keyed on what went in, never on timestamps.
+
+A `.cu` includes fagen's headers (`attention_common.cuh`, ...). The `.json` says under "compile_alone"
+which ones, the folder they are in and the nvcc command line that compiles the `.cu` by itself;
+`standalone=True` (`fagen build --standalone`) copies those headers beside it, so that the command
+needs no include path: `nvcc -cubin -arch=sm_90a ... X.cu` in the output folder.
 """
 from __future__ import annotations
 
@@ -11,6 +16,8 @@ import functools
 import hashlib
 import json
 import os
+import re
+import shlex
 import subprocess
 import tempfile
 import time
@@ -60,6 +67,7 @@ class BuildResult:
     error: Optional[str] = None                 # nvcc's message when the compile failed
     skipped_reason: Optional[str] = None        # why nothing was compiled (no nvcc, --no-compile)
     seconds: float = 0.0
+    headers: list[Path] = field(default_factory=list)   # standalone: the headers beside the .cu
 
     @property
     def name(self) -> str:
@@ -83,9 +91,14 @@ def prepare(spec: Spec, arch: Optional[str] = None) -> Prepared:
     return Prepared(spec, solution, rendering.render(spec, solution))
 
 
-def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, compile: bool = True) -> BuildResult:
-    """Build one variant into out_dir. A compile failure raises `fagen.compiler.CompileError`."""
-    result = _build(prepare(spec, arch), Path(out_dir), compile)
+def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, compile: bool = True,
+                  standalone: bool = False) -> BuildResult:
+    """Build one variant into out_dir. A compile failure raises `fagen.compiler.CompileError`.
+    `standalone`: also copy the headers the `.cu` includes beside it."""
+    item = prepare(spec, arch)
+    out = Path(out_dir)
+    headers = write_headers(out, [item]) if standalone else None
+    result = _build(item, out, compile, headers)
     if result.error is not None:
         raise _nvcc().CompileError(result.error)
     return result
@@ -93,22 +106,28 @@ def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, 
 
 def build_all(specs: Iterable[Union[Spec, Prepared]], out_dir: PathLike, arch: Optional[str] = None, compile: bool = True,
               jobs: Optional[int] = None,
-              progress: Optional[Callable[[BuildResult], None]] = None) -> list[BuildResult]:
+              progress: Optional[Callable[[BuildResult], None]] = None,
+              started: Optional[Callable[[Prepared], None]] = None,
+              standalone: bool = False) -> list[BuildResult]:
     """Build every variant, compiling in parallel; results in the order of `specs`.
 
     Every variant is solved and rendered first, so a bad or infeasible spec raises SpecError
     before nvcc has run at all (items already `prepare`d are taken as they are). A variant that
     fails to compile does not stop the others: its result carries nvcc's message in `error`.
-    `progress` is called once per finished variant, from the thread that built it.
+    `started` is called as a variant begins, `progress` once per finished variant, both from the
+    thread that builds it. `standalone`: the headers the sources include are written beside them.
     """
     prepared = [item if isinstance(item, Prepared) else prepare(item, arch) for item in specs]
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
+    headers = write_headers(out, prepared) if standalone else None
     # Threads suffice: the work is nvcc in subprocesses; the GIL is released while they run.
     workers = max(1, min(jobs or os.cpu_count() or 1, len(prepared) or 1))
 
     def one(item: Prepared) -> BuildResult:
-        result = _build(item, out, compile)
+        if started is not None:
+            started(item)
+        result = _build(item, out, compile, headers)
         if progress is not None:
             progress(result)
         return result
@@ -120,13 +139,17 @@ def build_all(specs: Iterable[Union[Spec, Prepared]], out_dir: PathLike, arch: O
 
 
 # ---- one variant ---------------------------------------------------------------------------
-def _build(item: Prepared, out_dir: Path, compile: bool) -> BuildResult:
+def _build(item: Prepared, out_dir: Path, compile: bool, headers: Optional[dict] = None) -> BuildResult:
+    """One variant into out_dir; `headers` (write_headers' result): the headers were written beside it."""
     start = time.perf_counter()
     spec, solution, rendered = item.spec, item.solution, item.rendered
     out_dir.mkdir(parents=True, exist_ok=True)
     name = spec.variant_name
     cu_path, json_path, cubin_path = (out_dir / f"{name}{ext}" for ext in (".cu", ".json", ".cubin"))
     result = BuildResult(spec, solution, rendered, files={"cu": cu_path, "json": json_path})
+    if headers is not None:
+        result.headers = [out_dir / name for name in needed_headers(rendered)]
+        result.written += [path for path in result.headers if path in headers["written"]]
 
     source = rendered.text.encode()
     if write_if_changed(cu_path, source):
@@ -167,7 +190,7 @@ def _build(item: Prepared, out_dir: Path, compile: bool) -> BuildResult:
     elif cubin_path.exists():
         cubin_path.unlink()  # it was built from other inputs: a stale cubin beside a new .cu would be a lie
 
-    report = describe(spec, solution, rendered, result.compile_record)
+    report = describe(spec, solution, rendered, result.compile_record, standalone=headers is not None)
     if write_if_changed(json_path, (json.dumps(report, indent=2, sort_keys=False, default=_jsonable) + "\n").encode()):
         result.written.append(json_path)
     result.seconds = time.perf_counter() - start
@@ -175,8 +198,9 @@ def _build(item: Prepared, out_dir: Path, compile: bool) -> BuildResult:
 
 
 def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rendered",
-             compile_record: Optional[dict] = None) -> dict:
-    """The `<name>.json` beside each kernel: what was asked, what the solver chose and why, what ptxas said."""
+             compile_record: Optional[dict] = None, standalone: bool = False) -> dict:
+    """The `<name>.json` beside each kernel: what was asked, what the solver chose and why, how to compile
+    the `.cu` alone, what ptxas said."""
     solved = solution.to_dict()
     report = {
         "name": spec.variant_name,
@@ -195,9 +219,64 @@ def describe(spec: Spec, solution: "solver.Solution", rendered: "rendering.Rende
         report["modifiers"] = spec.modifiers.record()
     if spec.kind_mask is not None:   # the mask kind as the expression its tests are generated from
         report["mask_expression"] = spec.kind_mask.mask_text
+    report["compile_alone"] = compile_alone(spec, rendered, standalone)
     if compile_record is not None:
         report["compile"] = compile_record
     return report
+
+
+_QUOTED_INCLUDE = re.compile(r'^[ \t]*#[ \t]*include[ \t]*"([^"]+)"', re.MULTILINE)
+
+
+def needed_headers(rendered: "rendering.Rendered") -> list[str]:
+    """The headers of the include folder that the source includes, directly or through each other, in order."""
+    include_dir = Path(rendered.include_dir)
+    found: list[str] = []
+    pending = _QUOTED_INCLUDE.findall(rendered.text)
+    while pending:
+        name = pending.pop(0)
+        path = include_dir / name
+        if name in found or not path.is_file():
+            continue
+        found.append(name)
+        pending += _QUOTED_INCLUDE.findall(path.read_text())
+    return found
+
+
+def nvcc_command(name: str, arch: str, include_dir: Optional[PathLike] = None) -> list[str]:
+    """The nvcc command line that compiles `<name>.cu` to `<name>.cubin` in its folder, as fagen does
+    (fagen/compiler.py compile_cubin): the arch nvcc builds for and fagen's options; `-I` unless the
+    headers are beside the source (nvcc looks for quoted includes in the source's folder first)."""
+    nvcc = _nvcc()
+    include = [f"-I{include_dir}"] if include_dir is not None else []
+    return ["nvcc", "-cubin", f"-arch={nvcc.nvcc_arch(arch)}", *nvcc.NVCC_OPTIONS, *include,
+            "-o", f"{name}.cubin", f"{name}.cu"]
+
+
+def compile_alone(spec: Spec, rendered: "rendering.Rendered", standalone: bool = False) -> dict:
+    """What the `.cu` needs to compile by itself: the headers it includes, where they are (".": beside it,
+    written by --standalone), and the nvcc command line to run in the output folder."""
+    include_dir = None if standalone else Path(rendered.include_dir).resolve()
+    command = nvcc_command(spec.variant_name, spec.arch, include_dir)
+    return {"headers": needed_headers(rendered), "include_dir": "." if include_dir is None else str(include_dir),
+            "command": command, "command_line": shlex.join(command)}
+
+
+def write_headers(out_dir: PathLike, items: Iterable[Prepared]) -> dict:
+    """Copy the headers the items' sources include into out_dir (only where their bytes differ):
+    {"paths": every header's path there, "written": those whose bytes changed}."""
+    out = Path(out_dir)
+    names: dict[str, Path] = {}
+    for item in items:
+        for name in needed_headers(item.rendered):
+            names.setdefault(name, Path(item.rendered.include_dir) / name)
+    paths, written = [], []
+    for name, source in names.items():
+        target = out / name
+        if write_if_changed(target, source.read_bytes()):
+            written.append(target)
+        paths.append(target)
+    return {"paths": paths, "written": written}
 
 
 # ---- files and the compile cache -----------------------------------------------------------

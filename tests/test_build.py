@@ -5,12 +5,14 @@ import importlib
 import json
 import os
 import re
+import shlex
+import subprocess
 import types
 from pathlib import Path
 
 import pytest
 
-from fagen.build import build_all, build_variant, prepare, write_if_changed
+from fagen.build import build_all, build_variant, needed_headers, prepare, write_if_changed
 from fagen.render import render
 from fagen.solver import solve
 from fagen.spec import Spec, SpecError
@@ -207,3 +209,59 @@ def test_write_if_changed(tmp_path):
     assert mtimes([path]) == [OLD * 10**9]
     assert write_if_changed(path, b"two") and path.read_bytes() == b"two"
     assert [p.name for p in path.parent.iterdir()] == ["file.txt"], "no temporary file left behind"
+
+
+
+# ---- compiling a .cu alone -----------------------------------------------------------------------
+def test_record_says_how_to_compile_the_source_alone(tmp_path):
+    result = build_variant(SMALL, tmp_path, compile=False)
+    alone = json.loads(result.files["json"].read_text())["compile_alone"]
+    include_dir = Path(result.rendered.include_dir).resolve()
+    assert alone["include_dir"] == str(include_dir)
+    assert alone["headers"] == needed_headers(result.rendered)
+    assert "attention_common.cuh" in alone["headers"]
+    for header in alone["headers"]:
+        assert (include_dir / header).is_file()
+    name = SMALL.variant_name
+    assert alone["command"] == ["nvcc", "-cubin", f"-arch={nvcc_stage.nvcc_arch(SMALL.arch)}", *nvcc_stage.NVCC_OPTIONS,
+                                f"-I{include_dir}", "-o", f"{name}.cubin", f"{name}.cu"]
+    assert alone["command_line"] == shlex.join(alone["command"])
+    assert not any(p.suffix == ".cuh" for p in tmp_path.iterdir()), "headers only with standalone"
+
+
+def test_needed_headers_follow_includes_between_headers():
+    spec = Spec(head_dim=64, dtype="bf16", mask="causal", passes=("forward",))   # forward_wgmma on sm_90
+    rendered = prepare(spec).rendered
+    assert '#include "warpgroup_mma.cuh"' in rendered.text and '#include "tensor_core.cuh"' not in rendered.text
+    assert {"attention_common.cuh", "warpgroup_mma.cuh", "tensor_core.cuh"} <= set(needed_headers(rendered)), \
+        "warpgroup_mma.cuh includes tensor_core.cuh"
+
+
+def test_standalone_headers_are_written_once_and_only_when_changed(tmp_path):
+    first = build_variant(SMALL, tmp_path, compile=False, standalone=True)
+    assert first.headers and all(h.is_file() for h in first.headers)
+    assert set(first.headers) <= set(first.written)
+    age(first.headers)
+    again = build_variant(SMALL, tmp_path, compile=False, standalone=True)
+    assert again.written == [] and mtimes(again.headers) == [OLD * 10**9] * len(again.headers)
+
+
+@needs_nvcc
+def test_a_standalone_source_compiles_alone_with_the_recorded_command(tmp_path):
+    """The README's promise: `nvcc -cubin -arch=... X.cu` in the output folder, nothing else (one small sm_80 kernel)."""
+    spec = SMALL.model_copy(update={"arch": "sm_80"})
+    result = build_variant(spec, tmp_path, compile=False, standalone=True)
+    alone = json.loads(result.files["json"].read_text())["compile_alone"]
+    assert alone["include_dir"] == "." and not any(part.startswith("-I") for part in alone["command"])
+    done = subprocess.run(alone["command"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / f"{spec.variant_name}.cubin").read_bytes()[:4] == b"\x7fELF"
+
+
+def test_build_all_reports_each_variant_as_it_starts(tmp_path, fake_nvcc):
+    specs = [SMALL, Spec(head_dim=64, dtype="bf16", passes=("forward",))]
+    events = []
+    build_all(specs, tmp_path, jobs=1, started=lambda item: events.append(("start", item.name)),
+              progress=lambda result: events.append(("done", result.name)))
+    assert events == [("start", specs[0].variant_name), ("done", specs[0].variant_name),
+                      ("start", specs[1].variant_name), ("done", specs[1].variant_name)]
