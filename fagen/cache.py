@@ -158,7 +158,7 @@ def _warn_once(what, message: str, stacklevel: int = 3) -> None:
     warnings.warn(message, stacklevel=stacklevel + 1)
 
 
-def _fix_hint(path: Path, reason: str) -> str:
+def fix_hint(path: Path, reason: str) -> str:
     quoted = f"'{path}'"
     if "owned by" in reason:
         fix = f"chown -R $(id -u) {quoted} (as its owner or root)"
@@ -238,7 +238,7 @@ class DiskCache:
         if warn:
             _warn_once(("folder", str(folder), reason),
                        f"fagen: not using the kernel cache folder {folder}: {reason}; building in memory "
-                       f"({_fix_hint(self.root if folder == self.root else folder, reason)})", stacklevel=4)
+                       f"({fix_hint(self.root if folder == self.root else folder, reason)})", stacklevel=4)
         return _Folder.REFUSED, reason
 
     def _folders(self, kind: str, key: str, create: bool) -> str:

@@ -1,17 +1,21 @@
 """The `fagen` command. Thin: each subcommand loads the spec file and calls one stage.
 
-    fagen build  SPEC.yaml   .cu + .json (+ .cubin where nvcc is on PATH) per variant
-    fagen solve  SPEC.yaml   the tile plan, the paper's constraint and the ranked candidates
-    fagen render SPEC.yaml   the CUDA source on stdout
-    fagen schema             the spec's JSON Schema, for editors
-    fagen check  SPEC.yaml   the hypothesis property suite on the GPU
-    fagen bench  SPEC.yaml   timings against PyTorch SDPA on the GPU
-    fagen bench-model        a small transformers model's training step and the per-call overhead, vs SDPA
+    fagen build  SPEC.yaml...  .cu + .json (+ .cubin where nvcc is on PATH) per variant; --standalone adds headers
+    fagen solve  SPEC.yaml     the tile plan, why it ranks first, the paper's constraint and the ranked candidates
+    fagen render SPEC.yaml     the CUDA source on stdout
+    fagen schema               the spec's JSON Schema, for editors
+    fagen doctor               what is installed (nvcc, GPU and driver, PyCUDA, torch, ...) and the cache folder
+    fagen cache list|clear|verify   the kernel cache (docs/cache.md)
+    fagen plot   REPORT.json OUT.png   redraw a `fagen bench --json` report as a PNG
+    fagen check  SPEC.yaml     the hypothesis property suite on the GPU
+    fagen bench  SPEC.yaml     timings against PyTorch SDPA on the GPU
+    fagen bench-model          a small transformers model's training step and the per-call overhead, vs SDPA
 
-Exit status: 0 success; 1 a variant failed to compile (or a check failed); 2 a bad, infeasible or
-unreadable spec, a bad command line, or no GPU for `check`/`bench`/`bench-model`. A bad spec is one line on
-stderr (`fagen: error: ...`), never a traceback. The stages are imported inside the commands, so
-`fagen schema` and `fagen --help` do not pay for sympy and Jinja.
+Exit status: 0 success; 1 a variant failed to compile (or a check failed, or `cache verify` found bad
+entries); 2 a bad, infeasible or unreadable spec, a bad command line, a missing extra, or no GPU for
+`check`/`bench`/`bench-model`. A bad spec is one line on stderr (`fagen: error: ...`), never a traceback.
+The stages are imported inside the commands, so `fagen schema` and `fagen --help` do not pay for sympy
+and Jinja.
 """
 from __future__ import annotations
 
@@ -88,9 +92,10 @@ def _each(spec_file: Path, specs: list[Spec], step: Callable[[Spec], Any]) -> li
 
 
 def _kib(nbytes: Any) -> str:
-    if not isinstance(nbytes, (int, float)):
+    """Bytes as KiB with at most two decimals: 73 KiB, 199.05 KiB."""
+    if not isinstance(nbytes, (int, float)) or isinstance(nbytes, bool):
         return "-"
-    return f"{nbytes / 1024:g} KiB"
+    return f"{nbytes / 1024:.2f}".rstrip("0").rstrip(".") + " KiB"
 
 
 def _jsonable(value: Any) -> Any:
@@ -112,33 +117,42 @@ def _plan_fields(plan: Any) -> dict:
 
 # ---- build ----------------------------------------------------------------------------------
 @cli.command()
-@click.argument("spec_file", metavar="SPEC.yaml", type=SPEC_FILE)
+@click.argument("spec_files", metavar="SPEC.yaml...", nargs=-1, required=True, type=SPEC_FILE)
 @click.option("--out", "out_dir", default="build", show_default=True, type=click.Path(file_okay=False, path_type=Path),
               help="Folder for <name>.cu, <name>.json and <name>.cubin.")
 @click.option("--arch", type=ARCH, help="Build for this arch instead of the spec's.")
 @click.option("--no-compile", is_flag=True, help="Write .cu and .json only; do not run nvcc.")
+@click.option("--standalone", is_flag=True,
+              help="Also write the headers the .cu files include beside them, so that each compiles alone "
+                   "(the command line is in its .json under compile_alone).")
 @click.option("--jobs", "-j", type=click.IntRange(min=1), help="Variants compiled at once (default: CPU count).")
-def build(spec_file: Path, out_dir: Path, arch: Optional[str], no_compile: bool, jobs: Optional[int]) -> None:
-    """Write each variant's source and report, and compile it to a cubin where nvcc is on PATH."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+def build(spec_files: tuple[Path, ...], out_dir: Path, arch: Optional[str], no_compile: bool, standalone: bool,
+          jobs: Optional[int]) -> None:
+    """Write each variant's source and report, and compile it to a cubin where nvcc is on PATH.
 
+    Several spec files build into one folder and one table; two variants of the same name (whose files
+    would overwrite each other) are an error naming both files."""
     from fagen import build as builder
     from fagen import compiler as nvcc
 
-    specs = load_specs(spec_file)
-    prepared = _each(spec_file, specs, lambda spec: builder.prepare(spec, arch))
+    files = list(dict.fromkeys(spec_files))   # a file named twice is built once
+    loaded = [(spec_file, load_specs(spec_file)) for spec_file in files]   # every file read before any work
+    prepared, source_of = [], {}
+    for spec_file, specs in loaded:
+        for item in _each(spec_file, specs, lambda spec: builder.prepare(spec, arch)):
+            if item.name in source_of:
+                other = source_of[item.name]
+                where = (f"{spec_file}: two variants are named {item.name}" + (f" for --arch {arch}" if arch else "")
+                         if other == spec_file else f"{other} and {spec_file} both define variant {item.name}")
+                fail(f"{where}; their files in {out_dir} would overwrite each other: give one another name")
+            source_of[item.name] = spec_file
+            prepared.append(item)
     compile_ = not no_compile
     if compile_ and not nvcc.nvcc_available():
         click.echo("fagen: note: nvcc is not on PATH: writing .cu and .json only, no .cubin", err=True)
         compile_ = False
 
-    progress_console = _console(stderr=True)
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                  console=progress_console, transient=True, disable=not progress_console.is_terminal) as bar:
-        task = bar.add_task("compiling" if compile_ else "writing", total=len(prepared))
-        results = builder.build_all(prepared, out_dir, compile=compile_, jobs=jobs,
-                                    progress=lambda result: bar.advance(task))
-
+    results = _build_with_progress(builder, prepared, out_dir, compile_, jobs, standalone)
     _print_build_table(results)
     failed = [r for r in results if not r.ok]
     for result in failed:
@@ -148,8 +162,53 @@ def build(spec_file: Path, out_dir: Path, arch: Optional[str], no_compile: bool,
         raise click.exceptions.Exit(1)
 
 
+def _build_with_progress(builder, prepared: list, out_dir: Path, compile_: bool, jobs: Optional[int],
+                         standalone: bool) -> list:
+    """build_all under a progress bar (on a terminal only) naming the variants being compiled, with an ETA."""
+    import threading
+
+    from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn,
+                               TimeRemainingColumn)
+
+    verb = "compiling" if compile_ else "writing"
+    running: dict[str, None] = {}
+    guard = threading.Lock()
+    console = _console(stderr=True)
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                  TextColumn("eta"), TimeRemainingColumn(), console=console, transient=True,
+                  disable=not console.is_terminal) as bar:
+        task = bar.add_task(verb, total=len(prepared))
+
+        def describe() -> str:
+            names = list(running)
+            if not names:
+                return verb
+            shown = ", ".join(names[:2]) + (f" (+{len(names) - 2})" if len(names) > 2 else "")
+            return f"{verb} {_markup_escape(shown)}"
+
+        def started(item) -> None:
+            with guard:
+                running[item.name] = None
+                bar.update(task, description=describe())
+
+        def finished(result) -> None:
+            with guard:
+                running.pop(result.name, None)
+                bar.update(task, advance=1, description=describe())
+
+        return builder.build_all(prepared, out_dir, compile=compile_, jobs=jobs, progress=finished, started=started,
+                                 standalone=standalone)
+
+
+def _markup_escape(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)
+
+
 def _print_build_table(results: list) -> None:
     from rich.table import Table
+    from rich.text import Text
 
     table = Table(title="fagen build", title_justify="left")
     table.add_column("variant", no_wrap=True)
@@ -163,15 +222,15 @@ def _print_build_table(results: list) -> None:
             fields = _plan_fields(plan)
             kernels = [resources[k] for k in result.rendered.kernels.get(pass_name, []) if k in resources]
             registers = str(max(k.get("registers", 0) for k in kernels)) if kernels else "-"
-            spills = (f"{sum(k.get('spill_stores', 0) + k.get('spill_loads', 0) for k in kernels)} B"
-                      if kernels else "-")
+            spilled = sum(k.get("spill_stores", 0) + k.get("spill_loads", 0) for k in kernels)
+            spills = Text(f"{spilled} B" if kernels else "-", style="bold yellow" if spilled else "")
             if not result.ok:
-                where = "FAILED (nvcc)"
+                where = Text("FAILED (nvcc)", style="bold red")
             else:
-                where = str(result.files["cubin"] if result.compiled else result.files["cu"])
-            table.add_row(result.name if n == 0 else "", pass_name, str(fields.get("block_r")),
-                          str(fields.get("block_c")), str(fields.get("warps")), _kib(fields.get("smem_bytes")),
-                          registers, spills, where if n == 0 else "")
+                where = Text(str(result.files["cubin"] if result.compiled else result.files["cu"]))
+            table.add_row(Text(result.name if n == 0 else "", style="red" if not result.ok else ""), pass_name,
+                          str(fields.get("block_r")), str(fields.get("block_c")), str(fields.get("warps")),
+                          _kib(fields.get("smem_bytes")), registers, spills, where if n == 0 else "")
     _console().print(table)
 
 
@@ -190,11 +249,119 @@ def solve(spec_file: Path, as_json: bool, policy: Optional[str], arch: Optional[
     specs = [_with_arch(spec, arch) for spec in load_specs(spec_file)]
     solutions = _each(spec_file, specs, lambda spec: solver.solve(spec, target_for(spec.arch), policy=policy))
     if as_json:
-        click.echo(json.dumps([s.to_dict() for s in solutions], indent=2, default=_jsonable))
+        data = []
+        for spec, solution in zip(specs, solutions):
+            item = solution.to_dict()
+            for pass_name, plan in item.get("passes", {}).items():
+                plan["why_first"] = why_first(spec, solution, pass_name)
+            data.append(item)
+        click.echo(json.dumps(data, indent=2, default=_jsonable))
         return
     console = _console()
     for spec, solution in zip(specs, solutions):
         _print_solution(console, spec, solution.to_dict(), solution, top)
+
+
+# What decides a plan's rank: the fields of solver.Plan.rank_key, in its order, for each of its three layouts.
+_RANK_FIELDS = {
+    "occupancy_first": ("padding", "preference", "timed", "hbm", "resident", "reads", "tile", "warps"),
+    "tensor_cores": ("padding", "preference", "timed", "hbm", "reads", "tile", "resident", "warps"),
+    "cuda_cores": ("padding", "timed", "hbm", "reads", "resident", "tile", "warps"),
+}
+
+
+def _rank_fields(plan: Any) -> tuple:
+    from fagen.solver import family_named
+
+    family = family_named(plan.family)
+    return _RANK_FIELDS["occupancy_first" if family.occupancy_first else
+                        "tensor_cores" if plan.tensor_cores else "cuda_cores"]
+
+
+def _deciding_field(top: Any, other: Any, head_dim: int) -> Optional[str]:
+    """The first rank_key field in which `top` ranks ahead of `other` (None: equal on all of them)."""
+    mine, theirs = top.rank_key(head_dim), other.rank_key(head_dim)
+    fields = _rank_fields(top)
+    for n, (a, b) in enumerate(zip(mine, theirs)):
+        if a != b:
+            return fields[n] if n < len(fields) else None
+    return None
+
+
+def why_first(spec: Spec, solution: Any, pass_name: str) -> str:
+    """Why the solver's first plan for a pass is first, in one sentence: the least HBM traffic, or the rule
+    ranked ahead of traffic that put it there (head-dim padding, family preference, a tile timed faster)."""
+    ranked = list(solution.candidates.get(pass_name, ()))
+    top = solution.plans.get(pass_name)
+    if top is None or not ranked:
+        return ""
+    if top != ranked[0]:
+        return "chosen by autotuning: timed fastest on this GPU (fagen bench --autotune)"
+    if len(ranked) == 1:
+        return "the only feasible plan"
+    least = min(plan.hbm_bytes for plan in ranked)
+    rival = ranked[1] if top.hbm_bytes == least else next(p for p in ranked if p.hbm_bytes == least)
+    rank = ranked.index(rival) + 1
+    reason = _reason(_deciding_field(top, rival, spec.head_dim), top, rival, spec)
+    if top.hbm_bytes == least:
+        if rival.hbm_bytes > least:
+            return f"the least HBM traffic ({top.hbm_bytes:,} bytes at N = 4096)"
+        return f"the least HBM traffic ({top.hbm_bytes:,} bytes at N = 4096), tied with rank {rank}; it goes first because {reason}"
+    return (f"rank {rank} moves fewer HBM bytes ({least:,} against {top.hbm_bytes:,} at N = 4096), but a rule ranked "
+            f"ahead of traffic puts this plan first: {reason}")
+
+
+def _reason(field: Optional[str], top: Any, other: Any, spec: Spec) -> str:
+    if field == "padding":
+        weighed = [float(plan.rank_key(spec.head_dim)[0]) for plan in (top, other)]
+        return (f"{top.family} computes d = {spec.head_dim} at {top.head_dim}, weighed as {weighed[0]:g}, against "
+                f"{other.family} at {other.head_dim}, weighed as {weighed[1]:g} (head-dim padding ranks first; a Hopper "
+                "warpgroup-MMA family's counts for 3/4 of it: solver.PREFERRED_PADDING)")
+    if field == "preference":
+        return (f"its family {top.family} is preferred to {other.family} (solver.Family.preference: the newer "
+                "instruction family, timed faster, first)")
+    if field == "timed":
+        return (f"Br = {top.block_r}, Bc = {top.block_c} with {top.warps} warps at d = {top.head_dim} is in "
+                f"{top.family}'s timed_first list: timed faster on the GPU than the cost model's first choice "
+                "(solver.Family.timed_first)")
+    if field == "hbm":
+        return f"it moves fewer HBM bytes ({top.hbm_bytes:,} against {other.hbm_bytes:,})"
+    if field == "resident":
+        return f"it keeps more warps resident per multiprocessor ({top.resident_warps} against {other.resident_warps})"
+    if field == "reads":
+        return f"it reads less shared memory per (row, key) ({top.smem_reads} against {other.smem_reads} bytes)"
+    if field == "tile":
+        return f"its tile is bigger ({top.block_r} x {top.block_c} against {other.block_r} x {other.block_c})"
+    if field == "warps":
+        return f"it uses fewer warps ({top.warps} against {other.warps})"
+    return "it is equal on every ranking criterion and was found first"
+
+
+def _paper_lines(spec: Spec, data: dict, solution: Any) -> list[str]:
+    """The FlashAttention-1 constraint as a reference point: evaluated on the paper's closed-form tiles, not on
+    the chosen plans, whose footprint is each template's own (the smem column) within the budget."""
+    constraint = data.get("constraint") or {}
+    if not constraint:
+        return []
+    lhs, rhs = constraint.get("lhs"), constraint.get("rhs")
+    paper = data.get("paper") or getattr(solution, "paper", None) or {}
+    block_r, block_c = paper.get("block_r", constraint.get("block_r")), paper.get("block_c", constraint.get("block_c"))
+    if constraint.get("holds"):
+        verdict = "holds"
+    elif isinstance(lhs, (int, float)) and isinstance(rhs, (int, float)) and rhs:
+        verdict = f"over M by {100 * (lhs - rhs) / rhs:.1f}% (the closed form is a sizing rule, not a guarantee)"
+    else:
+        verdict = "over M"
+    budget = _kib(getattr(solution, "budget_bytes", None))
+    if data.get("policy") == "paper":
+        how = ("tile_policy paper: the plan takes these tiles as they are, checked against the template's own "
+               "shared-memory footprint")
+    else:
+        how = (f"a reference point, not the plan's footprint: fagen checks each template's own shared memory (the "
+               f"smem column) against the {budget} budget")
+    return [f"paper constraint  FlashAttention-1's {constraint.get('expression')}, M = {rhs} elements of {spec.dtype}",
+            f"                  at its closed-form tiles Br = {block_r}, Bc = {block_c}: {lhs} <= {rhs}, {verdict}",
+            f"                  ({how})"]
 
 
 def _print_solution(console, spec: Spec, data: dict, solution: Any, top: int) -> None:
@@ -210,15 +377,12 @@ def _print_solution(console, spec: Spec, data: dict, solution: Any, top: int) ->
                       str(plan.get("warps")), str(plan.get("stages")), _kib(plan.get("smem_bytes")),
                       str(plan.get("registers_estimate", "-")))
     console.print(plans)
-    constraint = data.get("constraint") or {}
-    verdict = "holds" if constraint.get("holds") else "does NOT hold"
-    console.print(f"paper constraint  {constraint.get('expression')}:  "
-                  f"{constraint.get('lhs')} <= {constraint.get('rhs')}  {verdict}")
-    paper = data.get("paper") or getattr(solution, "paper", None)
-    if paper:
-        paper = _plan_fields(paper)
-        console.print(f"paper closed form Br = {paper.get('block_r')}, Bc = {paper.get('block_c')}  "
-                      f"({'satisfies' if paper.get('holds') else 'violates'} the constraint)")
+    for pass_name in passes:
+        reason = why_first(spec, solution, pass_name)
+        if reason:
+            console.print(f"first {pass_name} plan: {_markup_escape(reason)}")
+    for line in _paper_lines(spec, data, solution):
+        console.print(_markup_escape(line))
     candidates = data.get("candidates") or []
     if top and candidates:
         table = Table("rank", "Br", "Bc", "warps", "stages", "smem", "HBM bytes", box=None, pad_edge=False,
@@ -261,6 +425,301 @@ def schema() -> None:
     click.echo(json.dumps(json_schema(), indent=2))
 
 
+# ---- doctor ---------------------------------------------------------------------------------
+EXTRA_HINTS = {"pycuda": "pip install 'fagen[gpu]'", "torch": "pip install 'fagen[torch]'",
+               "transformers": "pip install 'fagen[transformers]'", "matplotlib": "pip install 'fagen[bench]'"}
+
+
+def _module_version(name: str) -> Optional[str]:
+    """The installed version of a distribution / module, or None when it cannot be imported (not imported here)."""
+    from importlib import metadata
+    from importlib.util import find_spec
+
+    try:
+        if find_spec(name) is None:
+            return None
+    except (ImportError, ValueError):
+        return None
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return "installed"
+
+
+def _nvcc_status() -> tuple[bool, str]:
+    import re
+    import subprocess
+
+    from fagen import compiler
+
+    path = compiler.nvcc_path()
+    if path is None:
+        return False, "not on PATH or under $CUDA_HOME/bin"
+    try:
+        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return False, f"{path} does not run ({err})"
+    release = re.search(r"release ([\d.]+)", out)
+    return True, f"{path}" + (f" (CUDA {release.group(1)})" if release else "")
+
+
+def _gpu_status() -> tuple[bool, str]:
+    """The first GPU and the driver, through libcuda directly (no PyCUDA or torch needed)."""
+    import ctypes
+
+    try:
+        lib = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return False, "no NVIDIA driver (libcuda.so.1 cannot be loaded)"
+    try:
+        if lib.cuInit(0) != 0:
+            return False, "the driver is installed but cuInit failed (no usable GPU?)"
+        version, count, device, major, minor = (ctypes.c_int() for _ in range(5))
+        lib.cuDriverGetVersion(ctypes.byref(version))
+        lib.cuDeviceGetCount(ctypes.byref(count))
+        if count.value < 1:
+            return False, "the driver sees no GPU"
+        lib.cuDeviceGet(ctypes.byref(device), 0)
+        name = ctypes.create_string_buffer(256)
+        lib.cuDeviceGetName(name, 256, device)
+        lib.cuDeviceGetAttribute(ctypes.byref(major), 75, device)
+        lib.cuDeviceGetAttribute(ctypes.byref(minor), 76, device)
+    except (AttributeError, OSError) as err:
+        return False, f"the driver does not answer ({err})"
+    driver = ""
+    try:
+        first = Path("/proc/driver/nvidia/version").read_text().splitlines()[0]
+        import re
+
+        found = re.search(r"Kernel Module\s+([\d.]+)", first)
+        driver = f"driver {found.group(1)}, " if found else ""
+    except (OSError, IndexError):
+        pass
+    more = f" (+{count.value - 1} more)" if count.value > 1 else ""
+    return True, (f"{name.value.decode(errors='replace')}{more}, sm_{major.value}{minor.value}; {driver}CUDA "
+                  f"{version.value // 1000}.{version.value % 1000 // 10}")
+
+
+def _cache_status() -> tuple[str, str]:
+    """("ok" | "problem", what): the cache folder, whether it is trusted and writable."""
+    import os
+    import tempfile
+
+    from fagen.cache import DiskCache, cache_location
+
+    root = cache_location()
+    problem = DiskCache(root).problem()
+    if problem:
+        from fagen.cache import fix_hint
+
+        return "problem", f"{root}: not used: {problem}; {fix_hint(root, problem)}"
+    if not root.exists():
+        parent = next((p for p in root.parents if p.exists()), None)
+        if parent is not None and os.access(parent, os.W_OK | os.X_OK):
+            return "ok", f"{root} (made on first use)"
+        return "problem", f"{root} cannot be made ({parent} is not writable); set FAGEN_CACHE_DIR to a folder you own"
+    try:
+        fd, probe = tempfile.mkstemp(dir=root, prefix=".doctor-")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as err:
+        return "problem", f"{root} is not writable ({err.strerror or err}): kernels are built in memory, each time"
+    return "ok", f"{root} (writable, private to you)"
+
+
+@cli.command()
+def doctor() -> None:
+    """Check what fagen can use here: nvcc, the GPU and driver, PyCUDA, torch, transformers, matplotlib, the cache.
+
+    Exits 0 whatever is missing: each row says what needs it and what to do."""
+    import platform
+
+    from rich.table import Table
+    from rich.text import Text
+
+    rows: list[tuple[str, str, str, str]] = [("fagen", "ok", f"{__version__}, Python {platform.python_version()}",
+                                              "solve, render, schema, build --no-compile: nothing else needed")]
+    found, detail = _nvcc_status()
+    rows.append(("nvcc", "ok" if found else "missing", detail,
+                 "fagen build's .cubin and compiling at run time" +
+                 ("" if found else "; install the CUDA toolkit (12.x or later) and put its bin/ on PATH")))
+    found, detail = _gpu_status()
+    rows.append(("GPU and driver", "ok" if found else "missing", detail,
+                 "fagen.compile, fagen.attention, check, bench" + ("" if found else "; needs an NVIDIA GPU, sm_80 or later")))
+    for module, label, needed in (("pycuda", "PyCUDA", "fagen.compile, check, bench"),
+                                  ("torch", "torch", "fagen.attention and the torch ops, check, bench"),
+                                  ("transformers", "transformers", "the transformers integration, bench-model"),
+                                  ("matplotlib", "matplotlib", "fagen plot, bench --plot")):
+        version = _module_version(module)
+        rows.append((label, "ok" if version else "missing", version or "not installed",
+                     needed + ("" if version else f"; {EXTRA_HINTS[module]}")))
+    state, detail = _cache_status()
+    rows.append(("cache", state, detail, "loading compiled kernels instead of compiling them again (docs/cache.md)"))
+
+    table = Table(title="fagen doctor", title_justify="left")
+    for header in ("check", "status", "found", "needed for / what to do"):
+        table.add_column(header, overflow="fold")
+    styles = {"ok": "green", "missing": "yellow", "problem": "bold red"}
+    for name, state, detail, needed in rows:
+        table.add_row(name, Text(state, style=styles[state]), Text(detail), Text(needed))
+    console = _console()
+    console.print(table)
+    missing = [name for name, state, _, _ in rows if state != "ok"]
+    console.print(Text("everything fagen can use is here" if not missing else
+                       f"not available: {', '.join(missing)} (only the features named beside them need them)"))
+
+
+# ---- cache ----------------------------------------------------------------------------------
+CACHE_KINDS = click.Choice(("cubin", "plan", "autotune"))
+
+
+@cli.group("cache")
+def cache_group() -> None:
+    """The kernel cache ($FAGEN_CACHE_DIR, default ~/.cache/fagen; docs/cache.md)."""
+
+
+def _cache():
+    from fagen.cache import DiskCache
+
+    return DiskCache()
+
+
+def _size(nbytes: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} B"
+
+
+def _age(mtime: float) -> str:
+    import time
+
+    seconds = max(0.0, time.time() - mtime)
+    for unit, scale in (("d", 86400), ("h", 3600), ("min", 60)):
+        if seconds >= scale:
+            return f"{seconds / scale:.0f} {unit}"
+    return f"{seconds:.0f} s"
+
+
+def _note_untrusted(cache) -> None:
+    problem = cache.problem()
+    if problem:
+        from fagen.cache import fix_hint
+
+        click.echo(f"fagen: note: {cache.root} is not used by fagen: {problem}; {fix_hint(cache.root, problem)}",
+                   err=True)
+
+
+@cache_group.command("list")
+@click.option("--kind", type=CACHE_KINDS, help="Only entries of this kind.")
+def cache_list(kind: Optional[str]) -> None:
+    """Every entry: kind, key, size and age, then the totals."""
+    from rich.table import Table
+
+    cache = _cache()
+    _note_untrusted(cache)
+    entries = sorted(cache.entries(kind), key=lambda e: (e.kind, -e.mtime))
+    console = _console()
+    if not entries:
+        console.print(_markup_escape(f"{cache.root}: no entries" + (f" of kind {kind}" if kind else "")))
+        return
+    table = Table(title=_markup_escape(f"fagen cache: {cache.root}"), title_justify="left")
+    for header in ("kind", "key", "size", "age"):
+        table.add_column(header, justify="right" if header in ("size", "age") else "left")
+    for entry in entries:
+        table.add_row(entry.kind, entry.key, _size(entry.size), _age(entry.mtime))
+    console.print(table)
+    totals: dict[str, list[int]] = {}
+    for entry in entries:
+        count_size = totals.setdefault(entry.kind, [0, 0])
+        count_size[0] += 1
+        count_size[1] += entry.size
+    per_kind = "; ".join(f"{name} {n}, {_size(size)}" for name, (n, size) in totals.items())
+    console.print(f"{_count(len(entries), 'entry', 'entries')}, {_size(sum(e.size for e in entries))} ({per_kind})")
+
+
+@cache_group.command("clear")
+@click.option("--kind", type=CACHE_KINDS, help="Only entries of this kind (default: all).")
+def cache_clear(kind: Optional[str]) -> None:
+    """Remove the entries (all, or of one kind). Files fagen did not write are left alone."""
+    cache = _cache()
+    removed, size, errors = cache.clear(kind)
+    click.echo(f"removed {_count(removed, 'entry', 'entries')} ({_size(size)}) from {cache.root}")
+    if errors:
+        fail(f"{len(errors)} could not be removed: {errors[0]}", 1)
+
+
+@cache_group.command("verify")
+def cache_verify() -> None:
+    """Check every entry's checksum, owner and mode; remove the bad ones. Exit 1 if any were bad.
+
+    A folder another user could write is reported (and exits 1) but left as it is, entries and all:
+    fagen does not use it, and it may be shared on purpose."""
+    from fagen.cache import fix_hint
+
+    cache = _cache()
+    refused = cache.untrusted_folders()
+    for folder, reason in refused:
+        click.echo(f"bad folder: {folder}: {reason} (not used, left as it is; {fix_hint(folder, reason)})")
+    refused_folders = {folder for folder, _ in refused}
+    bad = stale = good = skipped = 0
+    entries = list(cache.entries())
+    for entry in entries:
+        if refused_folders & {cache.root, entry.path.parent, entry.path.parent.parent}:
+            skipped += 1
+            continue
+        problem, fault = cache.check(entry)
+        if problem is None:
+            good += 1
+            continue
+        error = cache.remove(entry)
+        outcome = f"could not remove it: {error}" if error else "removed"
+        click.echo(f"{'bad' if fault else 'stale'}: {entry.path}: {problem} ({outcome})")
+        if fault or error:
+            bad += 1
+        else:
+            stale += 1
+    checked = len(entries) - skipped
+    click.echo(f"checked {_count(checked, 'entry', 'entries')} in {cache.root}: {good} good"
+               + (f", {stale} stale (an older fagen's, removed)" if stale else "")
+               + (f", {bad} bad" if bad else "")
+               + (f"; {_count(skipped, 'entry', 'entries')} in refused folders not checked" if skipped else "")
+               + (f"; {_count(len(refused), 'folder', 'folders')} refused" if refused else ""))
+    if bad or refused:
+        raise click.exceptions.Exit(1)
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+# ---- plot -----------------------------------------------------------------------------------
+@cli.command()
+@click.argument("report_file", metavar="REPORT.json", type=click.Path(dir_okay=False, path_type=Path))
+@click.argument("png", metavar="OUT.png", type=click.Path(dir_okay=False, path_type=Path))
+def plot(report_file: Path, png: Path) -> None:
+    """Draw a `fagen bench --json` report as a PNG: TFLOP/s against N, one panel per spec and pass."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        fail("fagen plot needs matplotlib: pip install 'fagen[bench]'", 2)
+    from fagen.bench.report import BenchReport, plot_report
+
+    try:
+        report = BenchReport.load(report_file)
+    except OSError as err:
+        fail(f"{report_file}: cannot read it ({err.strerror or err})", 2)
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        fail(f"{report_file}: not a `fagen bench --json` report ({type(err).__name__}: {err})", 2)
+    try:
+        written = plot_report(report, png, console=_console(stderr=True))
+    except ValueError as err:
+        fail(f"{report_file}: {err}", 2)
+    if written is None:
+        fail("fagen plot needs matplotlib: pip install 'fagen[bench]'", 2)
+    click.echo(f"wrote {png}")
+
+
 # ---- check and bench: GPU only, implemented in fagen.testing and fagen.bench ----------------------
 def _gpu_entry(command: str, module: str, function: str) -> Callable:
     """The function behind a GPU command, or exit 2 with one line saying what is missing."""
@@ -279,7 +738,7 @@ def _no_gpu_reason() -> Optional[str]:
     try:
         import pycuda.driver as cuda
     except ImportError as err:
-        return f"PyCUDA is not installed ({err}); install with pip install -e \".[gpu]\""
+        return f"PyCUDA is not installed ({err}); install with pip install 'fagen[gpu]'"
     try:
         cuda.init()
         if cuda.Device.count() < 1:
@@ -370,7 +829,7 @@ def bench_model(head_dims: tuple[int, ...], seqlens: tuple[int, ...], tokens: in
     from importlib.util import find_spec
 
     if find_spec("transformers") is None:
-        fail("fagen bench-model needs transformers: pip install -e \".[hf]\"", 2)
+        fail("fagen bench-model needs transformers: pip install 'fagen[transformers]'", 2)
     run(head_dims=head_dims, seqlens=seqlens, tokens=tokens, hidden=hidden, layers=layers, kv_groups=kv_groups,
         vocab=vocab, warmup=warmup, steps=steps, overhead=overhead, compiled=compiled, packed_doc_len=packed_doc_len,
         json=json_path)
