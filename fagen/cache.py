@@ -8,7 +8,8 @@
 - Building an entry holds a `filelock` lock on it, so several processes asking for the same kernel
   at once compile it once; the others wait, then read it. A waiter gives up after
   $FAGEN_LOCK_TIMEOUT seconds (default 60) with a warning and builds the entry itself: the holder may
-  be stuck, and a second build is safe because writes are atomic.
+  be stuck, and a second build is safe because writes are atomic. For ten minutes after that, the
+  process waits at most 5 s for any lock (a stuck holder may hold several).
 - A cache that cannot be created, read or written (no home folder, read-only, full disk) costs speed,
   never the result: one warning says why, and the entry is built in memory.
 
@@ -53,6 +54,11 @@ DIGEST_BYTES = 32
 #: How long a process waits for another that is building the same entry before building it itself. Compiles
 #: take seconds (BENCHMARKS.md: ~3 s cold), so a minute means the holder is stuck or the machine badly loaded.
 LOCK_TIMEOUT_S = 60.0
+#: After one wait timed out, the holder is likely stuck holding others too (the runtime builds a plan's cubins
+#: under the plan's lock): for STUCK_WINDOW_S the process waits at most STUCK_WAIT_S for any lock, so one stuck
+#: holder costs one timeout, not one per lock it holds.
+STUCK_WAIT_S, STUCK_WINDOW_S = 5.0, 600.0
+_gave_up_at: Optional[float] = None
 KINDS = ("cubin", "plan")         # the entry folders under the cache folder (compiler.py, runtime.py)
 FOLDER_MODE = 0o700
 ENTRY_MODE = 0o600
@@ -457,10 +463,13 @@ class CacheLock:
         self._lock = None
 
     def acquire(self) -> bool:
+        global _gave_up_at
         if self.cache._folders(self.kind, self.key, create=True) != _Folder.OK:
             return False   # warned by _folders: nothing to share, so nothing to lock
         path = self.cache.path(self.kind, self.key)
         timeout = lock_timeout()
+        if _gave_up_at is not None and time.monotonic() - _gave_up_at < STUCK_WINDOW_S:
+            timeout = min(timeout, STUCK_WAIT_S)
         try:
             from filelock import FileLock, Timeout
         except ImportError as err:   # a dependency, but a missing one must not stop a build
@@ -471,7 +480,8 @@ class CacheLock:
         try:
             lock.acquire()
         except Timeout:
-            waited = time.monotonic() - start
+            _gave_up_at = time.monotonic()
+            waited = _gave_up_at - start
             warnings.warn(f"fagen: waited {waited:.3g} s for the lock on cache entry {path}: the process holding it may "
                           f"be stuck; building it without the lock (the result is the same; {LOCK_TIMEOUT_ENV} sets "
                           "the wait in seconds)", stacklevel=3)

@@ -359,14 +359,16 @@ def test_the_default_lock_timeout_is_at_most_a_minute(monkeypatch):
 _HOLD = r"""
 import sys, time
 from filelock import FileLock
-lock = FileLock(sys.argv[1])
-lock.acquire()
+locks = [FileLock(path) for path in sys.argv[1:]]
+for lock in locks:
+    lock.acquire()
 print("held", flush=True)
 time.sleep(120)
 """
 
 
 def test_a_stuck_lock_holder_is_given_up_on_with_a_warning(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_module, "_gave_up_at", None)   # restored after the test: no shorter waits leak out
     cache = DiskCache(tmp_path)
     key = digest("stuck")
     cache.path("plan", key).parent.mkdir(parents=True, mode=0o700)
@@ -407,3 +409,29 @@ def test_entries_and_clear_touch_only_fagens_files(tmp_path):
     assert cache.clear("plan")[:2] == (1, 20 + DIGEST_BYTES) and not (tmp_path / "plan").exists()
     assert cache.clear()[:2] == (2, 10 + DIGEST_BYTES + 2)
     assert sorted(p.name for p in tmp_path.rglob("*")) == ["README", "ab", "cubin", "notes.txt"]
+
+
+def test_after_one_stuck_lock_the_others_it_holds_cost_seconds_not_a_timeout_each(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_module, "_gave_up_at", None)
+    monkeypatch.setattr(cache_module, "STUCK_WAIT_S", 0.3)
+    cache = DiskCache(tmp_path)
+    plan, cubin = digest("plan"), digest("cubin")
+    paths = [cache.path("plan", plan), cache.path("cubin", cubin)]
+    for path in paths:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    holder = subprocess.Popen([sys.executable, "-c", _HOLD, *(str(p) + ".lock" for p in paths)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        monkeypatch.setenv("FAGEN_LOCK_TIMEOUT", "0.5")
+        with pytest.warns(UserWarning, match="may be stuck"):
+            with cache.lock("plan", plan) as lock:
+                assert not lock.held
+        monkeypatch.setenv("FAGEN_LOCK_TIMEOUT", "30")
+        start = time.monotonic()
+        with pytest.warns(UserWarning, match="may be stuck"):
+            assert cache.get_or_build("cubin", cubin, lambda: b"built") == b"built"
+        assert time.monotonic() - start < 5, "capped at STUCK_WAIT_S, not the 30 s timeout"
+    finally:
+        holder.kill()
+        holder.wait()
