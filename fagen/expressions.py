@@ -62,6 +62,17 @@ INPUT_KINDS = ("scalar", "float32", "int32")
 MAX_TENSORS = 4
 MAX_SCALARS = 4
 
+# Bounds on what one expression may be, so that nothing a user writes can hang the parser or sympy: a
+# chain of + - * (a long sum) counts as one level of nesting, however many terms it has.
+MAX_EXPRESSION_CHARS = 2000
+MAX_EXPRESSION_NODES = 1000
+MAX_EXPRESSION_DEPTH = 40
+MAX_EXPONENT = 128                        # |a constant exponent|: beyond it any |base| > 1.01 overflows float32
+INT32_MAX = 2**31 - 1
+FLT_MAX = 3.4028234663852886e38
+FLT_TRUE_MIN = 1.401298464324817e-45      # the smallest float32 above 0: a constant below it would be 0
+_LOG10_FLT_MAX, _LOG10_FLT_TRUE_MIN = math.log10(FLT_MAX), math.log10(FLT_TRUE_MIN)
+
 
 def _sigmoid(x):
     return 1 / (1 + sp.exp(-x))
@@ -86,6 +97,7 @@ def _is_boolean(expr) -> bool:
 # ---- parsing: ast -> sympy -------------------------------------------------------------------
 _BINOPS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/", ast.FloorDiv: "//", ast.Mod: "%", ast.Pow: "**",
            ast.BitAnd: "&", ast.BitOr: "|", ast.BitXor: "^", ast.LShift: "<<", ast.RShift: ">>", ast.MatMult: "@"}
+_CHAINED = (ast.Add, ast.Sub, ast.Mult)   # left-deep chains the parser walks as lists (_Parser.chain)
 _COMPARE = {ast.Lt: sp.Lt, ast.LtE: sp.Le, ast.Gt: sp.Gt, ast.GtE: sp.Ge, ast.Eq: sp.Eq, ast.NotEq: sp.Ne}
 
 
@@ -123,7 +135,28 @@ class _Parser:
         method = getattr(self, "visit_" + type(node).__name__, None)
         if method is None:
             self.fail(f"{_describe(node)} is not supported")
-        return method(node)
+        return self.bounded(method(node), node)
+
+    def bounded(self, value, node):
+        """A constant the parser folded (sympy folds as it builds) must be one the kernels can hold: an
+        integer within int32, a real within float32 and not so small that it rounds to 0."""
+        if _is_boolean(value) or not getattr(value, "is_number", False) or value.is_zero:
+            return value
+        if value.is_Integer:
+            if abs(value) > INT32_MAX:
+                written = _source(node)
+                shown = written if written == str(value) else f"{written} = {_digits(value)}"
+                self.fail(f"the constant {shown} does not fit in 32 bits (int32: |x| < 2**31); write a float "
+                          "(e.g. 1e12) where a float is meant")
+            return value
+        number = sp.N(value, 20)
+        if not number.is_real:
+            self.fail(f"{_source(node)} is not a real number")
+        if abs(number) > FLT_MAX:
+            self.fail(f"the constant {_source(node)} (~{sp.Float(number, 4)}) overflows float32 (|x| <= {FLT_MAX:g})")
+        if abs(number) < FLT_TRUE_MIN:
+            self.fail(f"the constant {_source(node)} (~{sp.Float(number, 4)}) rounds to 0 in float32")
+        return value
 
     def visit_Expression(self, node):
         return self.visit(node.body)
@@ -173,9 +206,28 @@ class _Parser:
             return sp.And(left, right) if symbol == "&" else sp.Or(left, right)
         if symbol not in ("+", "-", "*", "/", "//", "%", "**"):
             self.fail(f"operator '{symbol}' is not supported")
+        if symbol in ("+", "-", "*") and isinstance(node.left, ast.BinOp) and type(node.left.op) in _CHAINED:
+            return self.chain(node)
         left, right = self.number(node.left), self.number(node.right)
+        return self.bounded(self.apply(symbol, left, right, node), node)
+
+    def chain(self, node):
+        """a + b - c + ... (and a * b * ...) walked as the list it is, not as recursion as deep as it is
+        long: a sum of hundreds of terms is a legitimate expression."""
+        links = []
+        while isinstance(node, ast.BinOp) and type(node.op) in _CHAINED:
+            links.append(node)
+            node = node.left
+        value = self.number(node)
+        for link in reversed(links):
+            value = self.bounded(self.apply(_BINOPS[type(link.op)], value, self.number(link.right), link), link)
+        return value
+
+    def apply(self, symbol, left, right, node):
         if symbol in ("/", "//", "%") and right == 0:
-            self.fail(f"division by zero in {ast.unparse(node)}")
+            self.fail(f"division by zero in {_source(node)}")
+        if symbol == "**":
+            self.check_power(left, right, node)
         if symbol == "+":
             return left + right
         if symbol == "-":
@@ -189,6 +241,20 @@ class _Parser:
         if symbol == "%":
             return sp.Mod(left, right)
         return left ** right
+
+    def check_power(self, base, exponent, node):
+        """Refused before sympy computes it: 2**10**10 would be an exact integer of three billion digits."""
+        if not exponent.is_number:
+            return
+        if not exponent.is_real or abs(exponent) > MAX_EXPONENT:
+            self.fail(f"the exponent in {_source(node)} is too large: a constant exponent is at most "
+                      f"{MAX_EXPONENT} in magnitude")
+        if base.is_number and base.is_real and not base.is_zero:
+            scale = float(exponent) * math.log10(abs(float(base)))
+            if scale > _LOG10_FLT_MAX:
+                self.fail(f"{_source(node)} overflows float32 (about 1e{scale:.0f}; |x| <= {FLT_MAX:g})")
+            if scale < _LOG10_FLT_TRUE_MIN:
+                self.fail(f"{_source(node)} rounds to 0 in float32 (about 1e{scale:.0f})")
 
     def visit_Compare(self, node):
         terms = [self.number(node.left)] + [None] * len(node.comparators)
@@ -483,10 +549,42 @@ def _describe(node) -> str:
     return f"{kind} ({text})" if text else kind
 
 
+def _source(node, limit: int = 60) -> str:
+    return _cut(ast.unparse(node), limit)
+
+
+def _cut(text: str, limit: int = 60) -> str:
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def _digits(value) -> str:
+    text = str(value)
+    return text if len(text) <= 24 else f"{text[:6]}...({len(text)} digits)"
+
+
+def _shape(tree) -> tuple[int, int]:
+    """(nodes, depth) of a parsed expression, walked without recursion; a link of a + - * chain (see
+    _Parser.chain) adds no depth."""
+    nodes, depth, stack = 0, 0, [(tree, 1)]
+    while stack:
+        node, level = stack.pop()
+        nodes += 1
+        depth = max(depth, level)
+        if nodes > MAX_EXPRESSION_NODES:
+            break
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.expr_context, ast.operator, ast.cmpop, ast.boolop, ast.unaryop)):
+                continue
+            chained = (isinstance(node, ast.BinOp) and child is node.left and isinstance(child, ast.BinOp)
+                       and type(child.op) in _CHAINED and type(node.op) in _CHAINED)
+            stack.append((child, level if chained else level + 1))
+    return nodes, depth
+
+
 def _check_input_names(inputs: dict) -> None:
     for name, kind in inputs.items():
-        if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
-            raise ExpressionError(f"inputs: {name!r} is not a valid name (an identifier)")
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", name) or keyword.iskeyword(name):
+            raise ExpressionError(f"inputs: {name!r} is not a valid name (an ASCII identifier: letters, digits, _)")
         if name in RESERVED or name in ("True", "False", "None"):
             raise ExpressionError(f"inputs: '{name}' clashes with a built-in name (reserved: {', '.join(sorted(RESERVED))})")
         if kind not in INPUT_KINDS:
@@ -496,10 +594,28 @@ def _check_input_names(inputs: dict) -> None:
 def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
     if not isinstance(text, str) or not text.strip():
         raise ExpressionError(f"{field_name} must be a non-empty expression string, got {text!r}")
+    if len(text) > MAX_EXPRESSION_CHARS:
+        raise ExpressionError(f"{field_name}: the expression is {len(text):,} characters long; at most "
+                              f"{MAX_EXPRESSION_CHARS:,}")
+    # ASCII without backslashes: the text is also a comment in the generated CUDA, where a trailing
+    # backslash would splice the next line into it
+    bad = next((c for c in text if not (" " <= c <= "~" or c in "\t\n\r") or c == "\\"), None)
+    if bad is not None:
+        raise ExpressionError(f"{field_name}: the character {bad!r} is not allowed (an expression is ASCII "
+                              "text without backslashes)")
     try:
         tree = ast.parse(text.strip(), mode="eval")
     except SyntaxError as err:
-        raise ExpressionError(f"{field_name}: invalid syntax in {text.strip()!r}: {err.msg}") from None
+        raise ExpressionError(f"{field_name}: invalid syntax in {_cut(text.strip())!r}: {err.msg}") from None
+    except (RecursionError, MemoryError):
+        raise ExpressionError(f"{field_name}: the expression is nested too deeply") from None
+    nodes, depth = _shape(tree)
+    if nodes > MAX_EXPRESSION_NODES:
+        raise ExpressionError(f"{field_name}: the expression has more than {MAX_EXPRESSION_NODES} terms and "
+                              "operators; at most that many")
+    if depth > MAX_EXPRESSION_DEPTH:
+        raise ExpressionError(f"{field_name}: the expression is nested {depth} levels deep; at most "
+                              f"{MAX_EXPRESSION_DEPTH}")
     parser = _Parser(field_name, inputs)
     try:
         expr = parser.visit(tree)
@@ -568,6 +684,8 @@ def _float_literal(value) -> str:
         raise ExpressionError(f"the constant {value} is not finite")
     if abs(float(value)) > FLT_MAX:   # a float literal beyond it is inf on the GPU
         raise ExpressionError(f"the constant {float(value):g} does not fit in a float (|x| <= {FLT_MAX:g})")
+    if 0 < abs(float(value)) < FLT_TRUE_MIN:   # and one below it is 0
+        raise ExpressionError(f"the constant {float(value):g} rounds to 0 in float32")
     if "e" not in text and "." not in text:
         text += ".0"
     return text + "f"
@@ -2031,6 +2149,10 @@ class Modifiers:
 
 
 # ---- building one ---------------------------------------------------------------------------
+SIMPLIFY_MAX_OPS = 30       # tanh nested 5 deep (29 operations): 0.6 s in simplify
+SIMPLIFY_MAX_PIECES = 3     # 3 Piecewise terms: 0.03 s; 6: 76 s
+
+
 def _derivative(score: sp.Expr) -> sp.Expr:
     """d score_mod / d score, simplified where that stays printable (simplify may pick forms we cannot)."""
     raw = sp.diff(score, SCORE)
@@ -2039,10 +2161,13 @@ def _derivative(score: sp.Expr) -> sp.Expr:
         raise ExpressionError(f"score_mod: its derivative in score contains {sorted(map(str, bad))[0]}, "
                               f"which cannot be rendered (floor, ceil and % of score have no usable derivative)")
     candidates = [raw]
-    try:
-        candidates.insert(0, sp.simplify(raw))
-    except Exception:   # simplify is a heuristic; the raw derivative is always an answer
-        pass
+    # simplify's time grows exponentially with the pieces it must reconcile (6 conditional terms: 76 s): it is
+    # tried only on a derivative small enough to take well under a second, else the raw one is used
+    if sp.count_ops(raw) <= SIMPLIFY_MAX_OPS and len(raw.atoms(sp.Piecewise)) <= SIMPLIFY_MAX_PIECES:
+        try:
+            candidates.insert(0, sp.simplify(raw))
+        except Exception:   # simplify is a heuristic; the raw derivative is always an answer
+            pass
     error = None
     for candidate in candidates:
         try:

@@ -12,6 +12,7 @@ import hashlib
 import json
 import math
 import re
+import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
@@ -28,6 +29,10 @@ DECODE_MASKS = ("none", "causal", "sliding_window", "padding")
 TILE_POLICIES = ("paper", "auto")
 LAYOUTS = ("padded", "packed")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+INT32_MAX = 2**31 - 1                     # the kernels hold positions, lengths and windows in int
+FLT_MAX = 3.4028234663852886e38           # the largest float32: a scale beyond it is inf on the GPU
+FLT_MIN = 1.1754943508222875e-38          # the smallest normal float32
+MAX_NAME_CHARS = 81                       # a variant name is a C identifier of at most this many characters
 MIN_DROPOUT = 2.0**-16   # the kernels keep an element iff its 16-bit draw >= floor(p * 2**16): a smaller p drops nothing
 
 _SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "kib": 1024, "mb": 1000**2, "mib": 1024**2}
@@ -35,7 +40,12 @@ _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?i?[bB]?)\s*$")
 
 
 class SpecError(ValueError):
-    """A spec that cannot be built; the message is one line naming file, field, value and what is allowed."""
+    """A spec that cannot be built; the message is one line naming file, field, value and what is allowed.
+    `detail` is the message without the place (`where`) it is prefixed with."""
+
+    def __init__(self, detail: str, where: Optional[str] = None):
+        self.detail = detail
+        super().__init__(f"{where}: {detail}" if where else detail)
 
 
 def parse_bytes(value: Union[int, str]) -> int:
@@ -46,9 +56,9 @@ def parse_bytes(value: Union[int, str]) -> int:
         return value
     if isinstance(value, float) and value.is_integer():
         return int(value)
-    match = _SIZE_RE.match(str(value))
+    match = _SIZE_RE.match(str(value)) if len(str(value)) <= 32 else None
     if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"{value!r} is not a size: write bytes (49152) or a size such as '48KiB' or '96KB'")
+        raise ValueError(f"{_short(value)} is not a size: write bytes (49152) or a size such as '48KiB' or '96KB'")
     number, unit = match.groups()
     return int(float(number) * _SIZE_UNITS[unit.lower()])
 
@@ -58,18 +68,31 @@ class Spec(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
 
+    def __init__(self, **data: Any) -> None:
+        """Spec(head_dim=64, ...): a bad field raises SpecError, one line, as a spec file's does."""
+        try:
+            super().__init__(**data)
+        except ValidationError as err:
+            raise SpecError(_validation_message(err, data), where="Spec") from None
+
     name: Optional[str] = Field(None, description="Variant name; default derived from every other field.")
-    head_dim: int = Field(..., description="Head dimension d: any from 1 to 256.")
+    head_dim: int = Field(..., strict=True, description="Head dimension d: any from 1 to 256.",
+                          json_schema_extra={"minimum": 1, "maximum": 256})
     dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
     mask: Literal["none", "causal", "sliding_window", "padding", "block_sparse"] = Field(
         "none", description="Which (query, key) pairs are visible.")
     window: Optional[int] = Field(
-        None, description="sliding_window only: each query sees itself and the window-1 keys before it.")
+        None, strict=True, description="sliding_window only: each query sees itself and the window-1 keys before it.",
+        json_schema_extra={"minimum": 1, "maximum": INT32_MAX})
     block_size: Optional[int] = Field(
-        None, description="block_sparse only: granularity of the run-time block layout (16..256, power of 2).")
-    dropout: float = Field(0.0, description="Dropout probability on the attention weights: 0, or in [2**-16, 1) "
-                                            "(applied as floor(p * 65536) / 65536).")
-    softmax_scale: Optional[float] = Field(None, description="Scale tau applied to Q.K^T; default 1/sqrt(head_dim).")
+        None, strict=True, description="block_sparse only: granularity of the run-time block layout (16..256, power "
+        "of 2).", json_schema_extra={"enum": [16, 32, 64, 128, 256]})
+    dropout: float = Field(0.0, strict=True, description="Dropout probability on the attention weights: 0, or in "
+                           "[2**-16, 1) (applied as floor(p * 65536) / 65536).",
+                           json_schema_extra={"minimum": 0, "exclusiveMaximum": 1})
+    softmax_scale: Optional[float] = Field(None, strict=True, description="Scale tau applied to Q.K^T; default "
+                                           "1/sqrt(head_dim).",
+                                           json_schema_extra={"exclusiveMinimum": 0, "maximum": FLT_MAX})
     loop_order: Literal["fa1", "fa2"] = Field(
         "fa2", description="fa1: K/V blocks outer, O/l/m in HBM (FlashAttention-1). fa2: Q blocks outer.")
     sram_budget: Optional[Union[int, str]] = Field(
@@ -80,7 +103,7 @@ class Spec(BaseModel):
     passes: tuple[Literal["forward", "backward", "decode"], ...] = Field(
         ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
         "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward).")
-    deterministic: bool = Field(False, description="Backward without atomics: bitwise-reproducible dq.")
+    deterministic: bool = Field(False, strict=True, description="Backward without atomics: bitwise-reproducible dq.")
     mask_mod: Optional[str] = Field(
         None, description="A boolean expression over b, h, i, j (sequence, query head, query and key position; "
         "positions count from 0 in each of q and k, not shifted when Nq != Nk), Nq, Nk and the declared inputs, "
@@ -119,8 +142,17 @@ class Spec(BaseModel):
     @field_validator("softmax_scale")
     @classmethod
     def _scale(cls, value: Optional[float]) -> Optional[float]:
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ValueError(f"{value} is not allowed: softmax_scale must be a positive finite number")
+        if value is not None and not (math.isfinite(value) and FLT_MIN <= value <= FLT_MAX):
+            raise ValueError(f"{value} is not allowed: softmax_scale must be a positive number that float32 holds "
+                             f"({FLT_MIN:.4g} to {FLT_MAX:.4g})")
+        return value
+
+    @field_validator("window")
+    @classmethod
+    def _window(cls, value: Optional[int]) -> Optional[int]:
+        if value is not None and not (1 <= value <= INT32_MAX):
+            raise ValueError(f"{value} is not allowed: window is a positive number of keys, at most 2**31 - 1 "
+                             "(the kernels' int32)")
         return value
 
     @field_validator("sram_budget")
@@ -131,8 +163,8 @@ class Spec(BaseModel):
         if value is None:
             return None
         nbytes = parse_bytes(value)
-        if nbytes <= 0:
-            raise ValueError(f"{value!r} is not allowed: sram_budget must be positive")
+        if not (0 < nbytes <= INT32_MAX):
+            raise ValueError(f"{_short(value)} is not allowed: sram_budget is from 1 byte to 2 GiB")
         return nbytes
 
     @field_validator("passes", mode="before")
@@ -143,6 +175,8 @@ class Spec(BaseModel):
         if isinstance(value, (list, tuple)):
             if not value:
                 raise ValueError("at least one of forward, backward, decode is needed")
+            if not all(isinstance(name, str) for name in value):
+                return value   # pydantic's own message names the allowed passes
             if len(set(value)) != len(value):
                 raise ValueError(f"{list(value)} names a pass twice")
             return tuple(sorted(value, key=lambda p: ALL_PASSES.index(p) if p in ALL_PASSES else 99))
@@ -151,8 +185,13 @@ class Spec(BaseModel):
     @field_validator("name")
     @classmethod
     def _name(cls, value: Optional[str]) -> Optional[str]:
-        if value is not None and not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]{0,80}", value):
-            raise ValueError(f"{value!r} is not allowed: a name is a C identifier (letters, digits, _)")
+        if value is None:
+            return value
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+            raise ValueError(f"{_short(value)} is not allowed: a name is a C identifier (ASCII letters, digits, _, "
+                             "not starting with a digit)")
+        if len(value) > MAX_NAME_CHARS:
+            raise ValueError(f"a name of {len(value)} characters is too long: at most {MAX_NAME_CHARS}")
         return value
 
     @model_validator(mode="before")
@@ -167,8 +206,10 @@ class Spec(BaseModel):
             value = data.get(field)
             if value is not None and not isinstance(value, str):
                 from fagen.expressions import ExpressionError, as_text
-                inputs = data.get("inputs")
-                inputs = dict(inputs) if isinstance(inputs, (dict, list, tuple)) else None
+                try:
+                    inputs = dict(data.get("inputs") or {})
+                except (TypeError, ValueError):
+                    inputs = None   # not a mapping: the inputs' own validator says so
                 try:
                     data = {**data, field: as_text(value, field, inputs)}
                 except (ExpressionError, TypeError) as err:
@@ -193,10 +234,9 @@ class Spec(BaseModel):
         if isinstance(value, (list, tuple)):
             if not value:
                 return None
-            try:
-                return tuple(sorted((tuple(pair) for pair in value), key=lambda pair: str(pair[0])))
-            except TypeError:
-                return value   # not pairs: pydantic's own message names what is wrong
+            if not all(isinstance(pair, (list, tuple)) and len(pair) == 2 for pair in value):
+                raise ValueError("must be a mapping of input names to kinds, e.g. {doc: int32, cap: scalar}")
+            return tuple(sorted((tuple(pair) for pair in value), key=lambda pair: str(pair[0])))
         return value
 
     @model_validator(mode="after")
@@ -340,25 +380,57 @@ def _field_names() -> list[str]:
     return list(Spec.model_fields)
 
 
-def _format_error(error: dict, data: dict, where: str) -> str:
+def _short(value: Any, limit: int = 60) -> str:
+    """repr(value) cut to `limit` characters, at bounded cost: a message stays one short line whatever the
+    input (a YAML alias bomb expands to billions of values when printed whole)."""
+    text = _REPR.repr(value)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 4, 50, 50
+
+#: A spec file's values, counted with repetition (an alias counts each time it is used), may number this many
+#: plus one per byte of the file (without aliases a value takes two bytes or more), and nest this deep
+MAX_YAML_VALUES = 100_000
+MAX_YAML_DEPTH = 32
+
+
+def _format_error(error: dict, data: dict) -> str:
     loc = ".".join(str(part) for part in error.get("loc", ())) or "spec"
     kind = error.get("type", "")
     if kind == "extra_forbidden":
         guess = difflib.get_close_matches(str(error["loc"][-1]), _field_names(), n=1)
         hint = f"; did you mean '{guess[0]}'?" if guess else f"; allowed fields: {', '.join(_field_names())}"
-        return f"{where}: unknown field '{loc}'{hint}"
+        return f"unknown field {_short(str(error['loc'][-1]))}{hint}"
     if kind == "missing":
-        return f"{where}: field '{loc}' is required"
+        return f"field '{loc}' is required"
     message = str(error.get("msg", "invalid")).removeprefix("Value error, ")
+    if kind in _STRICT_TYPES:
+        message = _STRICT_TYPES[kind]
     if kind == "literal_error":
-        given = error.get("input")
-        return f"{where}: {loc}: {given!r} is not allowed: {message}"
+        return f"{loc}: {_short(error.get('input'))} is not allowed: {message}"
     top = error["loc"][0] if error.get("loc") else None
     if top in data and kind != "value_error":
-        return f"{where}: {loc}: {data[top]!r} is not allowed: {message}"
+        return f"{loc}: {_short(data[top])} is not allowed: {message}"
     if top in data:
-        return f"{where}: {loc}: {message}"
-    return f"{where}: {message}"
+        return f"{loc}: {message}"
+    return message
+
+
+#: pydantic's strict-type errors, said in the spec's words: a boolean or a string is never read as a number
+_STRICT_TYPES = {
+    "int_type": "it must be an integer (not a boolean, a string or a fraction)",
+    "float_type": "it must be a number (not a boolean or a string)",
+    "bool_type": "it must be true or false (not a number or a string)",
+    "string_type": "it must be a string",
+}
+
+
+def _validation_message(err: ValidationError, data: dict) -> str:
+    # An unknown key usually explains a "missing" one (a typo), so it is reported first.
+    errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
+    return " ".join(_format_error(errors[0], data).split())
 
 
 def spec_from_dict(data: Any, where: str = "spec") -> Spec:
@@ -367,33 +439,86 @@ def spec_from_dict(data: Any, where: str = "spec") -> Spec:
         return data
     if not isinstance(data, dict):
         raise SpecError(f"{where}: a spec is a mapping of fields, got {type(data).__name__}")
+    if not all(isinstance(key, str) for key in data):
+        bad = next(key for key in data if not isinstance(key, str))
+        raise SpecError(f"{where}: field names are strings, got {_short(bad)}")
     try:
         return Spec(**data)
-    except ValidationError as err:
-        # An unknown key usually explains a "missing" one (a typo), so it is reported first.
-        errors = sorted(err.errors(), key=lambda e: e.get("type") != "extra_forbidden")
-        raise SpecError(_format_error(errors[0], data, where)) from None
-    except TypeError as err:  # non-string keys
-        raise SpecError(f"{where}: {err}") from None
+    except SpecError as err:
+        raise SpecError(f"{where}: {err.detail}") from None
+
+
+@functools.lru_cache(maxsize=1)
+def _spec_loader():
+    """PyYAML's safe loader, refusing a mapping that names a key twice (plain YAML keeps the last silently).
+    Keys merged in from an alias (`<<: *base`) may be overridden: that is what merging is for. libyaml's parser
+    where PyYAML has it: 5x faster on big files, and it refuses absurd nesting without recursing. Built on first
+    use: a process that only loads compiled kernels never imports YAML."""
+    import yaml
+
+    class SpecLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):
+        def construct_mapping(self, node, deep=False):
+            seen = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    duplicate = key in seen
+                except TypeError:   # an unhashable key: the base constructor says so
+                    continue
+                if duplicate:
+                    raise yaml.constructor.ConstructorError(None, None, f"the key {_short(key)} appears twice",
+                                                            key_node.start_mark)
+                seen.add(key)
+            return super().construct_mapping(node, deep)
+
+    return SpecLoader
+
+
+def _check_size(data: Any, path: Path, nbytes: int) -> None:
+    """Walks the loaded document, counting values with repetition, and stops at the first bound passed."""
+    count, stack, most = 0, [(data, 1)], MAX_YAML_VALUES + nbytes
+    while stack:
+        value, depth = stack.pop()
+        count += 1
+        if count > most:
+            raise SpecError(f"{path}: holds more than {most:,} values, counting each use of an alias (a YAML "
+                            "alias bomb?): a spec file is a few fields per variant")
+        if depth > MAX_YAML_DEPTH:
+            raise SpecError(f"{path}: is nested more than {MAX_YAML_DEPTH} levels deep")
+        if isinstance(value, dict):
+            stack.extend((item, depth + 1) for pair in value.items() for item in pair)
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1) for item in value)
 
 
 def load_specs(path: Union[str, Path]) -> list[Spec]:
     """A YAML file holding one spec (a mapping) or a list of variants."""
-    import yaml   # here, not at the top: a process that only loads compiled kernels never parses YAML
+    import yaml
 
     path = Path(path)
     try:
-        text = path.read_text()
+        raw = path.read_bytes()
     except OSError as err:
         raise SpecError(f"{path}: cannot read spec file: {err.strerror or err}") from None
     try:
-        data = yaml.safe_load(text)
+        text = raw.decode("utf-8-sig")
+    except UnicodeDecodeError as err:
+        raise SpecError(f"{path}: is not UTF-8 text (byte 0x{raw[err.start]:02x} at offset {err.start}); save it "
+                        "as UTF-8") from None
+    try:
+        data = yaml.load(text, Loader=_spec_loader())
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         line = f" line {mark.line + 1}" if mark else ""
-        raise SpecError(f"{path}:{line}: not valid YAML: {getattr(err, 'problem', err)}") from None
+        problem = getattr(err, "problem", None) or err
+        raise SpecError(" ".join(f"{path}:{line}: not valid YAML: {problem}".split())) from None
+    except RecursionError:
+        raise SpecError(f"{path}: is nested too deeply to be a spec") from None
     if data is None:
         raise SpecError(f"{path}: holds no spec (the file is empty)")
+    _check_size(data, path, len(raw))
     if isinstance(data, dict) and "variants" in data and len(data) == 1:
         data = data["variants"]
     items = data if isinstance(data, list) else [data]
@@ -401,10 +526,12 @@ def load_specs(path: Union[str, Path]) -> list[Spec]:
         raise SpecError(f"{path}: holds no spec")
     specs = [spec_from_dict(item, f"{path}: variant {n + 1}" if len(items) > 1 else str(path))
              for n, item in enumerate(items)]
-    names = [s.variant_name for s in specs]
-    dupes = sorted({n for n in names if names.count(n) > 1})
-    if dupes:
-        raise SpecError(f"{path}: two variants share the name {dupes[0]}; give each a distinct `name`")
+    seen: dict[str, int] = {}
+    for n, spec in enumerate(specs):
+        first = seen.setdefault(spec.variant_name, n)
+        if first != n:
+            raise SpecError(f"{path}: variants {first + 1} and {n + 1} share the name {spec.variant_name}; give each "
+                            "a distinct `name`")
     return specs
 
 

@@ -38,7 +38,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as err:   # the extra is not installed: say which one, not just the module
+    raise ModuleNotFoundError("fagen.attention and fagen's torch ops need PyTorch: pip install 'fagen[torch]'",
+                              name=err.name) from None
 
 from fagen import pad_rows, runtime
 from fagen.spec import Spec, SpecError, spec_from_dict

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import sympy as sp
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fagen.expressions import MASK_KIND_TEXT, SCORE, ExpressionError, Modifiers, mask_kind, mask_kind_struct, modifiers, parse
@@ -791,3 +791,60 @@ def test_mask_kinds_written_as_mask_mods_are_decided_exactly(kind, text, data):
     visible = mods.mask_numpy(0, 0, np.arange(i_lo, i_hi + 1)[:, None], np.arange(j_lo, j_hi + 1)[None, :],
                               seq_q, seq_k, values)
     assert got == (FULL if visible.all() else EMPTY if not visible.any() else PARTIAL)
+
+
+# ---- fuzzing the parser: an expression builds, or fails with one ExpressionError line, within seconds ------
+_NUMBERS = st.sampled_from(["0", "1", "2", "3", "7", "0.5", "1e-30", "1e30", "1e39", "2147483647", "2147483648", "10",
+                            "100", "1e-46", "0.0", "-1"])
+_POSITIONS = st.sampled_from(["i", "j", "b", "h", "Nq", "Nk", "doc[b, i]", "doc[b, j]", "(i - j)"])
+
+
+def _numeric(atoms, depth: int):
+    """Well-typed number expressions (with the odd constant that must be refused: 1e39, 2**31, 1e-46)."""
+    if depth == 0:
+        return atoms | _NUMBERS
+    inner = st.deferred(lambda: _numeric(atoms, depth - 1))
+    condition = st.deferred(lambda: _boolean(atoms, depth - 1))
+    return st.one_of(
+        atoms, _NUMBERS,
+        st.tuples(inner, st.sampled_from(["+", "-", "*", "/", "//", "%", "**"]), inner).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+        st.tuples(st.sampled_from(["tanh", "exp", "log", "sqrt", "abs", "floor", "ceil", "sigmoid", "sin", "cos"]),
+                  inner).map(lambda t: f"{t[0]}({t[1]})"),
+        st.tuples(st.sampled_from(["min", "max"]), inner, inner).map(lambda t: f"{t[0]}({t[1]}, {t[2]})"),
+        st.tuples(condition, inner, inner).map(lambda t: f"where({t[0]}, {t[1]}, {t[2]})"),
+        st.tuples(inner, condition, inner).map(lambda t: f"({t[0]} if {t[1]} else {t[2]})"),
+        inner.map(lambda t: f"-{t}"))
+
+
+def _boolean(atoms, depth: int):
+    inner = st.deferred(lambda: _boolean(atoms, depth - 1)) if depth else st.sampled_from(["True", "i < j"])
+    number = _numeric(atoms, max(depth - 1, 0))
+    return st.one_of(
+        st.tuples(number, st.sampled_from(["<", "<=", ">", ">=", "==", "!="]), number).map(" ".join),
+        st.tuples(inner, st.sampled_from(["and", "or", "&", "|"]), inner).map(lambda t: f"({t[0]} {t[1]} {t[2]})"),
+        inner.map(lambda t: f"not ({t})"))
+
+
+_GARBAGE = st.lists(st.sampled_from(list("ij+-*/()[],.<>=!#\\ 0123456789e") + ["\u00e9", "\x00", "**", "if", "score",
+                                                                                "lambda", "else", "doc", "zz"]),
+                    max_size=30).map("".join)
+_MASK_ATOMS = _POSITIONS
+_SCORE_ATOMS = _POSITIONS | st.sampled_from(["score", "score", "cap", "bias[h]", "bias[i - j]"])
+
+
+@settings(max_examples=150)
+@given(mask=st.none() | _boolean(_MASK_ATOMS, 3) | _GARBAGE, score=st.none() | _numeric(_SCORE_ATOMS, 3) | _GARBAGE)
+def test_fuzzed_expressions_build_or_raise_one_expression_error(mask, score):
+    import time
+
+    text = f"{mask} {score}"
+    inputs = {name: kind for name, kind in (("doc", "int32"), ("bias", "float32"), ("cap", "scalar"))
+              if name in text}
+    start = time.perf_counter()
+    try:
+        result = modifiers(mask, score, inputs)
+    except ExpressionError as err:
+        assert "\n" not in str(err)
+    else:
+        assert result.cuda_struct("SpecMods", 0.125)   # it prints, at a scale other than 1 too
+    assert time.perf_counter() - start < 5, (mask, score)

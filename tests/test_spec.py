@@ -364,3 +364,214 @@ def test_score_mod_constant_that_overflows_at_the_spec_scale_is_refused():
     with pytest.raises(ValueError) as err:
         Spec(head_dim=64, dtype="bf16", score_mod="score - 3e38")
     assert "softmax scale 0.125" in str(err.value) and "does not fit in a float" in str(err.value)
+
+
+# ---- hardening: every input from issue 60's tables gets one line, fast -------------------------------
+def _one_line_spec_error(make) -> str:
+    """make() must raise SpecError (one line) within a second; returns the message."""
+    import time
+
+    start = time.perf_counter()
+    with pytest.raises(SpecError) as info:
+        make()
+    assert time.perf_counter() - start < 1.0, "a bad spec is refused at once"
+    message = str(info.value)
+    assert "\n" not in message and len(message) < 400, message
+    return message
+
+
+@pytest.mark.parametrize("fields, words", [
+    ({"head_dimm": 64}, ["unknown field 'head_dimm'", "did you mean 'head_dim'"]),
+    ({"head_dim": True}, ["head_dim", "True", "integer"]),
+    ({"head_dim": "64"}, ["head_dim", "'64'", "integer"]),
+    ({"head_dim": 64, "deterministic": "yes"}, ["deterministic", "true or false"]),
+    ({"head_dim": 64, "deterministic": 1}, ["deterministic", "true or false"]),
+    ({"head_dim": 64, "dropout": True}, ["dropout", "number"]),
+    ({"head_dim": 64, "dropout": "0.1"}, ["dropout", "number"]),
+    ({"head_dim": 64, "name": "a" * 82}, ["82 characters", "at most 81"]),
+    ({"head_dim": 64, "name": "caf\u00e9"}, ["C identifier", "ASCII"]),
+    ({"head_dim": 64, "inputs": [[]]}, ["inputs", "mapping of input names to kinds"]),
+    ({"head_dim": 64, "mask": "sliding_window", "window": 2**31}, ["window", "2147483648", "2**31 - 1"]),
+    ({"head_dim": 64, "softmax_scale": 1e300}, ["softmax_scale", "float32"]),
+    ({"head_dim": 64, "sram_budget": "1" + "0" * 309}, ["sram_budget", "not a size"]),
+    ({"head_dim": 64, "sram_budget": 10**40}, ["sram_budget", "2 GiB"]),
+    ({"head_dim": 64, "score_mod": "score + 2**10**10"}, ["score_mod", "32 bits"]),
+    ({"head_dim": 64, "score_mod": "score + 2**2**2**2**2**2"}, ["score_mod", "exponent", "too large"]),
+    ({"head_dim": 64, "mask_mod": "i < 9**9**9**9"}, ["mask_mod", "exponent"]),
+    ({"head_dim": 64, "score_mod": "score ** 2 ** 100"}, ["score_mod", "32 bits"]),
+    ({"head_dim": 64, "score_mod": "score + exp(1000)"}, ["score_mod", "exp(1000)", "overflows float32"]),
+    ({"head_dim": 64, "score_mod": "score * 2.0 ** -200"}, ["score_mod", "exponent", "too large"]),
+    ({"head_dim": 64, "score_mod": "score * 0.5 ** 100 * 0.5 ** 100"}, ["score_mod", "rounds to 0"]),
+    ({"head_dim": 64, "score_mod": "score * 1e30 * 1e30"}, ["score_mod", "does not fit in a float"]),
+    ({"head_dim": 64, "score_mod": "score" + " + score" * 5000}, ["score_mod", "characters long"]),
+    ({"head_dim": 64, "score_mod": "score" + " + 1" * 3000}, ["score_mod", "characters long"]),
+    ({"head_dim": 64, "score_mod": "-" * 10000 + "score"}, ["score_mod", "characters long"]),
+    ({"head_dim": 64, "score_mod": "-" * 1990 + "score"}, ["score_mod", "terms and operators"]),
+    ({"head_dim": 64, "mask_mod": "not " * 5000 + "i < j"}, ["mask_mod", "characters long"]),
+    ({"head_dim": 64, "mask_mod": "sqrt(" * 50 + "i" + ")" * 50 + " < j"}, ["mask_mod", "nested", "levels deep"]),
+    ({"head_dim": 64, "mask_mod": "j <= i # \\"}, ["mask_mod", "backslash"]),
+    ({"head_dim": 64, "mask_mod": "j <= i + \u00e9", "inputs": {"\u00e9": "scalar"}}, ["inputs", "ASCII identifier"]),
+])
+def test_bad_python_specs_raise_one_located_line(fields, words):
+    message = _one_line_spec_error(lambda: Spec(**fields))
+    assert message.startswith("Spec: "), message
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+def test_python_and_file_errors_say_the_same(tmp_path):
+    from_python = _one_line_spec_error(lambda: Spec(head_dim=64, dtype="fp64"))
+    from_file = error_of(tmp_path, "head_dim: 64\ndtype: fp64\n")
+    assert from_python.removeprefix("Spec: ") == from_file.split(": ", 1)[1]
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"\xff\xfehead_dim: 64\n", ["not UTF-8", "0xff", "save it as UTF-8"]),
+    ("head_dim: 64\n".encode("utf-16"), ["not UTF-8"]),
+    (b"head_dim: 64\nhead_dim: 128\n", ["line 2", "'head_dim' appears twice"]),
+    (b"[" * 1000 + b"]" * 1000, ["nest"]),
+    (b"head_dim: 64\nname: " + b"[" * 1000 + b"]" * 1000, ["nest"]),
+    (b"head_dim: 64\nname: " + b"[" * 40 + b"]" * 40, ["nested more than 32 levels"]),
+    (b"head_dim: 64\ninputs: [[]]\n", ["inputs", "mapping"]),
+])
+def test_bad_files_raise_one_located_line(tmp_path, raw, words):
+    path = tmp_path / "spec.yaml"
+    path.write_bytes(raw)
+    message = _one_line_spec_error(lambda: load_specs(path))
+    assert message.startswith(str(path))
+    for word in words:
+        assert word in message, f"{word!r} missing from: {message}"
+
+
+@pytest.mark.parametrize("field", ["dtype", "head_dim", "name", "inputs", "window", "sram_budget"])
+def test_a_yaml_alias_bomb_is_refused_at_once(tmp_path, field):
+    lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x]"]
+    lines += [f"a{k}: &a{k} [{', '.join([f'*a{k - 1}'] * 9)}]" for k in range(1, 9)]
+    text = "\n".join(lines).replace("a8: &a8", f"{field}: &a8") + "\n"
+    if field != "head_dim":
+        text = "head_dim: 64\n" + text
+    message = error_of(tmp_path, text)
+    assert "more than" in message or "unknown field" in message
+
+
+def test_merge_keys_may_override_but_plain_keys_may_not_repeat(tmp_path):
+    specs = load_specs(write(tmp_path, "- &base {head_dim: 64, name: a}\n- {<<: *base, name: b, dtype: bf16}\n"))
+    assert [(s.variant_name, s.head_dim, s.dtype) for s in specs] == [("a", 64, "fp16"), ("b", 64, "bf16")]
+
+
+def test_the_duplicate_name_check_is_linear(tmp_path):
+    import time
+
+    text = "".join(f"- {{head_dim: 64, name: v{n}}}\n" for n in range(20000)) + "- {head_dim: 64, name: v7}\n"
+    path = write(tmp_path, text)
+    start = time.perf_counter()
+    with pytest.raises(SpecError, match="variants 8 and 20001 share the name v7"):
+        load_specs(path)
+    assert time.perf_counter() - start < 20   # yaml and pydantic dominate: was quadratic (30 s at 40k)
+
+
+def test_the_largest_window_still_builds():
+    from fagen.build import prepare
+
+    spec = Spec(head_dim=64, mask="sliding_window", window=2**31 - 1)
+    assert "2147483647" in prepare(spec, None).rendered.text
+
+
+def test_legitimate_expressions_of_dozens_of_terms_build_in_seconds():
+    import time
+
+    from fagen.build import prepare
+
+    texts = [" + ".join(f"(score if i < {k} else {k})" for k in range(12)),   # was 30 s at 6 terms
+             "tanh(" * 8 + "score" + ")" * 8,                                   # was 30-106 s
+             " + ".join(f"score * {k}" for k in range(100))]
+    for text in texts:
+        start = time.perf_counter()
+        prepare(Spec(head_dim=64, score_mod=text), None)
+        assert time.perf_counter() - start < 10, text[:60]
+
+
+# ---- fuzzing the loader: anything but SpecError is a bug -----------------------------------------
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats(allow_nan=True)
+    | st.text(max_size=12) | st.sampled_from(["fp16", "bf16", "causal", "48KiB", "i < j", "score", "forward"]),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=3),
+    max_leaves=8)
+_FIELDS = st.sampled_from(list(Spec.model_fields) + ["head_dimm", "", "variants"])
+
+
+@settings(max_examples=150)
+@given(fields=st.dictionaries(_FIELDS, _VALUES, max_size=6), head_dim=st.sampled_from([None, 64, 1, 256, 0]))
+def test_fuzzed_spec_mappings_raise_only_spec_error(fields, head_dim):
+    import time
+
+    if head_dim is not None:
+        fields = {"head_dim": head_dim, **fields}
+    start = time.perf_counter()
+    try:
+        spec_from_dict(fields, "fuzz")
+    except SpecError as err:
+        assert "\n" not in str(err) and str(err).startswith("fuzz")
+    assert time.perf_counter() - start < 5
+
+
+_YAML_PIECES = st.sampled_from(["head_dim: ", "64", "\n", "- ", "{", "}", "[", "]", ": ", "&a ", "*a", "<<: ",
+                                "dtype: ", "bf16", "mask: ", "causal", "'", '"', "#", "\t", "  ", "\xff", "\u00e9",
+                                "!!python/object:os.system ", "mask_mod: ", "i < j", "window: ", "1e400", "true"])
+
+
+@settings(max_examples=150)
+@given(pieces=st.lists(_YAML_PIECES, max_size=30), junk=st.binary(max_size=8))
+def test_fuzzed_spec_files_raise_only_spec_error(tmp_path_factory, pieces, junk):
+    import time
+
+    path = tmp_path_factory.mktemp("fuzz") / "spec.yaml"
+    path.write_bytes("".join(pieces).encode("utf-8", "surrogateescape") + junk)
+    start = time.perf_counter()
+    try:
+        load_specs(path)
+    except SpecError as err:
+        assert "\n" not in str(err) and str(err).startswith(str(path))
+    assert time.perf_counter() - start < 5
+
+
+_MOSTLY_VALID = st.fixed_dictionaries({"head_dim": st.one_of(*[st.integers(1, 256)] * 4, st.sampled_from([0, 257, True, "64"]))}, optional={
+    "dtype": st.sampled_from(DTYPES + ("fp64",)),
+    "mask": st.sampled_from(MASKS),
+    "window": st.integers(-1, 2**31) | st.sampled_from([1, 7, 128, 2**31 - 1]),
+    "block_size": st.sampled_from([16, 32, 64, 128, 256, 48, 512]),
+    "dropout": st.sampled_from([0.0, 0.1, 0.5, MIN_DROPOUT, 0.99, 1.0, 1e-9]),
+    "softmax_scale": st.sampled_from([0.125, 1.0, 1e-30, 1e30, 1e300]),
+    "loop_order": st.sampled_from(LOOP_ORDERS),
+    "sram_budget": st.sampled_from(["48KiB", "96KB", 16384, 1, "227KiB", 2**40]),
+    "tile_policy": st.sampled_from(TILE_POLICIES),
+    "arch": st.sampled_from(ARCHS),
+    "passes": st.lists(st.sampled_from(["forward", "backward", "decode"]), min_size=1, max_size=3, unique=True),
+    "deterministic": st.booleans(),
+    "layout": st.sampled_from(LAYOUTS),
+    "mask_mod": st.sampled_from(["j <= i", "doc[b, i] == doc[b, j]", "(i - j) % 3 == 0 or j < 4", "i // 64 >= j // 64"]),
+    "score_mod": st.sampled_from(["cap * tanh(score / cap)", "score - slope[h] * (i - j)", "score + bias[h, i - j]",
+                                  "where(i > j, score * 2, score)"]),
+})
+
+
+@settings(max_examples=60)
+@given(fields=_MOSTLY_VALID)
+def test_fuzzed_mostly_valid_specs_render_or_raise_spec_error(fields):
+    """A spec that validates must solve and render: an error there would be the spec's job to have said."""
+    import time
+
+    from fagen.build import prepare
+
+    text = f"{fields.get('mask_mod')} {fields.get('score_mod')}"
+    inputs = {name: kind for name, kind in (("doc", "int32"), ("slope", "float32"), ("bias", "float32"), ("cap", "scalar"))
+              if name in text}
+    if inputs:
+        fields = {**fields, "inputs": inputs}
+    start = time.perf_counter()
+    try:
+        spec = spec_from_dict(fields, "fuzz")
+        prepare(spec, None)
+    except SpecError as err:
+        assert "\n" not in str(err)
+    assert time.perf_counter() - start < 20

@@ -41,8 +41,12 @@ from __future__ import annotations
 import sys
 import warnings
 
-import torch
-from transformers import AttentionInterface
+try:
+    import torch
+    from transformers import AttentionInterface
+except ModuleNotFoundError as err:   # the extra is not installed: say which one, not just the module
+    raise ModuleNotFoundError("fagen.integrations.transformers needs PyTorch and transformers: pip install "
+                              "'fagen[transformers]'", name=err.name) from None
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, causal_mask_function, eager_mask, sdpa_mask
 from transformers.utils.import_utils import is_tracing
