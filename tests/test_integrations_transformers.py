@@ -788,6 +788,22 @@ def test_a_whole_compiled_model_falls_back_without_breaking_the_graph(reference_
     assert len(fallback_warnings(records)) == 1
 
 
+@pytest.mark.parametrize("attention_mask", [False, True])
+def test_a_whole_compiled_model_with_a_cache_runs_on_fagen_without_a_mask(reference_op, attention_mask):
+    """Traced whole with a cache (use_cache's default, a training step's too), transformers skips the causal mask
+    (it checks for packed sequences only without one) and every layer runs on fagen; an attention_mask, even all
+    ones, is unreadable while tracing and falls back (transformers 5.17 and 5.24 alike)."""
+    eager, ours = model_pair(tiny(LlamaConfig))
+    x = tokens(seq=16)
+    kwargs = {"attention_mask": torch.ones_like(x)} if attention_mask else {}
+    compiled = torch.compile(ours, fullgraph=True, backend="eager")
+    with warnings.catch_warnings(record=True) as records, torch.no_grad():
+        warnings.simplefilter("always")
+        assert max_error(compiled(x, use_cache=True, **kwargs).logits, eager(x, use_cache=True).logits) < TOLERANCE
+    assert len(fallback_warnings(records)) == (1 if attention_mask else 0)
+    assert bool(fagen_hf.fallback_reasons()) == attention_mask
+
+
 #: The masks the op below was run with, in order (recorded when it runs, outside dynamo's trace).
 CACHE_OP_MASKS = []
 
