@@ -23,11 +23,13 @@ import contextlib
 import json
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Optional
 
 from fagen import solver as solver_stage
 from fagen.cache import AUTOTUNE_FILE as CACHE_FILE
+from fagen.cache import trusted_file
 from fagen.spec import Spec
 
 CACHE_VERSION = 1
@@ -51,6 +53,10 @@ def spec_key(spec: Spec) -> str:
 def load_cache(path: Optional[Path] = None) -> dict:
     """The whole cache file; an absent, unreadable or foreign file reads as empty (it is only a cache)."""
     path = Path(path) if path is not None else cache_path()
+    distrust = trusted_file(path)
+    if distrust:   # another user could have written it: its plans would be theirs to choose (docs/cache.md)
+        warnings.warn(f"fagen: ignoring {path}: {distrust}", stacklevel=2)
+        return {"version": CACHE_VERSION, "entries": {}}
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -61,16 +67,22 @@ def load_cache(path: Optional[Path] = None) -> dict:
 
 
 def store(spec: Spec, gpu_name: str, entry: dict, path: Optional[Path] = None) -> Path:
-    """Add or replace one (GPU, spec) entry; the file is replaced atomically (write, then rename)."""
+    """Add or replace one (GPU, spec) entry; the file is replaced atomically (write, then rename). A cache
+    that cannot be written costs the tuning result, with a warning, never the run."""
     path = Path(path) if path is not None else cache_path()
-    path.parent.mkdir(parents=True, exist_ok=True)
     data = load_cache(path)
     data["entries"].setdefault(gpu_name, {})[spec_key(spec)] = entry
-    fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=str(path.parent))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=str(path.parent))
+    except OSError as err:
+        warnings.warn(f"fagen: cannot store the autotune result in {path} ({err.strerror or err})", stacklevel=2)
+        return path
     try:
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
             handle.write("\n")
+        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

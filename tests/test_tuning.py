@@ -72,3 +72,23 @@ def test_the_runtime_imports_neither_the_benchmark_nor_the_autotuner():
     loaded = eval(out.stdout.strip().splitlines()[-1])  # a list of module names printed by the child
     assert "fagen.runtime" in loaded and "fagen.tuning" in loaded and "fagen.solver" in loaded
     assert not [m for m in loaded if m.startswith("fagen.bench") or m == "fagen.autotune"], loaded
+
+
+def test_an_autotune_file_another_user_could_write_is_ignored(cache_dir):
+    tuning.store(SPEC, GPU, {"passes": {"forward": {"block_r": 64}}})
+    path = cache_dir / "autotune.json"
+    assert tuning.lookup(SPEC, GPU) is not None and (path.stat().st_mode & 0o777) == 0o600
+    path.chmod(0o666)
+    with pytest.warns(UserWarning, match="ignoring .*autotune.json"):
+        assert tuning.lookup(SPEC, GPU) is None
+
+
+def test_an_unwritable_cache_costs_the_tuning_result_not_the_run(cache_dir, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(tempfile, "mkstemp", refuse)
+    with pytest.warns(UserWarning, match="cannot store the autotune result"):
+        tuning.store(SPEC, GPU, {"passes": {}})
