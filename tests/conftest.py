@@ -3,9 +3,18 @@
 Pick one with FAGEN_HYPOTHESIS_PROFILE (default `ci`) or hypothesis's own `--hypothesis-profile`.
 """
 import os
+import sys
 
 import pytest
 from hypothesis import settings
+
+# Under pytest-xdist (`python -m pytest -n auto`) each worker is one process per core: PyTorch's own intra-op
+# threads on top of that oversubscribe the cores (its OpenMP threads spin), which made the torch and
+# transformers CPU tests twice as slow on 2 cores. One thread per worker, unless the environment says otherwise.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 settings.register_profile("ci", derandomize=True, max_examples=25, deadline=None, print_blob=True)
 settings.register_profile("gpu", max_examples=100, deadline=None, print_blob=True)

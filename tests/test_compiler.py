@@ -3,14 +3,17 @@
 Every variant of `examples/*.yaml` is solved and rendered for each arch exactly as `fagen build --arch`
 does (`fagen.build.prepare`) and compiled by `fagen.compiler.compile_cubin`. Compiling is the slow
 part, so one session fixture compiles every (variant, arch) the selected tests need, two at a time,
-longest first; `-k sm_90` or `-k causal` compiles only those.
+longest first (under pytest-xdist: each case once, by the first worker that needs it); `-k sm_90` or `-k causal`
+compiles only those.
 """
 from __future__ import annotations
 
+import pickle
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from fagen.build import prepare
 from fagen.compiler import CompileError, compile_cubin, nvcc_arch, nvcc_available, parse_ptxas_report
@@ -202,27 +205,60 @@ def _cost(case) -> int:
     return spec.head_dim ** 2 * (2 if spec.dropout else 1) * len(spec.passes)
 
 
+def _compile_case(case):
+    variant, arch, prepared = case
+    try:
+        return compile_cubin(prepared.rendered.text, arch, prepared.rendered.include_dir)
+    except CompileError as err:
+        return err
+
+
+class SharedCompiles:
+    """(variant, arch) -> CompileResult or CompileError, compiled once for all pytest-xdist workers.
+
+    Each worker compiles a case the first time one of its tests needs it, under a file lock in a folder the
+    workers share, and leaves the result there (pickled) for the others: every case is compiled once however
+    the tests of one case are spread over the workers, and the workers' nvcc runs go on side by side."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.results: dict = {}
+
+    def __getitem__(self, key):
+        if key not in self.results:
+            variant, arch = key
+            path = self.root / f"{variant}-{arch}.pickle"
+            with FileLock(str(path) + ".lock"):
+                if not path.exists():
+                    case = next(c for c in CASES if (c[0], c[1]) == key)
+                    data = pickle.dumps(_compile_case(case))
+                    partial = path.with_suffix(".partial")
+                    partial.write_bytes(data)
+                    partial.replace(path)
+                self.results[key] = pickle.loads(path.read_bytes())
+        return self.results[key]
+
+
 @pytest.fixture(scope="session")
-def compiled(request):
-    """(variant, arch) -> CompileResult or CompileError, for every case the selected tests use."""
+def compiled(request, tmp_path_factory):
+    """(variant, arch) -> CompileResult or CompileError, for every case the selected tests use.
+
+    In one process, every selected case is compiled up front, two at a time, longest first. Under pytest-xdist
+    each case is compiled by the first worker that needs it and shared with the others (SharedCompiles)."""
     if not nvcc_available():
         pytest.skip(NO_NVCC)
+    worker = getattr(request.config, "workerinput", None)
+    if worker is not None:   # a pytest-xdist worker: basetemp's parent is the same folder for every worker
+        return SharedCompiles(tmp_path_factory.getbasetemp().parent / f"compiled-{worker['testrunuid']}")
     wanted = {(item.callspec.params["variant"], item.callspec.params["arch"])
               for item in request.session.items
               if item.module.__name__ == __name__ and hasattr(item, "callspec")
               and {"variant", "arch"} <= set(item.callspec.params)}
     todo = sorted((c for c in CASES if (c[0], c[1]) in wanted and not isinstance(c[2], Exception)),
                   key=_cost, reverse=True)
-
-    def one(case):
-        variant, arch, prepared = case
-        try:
-            return (variant, arch), compile_cubin(prepared.rendered.text, arch, prepared.rendered.include_dir)
-        except CompileError as err:
-            return (variant, arch), err
-
     with ThreadPoolExecutor(2, thread_name_prefix="nvcc") as pool:
-        return dict(pool.map(one, todo))
+        return dict(zip([(c[0], c[1]) for c in todo], pool.map(_compile_case, todo)))
 
 
 def result_for(compiled, variant, arch):
