@@ -6,9 +6,10 @@
 - Writes are atomic: the bytes go to a temporary file in the same folder, then `os.replace`, so a
   reader sees the old entry or the new one, never half of one.
 - Building an entry holds a `filelock` lock on it, so several processes asking for the same kernel
-  at once compile it once; the others wait, then read it. A waiter gives up after
-  $FAGEN_LOCK_TIMEOUT seconds (default 60) with a warning and builds the entry itself: the holder may
-  be stuck, and a second build is safe because writes are atomic. For ten minutes after that, the
+  at once compile it once; the others wait, then read it. The holder touches its lock file every
+  2 s while it builds; a waiter gives up on a holder that has been silent for $FAGEN_LOCK_TIMEOUT
+  seconds (default 30), with a warning, and builds the entry itself: the holder is stuck (stopped, or
+  not fagen), and a second build is safe because writes are atomic. A live holder is waited for. For ten minutes after that, the
   process waits at most 5 s for any lock (a stuck holder may hold several).
 - A cache that cannot be created, read or written (no home folder, read-only, full disk) costs speed,
   never the result: one warning says why, and the entry is built in memory.
@@ -41,6 +42,7 @@ import os
 import re
 import stat
 import tempfile
+import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -51,9 +53,13 @@ CACHE_ENV = "FAGEN_CACHE_DIR"
 LOCK_TIMEOUT_ENV = "FAGEN_LOCK_TIMEOUT"
 AUTOTUNE_FILE = "autotune.json"   # fagen/tuning.py reads and writes it; its state is part of the run-time plan key
 DIGEST_BYTES = 32
-#: How long a process waits for another that is building the same entry before building it itself. Compiles
-#: take seconds (BENCHMARKS.md: ~3 s cold), so a minute means the holder is stuck or the machine badly loaded.
-LOCK_TIMEOUT_S = 60.0
+#: How long a process waits for another that is building the same entry and shows no sign of life before
+#: building it itself. A holder in this process family touches its lock file every HEARTBEAT_S while it builds,
+#: so a slow compile (16 at once on a loaded machine can take minutes) is waited for; a stopped or foreign
+#: holder that stays silent this long is given up on. A live holder is waited for at most LIVE_HOLDER_CAP_S.
+LOCK_TIMEOUT_S = 30.0
+HEARTBEAT_S = 2.0
+LIVE_HOLDER_CAP_S = 900.0
 #: After one wait timed out, the holder is likely stuck holding others too (the runtime builds a plan's cubins
 #: under the plan's lock): for STUCK_WINDOW_S the process waits at most STUCK_WAIT_S for any lock, so one stuck
 #: holder costs one timeout, not one per lock it holds.
@@ -475,26 +481,33 @@ class CacheLock:
         except ImportError as err:   # a dependency, but a missing one must not stop a build
             _warn_once(("filelock", str(err)), f"fagen: cannot lock cache entries ({err}); building without a lock")
             return False
-        lock = FileLock(str(path) + ".lock", timeout=timeout, mode=ENTRY_MODE)
+        lock_path = str(path) + ".lock"
+        lock = FileLock(lock_path, timeout=min(HEARTBEAT_S, timeout), mode=ENTRY_MODE)
         start = time.monotonic()
-        try:
-            lock.acquire()
-        except Timeout:
-            _gave_up_at = time.monotonic()
-            waited = _gave_up_at - start
-            warnings.warn(f"fagen: waited {waited:.3g} s for the lock on cache entry {path}: the process holding it may "
-                          f"be stuck; building it without the lock (the result is the same; {LOCK_TIMEOUT_ENV} sets "
-                          "the wait in seconds)", stacklevel=3)
-            return False
-        except OSError as err:
-            _warn_once(("lock", str(path.parent), err.errno),
-                       f"fagen: cannot lock cache entry {path} ({err.strerror or err}); building without the lock")
-            return False
+        while True:
+            try:
+                lock.acquire()
+                break
+            except Timeout:
+                waited = time.monotonic() - start
+                if _silent_for(lock_path, waited) < timeout and waited < LIVE_HOLDER_CAP_S:
+                    continue   # the holder is alive (its heartbeat is recent): a slow build, not a stuck one
+                _gave_up_at = time.monotonic()
+                warnings.warn(f"fagen: waited {waited:.3g} s for the lock on cache entry {path}: the process holding "
+                              f"it may be stuck (no sign of life for that long); building it without the lock (the result is the same; "
+                              f"{LOCK_TIMEOUT_ENV} sets the wait in seconds)", stacklevel=3)
+                return False
+            except OSError as err:
+                _warn_once(("lock", str(path.parent), err.errno),
+                           f"fagen: cannot lock cache entry {path} ({err.strerror or err}); building without the lock")
+                return False
         self._lock, self.held = lock, True
+        _heartbeat.add(lock_path)
         return True
 
     def release(self) -> None:
         if self._lock is not None:
+            _heartbeat.discard(self._lock.lock_file)
             try:
                 self._lock.release()
             except OSError:
@@ -507,6 +520,57 @@ class CacheLock:
 
     def __exit__(self, *exc) -> None:
         self.release()
+
+
+def _silent_for(lock_path: str, waited: float) -> float:
+    """Seconds since the lock's holder last touched it, counted from when this wait began at the earliest (a
+    lock file's old mtime may be a previous holder's)."""
+    try:
+        return min(time.time() - os.stat(lock_path).st_mtime, waited)
+    except OSError:
+        return waited
+
+
+class _Heartbeat:
+    """Touches the lock files this process holds every HEARTBEAT_S, from one daemon thread, so that waiters
+    can tell a slow build from a stuck holder (CacheLock.acquire)."""
+
+    def __init__(self):
+        self._held: dict[str, int] = {}
+        self._guard = threading.Lock()
+        self._thread: Optional[threading.Thread] = None
+
+    def add(self, path: str) -> None:
+        with self._guard:
+            self._held[path] = self._held.get(path, 0) + 1
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._beat, name="fagen-cache-heartbeat", daemon=True)
+                self._thread.start()
+        _touch(path)
+
+    def discard(self, path: str) -> None:
+        with self._guard:
+            count = self._held.pop(path, 0) - 1
+            if count > 0:
+                self._held[path] = count
+
+    def _beat(self) -> None:
+        while True:
+            time.sleep(HEARTBEAT_S)
+            with self._guard:
+                paths = list(self._held)
+            for path in paths:
+                _touch(path)
+
+
+def _touch(path: str) -> None:
+    try:
+        os.utime(path)
+    except OSError:
+        pass
+
+
+_heartbeat = _Heartbeat()
 
 
 def _entry(kind: str, key: str, path: Path) -> Optional[Entry]:

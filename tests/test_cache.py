@@ -435,3 +435,36 @@ def test_after_one_stuck_lock_the_others_it_holds_cost_seconds_not_a_timeout_eac
     finally:
         holder.kill()
         holder.wait()
+
+
+_LIVE_HOLD = """
+import sys, time
+import fagen.cache as cache
+cache.HEARTBEAT_S = 0.2
+store = cache.DiskCache(sys.argv[1])
+with store.lock("plan", sys.argv[2]) as lock:
+    assert lock.held
+    print("held", flush=True)
+    time.sleep(float(sys.argv[3]))
+    store.put("plan", sys.argv[2], b"built by the holder")
+"""
+
+
+def test_a_live_holder_is_waited_for_past_the_timeout(tmp_path, monkeypatch):
+    """A slow build (its holder's heartbeat keeps the lock file fresh) is not mistaken for a stuck one."""
+    import subprocess
+    import warnings
+
+    cache, key = DiskCache(tmp_path), "ef" * 32
+    monkeypatch.setenv("FAGEN_LOCK_TIMEOUT", "1")
+    holder = subprocess.Popen([sys.executable, "-c", _LIVE_HOLD, str(tmp_path), key, "3"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        start = time.monotonic()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")   # no "shows no sign of life" warning
+            payload = cache.get_or_build("plan", key, lambda: b"built by the waiter")
+        assert payload == b"built by the holder" and time.monotonic() - start > 1.5
+    finally:
+        holder.wait(timeout=30)
