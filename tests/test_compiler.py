@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
+from filelock import FileLock, Timeout
 
 from fagen.build import prepare
 from fagen.compiler import CompileError, compile_cubin, nvcc_arch, nvcc_available, parse_ptxas_report
@@ -216,27 +216,51 @@ def _compile_case(case):
 class SharedCompiles:
     """(variant, arch) -> CompileResult or CompileError, compiled once for all pytest-xdist workers.
 
-    Each worker compiles a case the first time one of its tests needs it, under a file lock in a folder the
-    workers share, and leaves the result there (pickled) for the others: every case is compiled once however
-    the tests of one case are spread over the workers, and the workers' nvcc runs go on side by side."""
+    Results are pickled into a folder the workers share, each written under its own file lock. A worker that
+    needs a case nobody has compiled compiles it; one that needs a case another worker is compiling compiles a
+    case nobody has started meanwhile (one its tests or the other's will need: `todo`, in the tests' order)
+    rather than wait. So every case is compiled once, and both workers keep compiling however the tests of
+    one case are spread over them."""
 
-    def __init__(self, root: Path):
+    def __init__(self, root: Path, todo: list):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        self.todo = list(todo)
         self.results: dict = {}
+
+    def _path(self, key) -> Path:
+        return self.root / f"{key[0]}-{key[1]}.pickle"
+
+    def _compile_unless_started(self, case) -> bool:
+        """Compile `case` into its file unless it is there or another worker holds its lock; True if it is there."""
+        path = self._path(case[:2])
+        try:
+            with FileLock(str(path) + ".lock", timeout=0):
+                if not path.exists():
+                    partial = path.with_suffix(".partial")
+                    partial.write_bytes(pickle.dumps(_compile_case(case)))
+                    partial.replace(path)
+        except Timeout:
+            return False
+        return True
+
+    def _help(self) -> bool:
+        """Compile one case nobody has started; False if there is none."""
+        while self.todo:
+            case = self.todo.pop(0)
+            if not self._path(case[:2]).exists() and self._compile_unless_started(case):
+                return True
+        return False
 
     def __getitem__(self, key):
         if key not in self.results:
-            variant, arch = key
-            path = self.root / f"{variant}-{arch}.pickle"
-            with FileLock(str(path) + ".lock"):
-                if not path.exists():
-                    case = next(c for c in CASES if (c[0], c[1]) == key)
-                    data = pickle.dumps(_compile_case(case))
-                    partial = path.with_suffix(".partial")
-                    partial.write_bytes(data)
-                    partial.replace(path)
-                self.results[key] = pickle.loads(path.read_bytes())
+            path = self._path(key)
+            case = next(c for c in CASES if (c[0], c[1]) == key)
+            while not self._compile_unless_started(case):   # another worker is compiling it
+                if not self._help():
+                    with FileLock(str(path) + ".lock"):        # nothing else to do: wait for it
+                        pass
+            self.results[key] = pickle.loads(path.read_bytes())
         return self.results[key]
 
 
@@ -248,15 +272,15 @@ def compiled(request, tmp_path_factory):
     each case is compiled by the first worker that needs it and shared with the others (SharedCompiles)."""
     if not nvcc_available():
         pytest.skip(NO_NVCC)
-    worker = getattr(request.config, "workerinput", None)
-    if worker is not None:   # a pytest-xdist worker: basetemp's parent is the same folder for every worker
-        return SharedCompiles(tmp_path_factory.getbasetemp().parent / f"compiled-{worker['testrunuid']}")
     wanted = {(item.callspec.params["variant"], item.callspec.params["arch"])
               for item in request.session.items
               if item.module.__name__ == __name__ and hasattr(item, "callspec")
               and {"variant", "arch"} <= set(item.callspec.params)}
-    todo = sorted((c for c in CASES if (c[0], c[1]) in wanted and not isinstance(c[2], Exception)),
-                  key=_cost, reverse=True)
+    todo = [c for c in CASES if (c[0], c[1]) in wanted and not isinstance(c[2], Exception)]
+    worker = getattr(request.config, "workerinput", None)
+    if worker is not None:   # a pytest-xdist worker: basetemp's parent is the same folder for every worker
+        return SharedCompiles(tmp_path_factory.getbasetemp().parent / f"compiled-{worker['testrunuid']}", todo)
+    todo.sort(key=_cost, reverse=True)
     with ThreadPoolExecutor(2, thread_name_prefix="nvcc") as pool:
         return dict(zip([(c[0], c[1]) for c in todo], pool.map(_compile_case, todo)))
 
