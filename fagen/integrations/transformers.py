@@ -28,6 +28,14 @@ Llama 4's chunked attention over a whole sequence (no cache before it) goes the 
 position's chunk, position // attention_chunk_size. A static cache's causal mask (keys up to the cache's full
 length, the part past the queries empty) comes as each row's key end, a (B, 1, 1, 1) int32 tensor: the mask_mod
 `j <= i + end[b] - Nq`, or for one query the padding mask with kv_lengths = end.
+Padded batches (a 2-D attention_mask with zeros: left-padded generation, right-padded training batches, with or
+without a cache, prefill, chunks and one-token steps) come as the padding of the keys, read from transformers'
+2-D padding mask once per mask function call (where transformers' SDPA path reads it too): each row's run of
+valid keys [lo, hi) as a (B, 1, 2, 1) int32 tensor, the mask_mod `rows[b, 0] <= j < rows[b, 1]` ANDed with the
+layer's causal or window mask (per-row values: the tiles' tests stay arithmetic, tiles wholly among padding are
+skipped); in a static cache with each row's end too; a pattern that is not one run per row (right-padded
+generation's steps) as the keys' padding itself, the mask_mod `keys[b, j] != 0`. Every row is SDPA's (a query
+that sees no key gives 0, as SDPA's does). See "padded batches" below.
 `attention_forward` then runs fagen with the module's causal flag, scale, dropout and window. Every
 other case (a mask tensor, a head dim, dtype or device fagen has no kernel for, keyword arguments that
 change the maths) goes to transformers' own SDPA path, with one warning per reason and process -- except
@@ -108,15 +116,22 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         query, key, value = query.to(low), key.to(low), value.to(low)
     documents = attention_mask if _is_documents(attention_mask) else None
     ends = attention_mask.reshape(-1).to(query.device) if _is_cache_ends(attention_mask) else None
+    padded = _padded_kind(attention_mask)   # a padded batch: "runs", "static runs" or "keys" (see fagen_mask)
     sinks = _sinks(kwargs.get("s_aux"), query)
-    reason = _unsupported(query, key, value, None if documents is not None or ends is not None else attention_mask,
+    ours = documents is not None or ends is not None or padded is not None
+    reason = _unsupported(query, key, value, None if ours else attention_mask,
                           dropout, kwargs if sinks is None else {name: v for name, v in kwargs.items() if name != "s_aux"})
     if ends is not None and reason is None and (not is_causal or window is not None):
         reason = "a static cache's mask on a layer that is not plain causal"
+    if padded is not None and reason is None:
+        reason = _padded_unsupported(padded, attention_mask, query, key, is_causal, window)
     if reason is not None and documents is not None:   # SDPA needs the boolean mask the ids stand for
         attention_mask = documents_mask(documents, window if is_causal else None, is_causal)
     if reason is not None and ends is not None:   # ... or the row ends
         attention_mask = cache_mask(ends, query.shape[2], key.shape[2])
+    if reason is not None and padded is not None:   # ... or the padding (built once per mask, not once per layer)
+        attention_mask = padded_sdpa_mask(padded, attention_mask, query.shape[2], key.shape[2],
+                                          window if is_causal else None, is_causal)
     cap = _softcap(kwargs.get("softcap"))
     if reason is not None:
         return _fallback(reason, module, query, key, value, attention_mask, dropout, scaling, is_causal, window,
@@ -132,6 +147,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         mask = '"none"'
     elif ends is not None:   # a static cache: one query (decoding) sees the keys before its row's end, as padding does
         mask = '"padding"' if seq_q == 1 else '"none"'
+    elif padded == "static runs":   # a static cache's causal pattern is in the mask_mod (its rows' ends)
+        mask = '"none"'
     elif window is not None and window < seq_k:
         mask = f'"sliding_window", "window": {int(window)}'
     else:
@@ -154,6 +171,12 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
     elif ends is not None and seq_q > 1:   # a static cache's rows past its first: causal from each row's end
         extra += f', "mask_mod": "{CACHE_MASK}", "inputs": {{"end": "int32"}}'
         inputs = {"end": ends}
+    elif padded is not None:   # a padded batch: each row's keys, ANDed with the layer's causal or window mask
+        name, text = ("keys", KEYS_MASK) if padded == "keys" else ("rows", RUNS_MASK if padded == "runs"
+                                                                   else STATIC_RUNS_MASK)
+        extra += f', "mask_mod": "{text}", "inputs": {{"{name}": "int32"}}'
+        # (B, 2 or 3) or (B, Nk): a view (on the query's device where a model is split over several)
+        inputs = {name: attention_mask.view(attention_mask.shape[0], -1).to(query.device)}
     elif cap is None and seq_q * (query.shape[1] // key.shape[1]) <= DECODE_ROWS:
         # (the decode kernel takes no score_mod: soft-capped decoding runs the forward kernel)
         # generation's steps (one new token against the cache): the spec that also builds the split-KV
@@ -219,7 +242,9 @@ def _softcap(value):
 def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     """Why fagen cannot compute this call exactly, or None when it can."""
     if attention_mask is not None:
-        return "an explicit attention mask (padding, packed sequences or a pattern fagen has no kernel for)"
+        return ("an explicit attention mask (a 4-D mask given to the model, a pattern fagen has no kernel for, or "
+                "padding it does not take: while tracing, in a static cache other than one run of valid keys per row, "
+                "on a pattern other than causal or the window)")
     changing = [name for name in _changing(kwargs) if not (name == "softcap" and _softcap(kwargs[name]) is not None)]
     if changing:
         return f"keyword arguments fagen does not implement: {', '.join(sorted(changing))}"
@@ -317,17 +342,34 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
 
     transformers passes allow_is_causal_skip=True only for its plain patterns (causal, sliding window,
     chunked) without overlays, packing or block ids; `_is_kernel_pattern` tells which one this is. Chunked
-    attention and packed sequences return (B, N) int32 ids instead (chunks, sequences) for the documents mask_mod.
-    SDPA's own skips are turned off: one of them (an empty static cache's prefill) relies on is_causal
-    aligning at the top left, and fagen aligns at the bottom right."""
+    attention and packed sequences return (B, N) int32 ids instead (chunks, sequences) for the documents mask_mod;
+    a padded batch on one of those plain patterns the padding of its keys (int32: see "padded batches"), unless its
+    device or dtype is one fagen's kernels do not take (then SDPA's mask, written out once here). The 2-D padding
+    mask is read back to the host once per call (_key_padding). SDPA's own skips are turned off: one of them (an
+    empty static cache's prefill) relies on is_causal aligning at the top left, and fagen aligns at the bottom
+    right."""
     if not _takes_skipped_masks(config):   # (the model's own attention code adds the eager mask to its scores)
         return eager_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=q_offset,
                           kv_offset=kv_offset, mask_function=mask_function, attention_mask=attention_mask,
                           local_size=local_size, config=config, **kwargs)
     _left_to_kernels.clear()
-    # (_no_padding reads the padding mask back to the host: once per call)
-    if _bottom_right(q_length, kv_length, q_offset, kv_offset) and _no_padding(attention_mask, kv_offset, kv_length):
-        if allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config):
+    bottom_right = _bottom_right(q_length, kv_length, q_offset, kv_offset)
+    kernel_pattern = bottom_right and allow_is_causal_skip and _is_kernel_pattern(mask_function, local_size, config)
+    # The padding mask is read back to the host once per call, where transformers' SDPA path reads it too: in full
+    # where a padded batch may run on the kernels, else only whether any key is padding (for fagen's own mask, or the
+    # chunks' ids), or not at all where the mask is written out whatever it holds (transformers' SDPA reads none then)
+    padding = _UNKNOWN
+    if bottom_right and attention_mask is None:
+        padding = None
+    elif kernel_pattern and _kernels_may_run(kwargs):
+        padding = _key_padding(attention_mask, kv_offset, kv_length)
+        if padding is not _UNKNOWN and _all_valid(padding[2], kv_length):
+            padding = None
+    elif kernel_pattern or (bottom_right and local_size is not None
+                            and local_size == getattr(config, "attention_chunk_size", None)):
+        padding = None if _no_padding(attention_mask, kv_offset, kv_length) else _UNKNOWN
+    if bottom_right and padding is None:
+        if kernel_pattern:
             _left_to_kernels["window"] = local_size
             return None
         chunks = _chunk_ids(mask_function, local_size, config, q_length, kv_length, q_offset, kv_offset, batch_size)
@@ -341,12 +383,19 @@ def fagen_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_fu
         if packed is not None and _is_kernel_pattern(packed[0], local_size, config, exact=True):
             _left_to_kernels["window"] = local_size
             return packed[1]
+    elif padding is not _UNKNOWN:
+        # a padded batch (training, a prefill, a chunk or a step after a cache) on the layer's causal or window mask,
+        # on a device and dtype the kernels take: the keys' padding, for the mask_mod
+        valid, stats, host, _ = padding
+        _left_to_kernels["window"] = local_size
+        return _runs_tensor(stats) if _is_runs(host) else _keys_tensor(valid)
     # (allow_is_causal_skip=False: transformers' own, for a compileable cache's one-token steps (q_offset a tensor),
     # is what the row ends stand for; a model that asks for its masks written out in its own code reads them itself)
     written = not allow_is_causal_skip and (
         _forces_written_masks(config) or not (q_length == 1 and isinstance(q_offset, torch.Tensor)))
-    ends = None if written else _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_offset,
-                                            attention_mask, batch_size, kwargs.get("device"))
+    # (a static cache's keys run past the queries: never bottom-right aligned; a bottom-right call's padding is above)
+    ends = None if written or bottom_right else _cache_ends(mask_function, local_size, q_length, kv_length, q_offset,
+                                                            kv_offset, attention_mask, batch_size, kwargs.get("device"))
     if ends is not None:
         _left_to_kernels["window"] = None
         return ends
@@ -527,12 +576,19 @@ def _cache_ends(mask_function, local_size, q_length, kv_length, q_offset, kv_off
     if isinstance(kv_offset, torch.Tensor) or kv_offset != 0 or q_length > kv_length:
         return None
     if padding_mask is not None:
-        # (read back to the host, as _no_padding does: the filled keys must all be attended)
-        if is_tracing(padding_mask) or is_tracing(q_offset):
+        # (read back to the host once, q_offset with it: with every filled key valid, the row ends below; with each
+        # row's valid keys one run, that run and the row's end, the static cache's padded batch)
+        if isinstance(q_offset, torch.Tensor) and q_offset.numel() != 1:
             return None
-        end = int(q_offset) + q_length
-        if padding_mask.shape[-1] < end or not bool(padding_mask[:, :end].all()):
+        padding = _key_padding(padding_mask, 0, kv_length, q_offset + q_length)
+        if padding is _UNKNOWN:
             return None
+        _, stats, host, end = padding
+        if end > kv_length:
+            return None
+        if not all(count == end for count in host[0]):   # padding among the filled keys
+            return _runs_tensor(stats, end) if _is_runs(host) and _kernels_may_run({"device": padding_mask.device}) \
+                else None
         device = padding_mask.device
     if isinstance(q_offset, torch.Tensor):
         if q_offset.numel() != 1:
@@ -566,6 +622,154 @@ def cache_mask(ends: torch.Tensor, seq_q: int, seq_k: int) -> torch.Tensor:
 CACHE_MASK = "j <= i + end[b] - Nq"
 
 
+# ---- padded batches --------------------------------------------------------------------------
+# A batch whose 2-D attention_mask pads (left-padded generation, right-padded training batches) runs on fagen's
+# kernels: fagen_mask hands the attention function the padding of the keys as one of three int32 tensors, 4-D as
+# transformers' prepared masks are (generate() makes a static cache's masks ahead and passes them to the model as its
+# attention_mask, which transformers hands on unchanged only when it is 4-D), told apart by their shapes from the
+# static cache's row ends (B, 1, 1, 1) and from transformers' own masks (bool or float):
+#   (B, 1, 2, 1)   "runs": each row's valid keys are one run [lo, hi) (left padding, right padding, both; a row
+#                  wholly padded has lo = hi = 0): the mask_mod RUNS_MASK, ANDed with the layer's causal or window
+#                  mask. Its input is read per batch row, so the tiles' tests are arithmetic: tiles wholly among
+#                  padding are skipped, and no run-time summary is made.
+#   (B, 1, 3, 1)   "static runs": the same in a static cache, with each row's end (q_offset + Nq) as CACHE_MASK's:
+#                  STATIC_RUNS_MASK, with mask none.
+#   (B, 1, 1, Nk)  "keys" (Nk >= 2): the keys' padding itself (1 valid, 0 padding), for any other pattern (the gap
+#                  right-padded generation leaves between each prompt and the tokens after it): KEYS_MASK, whose
+#                  input is read at key positions (a run-time summary per call, as the documents mask_mod's).
+# Every row gets SDPA's answer, the padding rows too: a query that sees no key gives 0 (as SDPA does), a query past a
+# right-padded row's end sees that row's keys.
+RUNS_MASK = "rows[b, 0] <= j < rows[b, 1]"
+STATIC_RUNS_MASK = "rows[b, 0] <= j < rows[b, 1] and j <= i + rows[b, 2] - Nq"
+KEYS_MASK = "keys[b, j] != 0"
+
+
+def _padded_kind(mask):
+    """Which of fagen_mask's padded-batch tensors `mask` is ("runs", "static runs", "keys"), or None."""
+    if not (isinstance(mask, torch.Tensor) and mask.dim() == 4 and mask.dtype == torch.int32 and mask.shape[1] == 1):
+        return None
+    if mask.shape[3] == 1 and mask.shape[2] in (2, 3):
+        return "runs" if mask.shape[2] == 2 else "static runs"
+    if mask.shape[2] == 1 and mask.shape[3] >= 2:
+        return "keys"
+    return None
+
+
+def _padded_unsupported(kind, mask, query, key, is_causal, window):
+    """Why a padded batch's tensor does not fit this call (None: it does)."""
+    if mask.shape[0] != query.shape[0]:
+        return f"a padding mask of {mask.shape[0]} rows for a batch of {query.shape[0]}"
+    if kind == "keys" and mask.shape[3] != key.shape[2]:
+        return f"a padding mask of {mask.shape[3]} keys for {key.shape[2]}"
+    if kind == "static runs" and (not is_causal or window is not None):
+        return "a static cache's mask on a layer that is not plain causal"
+    return None
+
+
+def padded_sdpa_mask(kind, mask, seq_q: int, seq_k: int, window, causal: bool) -> torch.Tensor:
+    """SDPA's boolean (B, 1, Nq, Nk) mask for one of fagen_mask's padded-batch tensors, for a call that falls back:
+    the mask transformers' sdpa_mask builds for the same padding and pattern. Built once per mask tensor and shape
+    (every layer gets the same tensor from fagen_mask: the later ones take the first one's), and dropped with it."""
+    key = (kind, mask._version, seq_q, seq_k, window, causal)
+    compiling = torch.compiler.is_compiling()
+    cached = None if compiling else getattr(mask, "_fagen_sdpa_mask", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = mask.view(mask.shape[0], -1)
+    if kind == "keys":
+        visible = (rows != 0)[:, None, None, :]
+    else:
+        keys = torch.arange(seq_k, device=mask.device)
+        visible = ((keys >= rows[:, 0:1]) & (keys < rows[:, 1:2]))[:, None, None, :]
+    if kind == "static runs":
+        visible = visible & cache_mask(rows[:, 2], seq_q, seq_k)
+    elif causal:
+        visible = visible & bottom_right_mask(seq_q, seq_k, window, mask.device)
+    else:
+        visible = visible.expand(-1, -1, seq_q, -1)
+    if not compiling:
+        mask._fagen_sdpa_mask = (key, visible)
+    return visible
+
+
+_positions_cache: dict = {}
+
+
+def _positions(length: int, device) -> torch.Tensor:
+    """1 .. length as int64 on `device` (made once per length and device: a mask function runs once per forward)."""
+    positions = _positions_cache.get((length, device))
+    if positions is None:
+        if len(_positions_cache) > 64:
+            _positions_cache.clear()
+        positions = _positions_cache[(length, device)] = torch.arange(1, length + 1, device=device)
+    return positions
+
+
+def _key_padding(padding_mask, kv_offset: int, kv_length: int, end=None):
+    """The padding of keys kv_offset .. kv_offset + kv_length - 1 (keys past the 2-D mask's end are padding, as
+    transformers' prepare_padding_mask pads it; with `end`, an int or a one-element integer tensor, so are the keys
+    from `end` on: a static cache's, not yet filled), read back to the host once.
+
+    None where there is no mask, _UNKNOWN while tracing (its contents are unknown then), else (valid, stats, host,
+    end): valid the (B, Nk) booleans, stats (3, B) int64 on the device (each row's count of valid keys, its last valid
+    key + 1, the sum of its valid keys' positions + 1: count, hi, total), host their values as three lists, and `end`
+    as an int (a tensor is read in the same transfer).
+
+    One transfer per mask function call, where transformers' SDPA path reads `padding_mask.all()` back at the same
+    point (_ignore_causal_mask_sdpa): the choice between no mask (fagen's own kernel mask, the decode kernel for
+    one-token steps) and a mask_mod cannot be made on the GPU. A row's valid keys are one run [hi - count, hi) exactly
+    when total = count (2 hi - count + 1) / 2, the largest sum count distinct positions up to hi can have, so the same
+    numbers say which of RUNS_MASK and KEYS_MASK applies."""
+    if padding_mask is None:
+        return None
+    if is_tracing(padding_mask) or (isinstance(end, torch.Tensor) and is_tracing(end)):
+        return _UNKNOWN
+    valid = padding_mask[:, kv_offset:kv_offset + kv_length]
+    if valid.shape[-1] < kv_length:
+        valid = torch.nn.functional.pad(valid, (0, kv_length - valid.shape[-1]))
+    positions = _positions(kv_length, valid.device)
+    if end is not None:   # (position p is key p - 1: the keys before `end` are those with p <= end)
+        valid = valid & (positions <= (end.reshape(1).to(valid.device) if isinstance(end, torch.Tensor) else end))
+    weighted = valid * positions
+    stats = torch.stack((valid.sum(-1), weighted.amax(-1), weighted.sum(-1)))
+    read = stats.flatten()
+    if isinstance(end, torch.Tensor):
+        read = torch.cat((read, end.reshape(1).to(read.device, read.dtype)))
+    values = read.tolist()
+    batch = stats.shape[1]
+    host = (values[:batch], values[batch:2 * batch], values[2 * batch:3 * batch])
+    return valid, stats, host, (values[-1] if isinstance(end, torch.Tensor) else end)
+
+
+_UNKNOWN = object()
+
+
+def _all_valid(host, kv_length: int) -> bool:
+    """Whether no key is padding, from _key_padding's host values."""
+    return all(c == kv_length for c in host[0])
+
+
+def _is_runs(host) -> bool:
+    """Whether every row's valid keys are one run (or none), from _key_padding's host values."""
+    count, hi, total = host
+    return all(2 * t == c * (2 * h - c + 1) for c, h, t in zip(count, hi, total))
+
+
+def _runs_tensor(stats, end=None) -> torch.Tensor:
+    """(B, 1, 2, 1) int32 [lo, hi) per row from _key_padding's stats, or (B, 1, 3, 1) [lo, hi, end] with a static
+    cache's row end (an int). Made on the GPU: nothing more is read back."""
+    count, hi = stats[0], stats[1]
+    columns = (hi - count, hi) if end is None else (hi - count, hi, torch.full_like(hi, end))
+    rows = torch.stack(columns, dim=-1).to(torch.int32)
+    return rows.reshape(rows.shape[0], 1, rows.shape[1], 1)
+
+
+def _keys_tensor(valid) -> torch.Tensor:
+    """(B, 1, 1, Nk) int32: the keys' padding itself, 1 for a valid key."""
+    keys = valid.to(torch.int32).contiguous()
+    return keys.reshape(keys.shape[0], 1, 1, keys.shape[1])
+
+
 def _closure(function) -> dict:
     """A nested function's free variables by name (what transformers' mask-function factories captured)."""
     return dict(zip(function.__code__.co_freevars, (cell.cell_contents for cell in function.__closure__ or ())))
@@ -579,12 +783,23 @@ def _bottom_right(q_length, kv_length, q_offset, kv_offset) -> bool:
 
 
 def _no_padding(padding_mask, kv_offset, kv_length) -> bool:
+    """Whether no key of kv_offset .. kv_offset + kv_length - 1 is padding (one value read back to the host)."""
     if padding_mask is None:
         return True
     if is_tracing(padding_mask):  # its contents are unknown while tracing
         return False
     end = kv_offset + kv_length
     return padding_mask.shape[-1] >= end and bool(padding_mask[:, kv_offset:end].all())
+
+
+def _kernels_may_run(kwargs) -> bool:
+    """Whether a mask function call's device and dtype (transformers passes the inputs' as keywords) are ones fagen's
+    kernels take: a padded batch's mask is left to them only then, and is written out as SDPA's where they certainly
+    fall back (so that the fallback takes the mask once per forward, as SDPA does, not once per layer)."""
+    device, dtype = kwargs.get("device"), kwargs.get("dtype")
+    if device is not None and torch.device(device).type not in DEVICE_TYPES:
+        return False
+    return dtype is None or dtype in DTYPES
 
 
 def _is_kernel_pattern(mask_function, local_size, config, exact: bool = False) -> bool:
