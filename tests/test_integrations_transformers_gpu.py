@@ -333,3 +333,88 @@ def test_compiled_decoder_layers_run_fagen_forward_and_backward():
     assert abs(compiled.loss.item() - eager.loss.item()) < 5e-3
     assert max(relative_error(p.grad, g) for p, g in zip(model.parameters(), eager_grads)) < 5e-2
     assert not fagen_hf.fallback_reasons()
+
+
+# ---- padded batches (issue 58 item 5): on fagen, no fallback -----------------------------------
+RUNS_SPEC = '"mask_mod": "rows[b, 0] <= j < rows[b, 1]"'
+
+
+def padded_mask(pads, side, seq=SEQ):
+    """A 2-D attention mask: row b padded with pads[b] positions on the left or on the right."""
+    positions = torch.arange(seq, device="cuda")
+    return torch.stack([(positions >= pad) if side == "left" else (positions < seq - pad) for pad in pads]).long()
+
+
+@pytest.mark.parametrize("side", ["right", "left"])
+def test_padded_batch_logits_and_training_step_match_sdpa(fagen_calls, side):
+    """A padded batch (4 x 512, padding 0/7/100/300) on fagen's kernels (the runs mask_mod, every call): the logits at
+    the non-padding positions as close to the float32 model's as SDPA's bf16 ones, and a training step's loss (labels
+    -100 at the padding) SDPA's within bf16 error, its gradients too."""
+    nets = models(config_for(64, 2))
+    x = batch(size=4)
+    mask = padded_mask([0, 7, 100, 300], side)
+    valid = mask.bool()
+    with torch.no_grad():
+        logits = {name: model(x, attention_mask=mask, use_cache=False).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"][valid], logits["fp32"][valid])
+    sdpa_error = relative_error(logits["sdpa"][valid], logits["fp32"][valid])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+    labels = x.masked_fill(~valid, -100)
+    losses, grads = {}, {}
+    for name in ("fagen", "sdpa"):
+        model = nets[name].train()
+        loss = model(x, attention_mask=mask, labels=labels, use_cache=False).loss
+        loss.backward()
+        losses[name] = loss.item()
+        grads[name] = torch.cat([p.grad.float().flatten() for p in model.parameters() if p.grad is not None])
+    assert abs(losses["fagen"] - losses["sdpa"]) < 5e-3, losses
+    assert torch.isfinite(grads["fagen"]).all() and relative_error(grads["fagen"], grads["sdpa"]) < 5e-2
+    assert len(fagen_calls) == 2 * 2 and all(RUNS_SPEC in spec for spec in fagen_calls)
+
+
+def test_padding_with_gaps_runs_the_keys_mask_mod(fagen_calls):
+    """Padding that is not one run of keys per row (gaps inside a row): the keys mask_mod with the padding itself as its
+    input (a run-time summary per call), the logits at the valid positions SDPA's."""
+    nets = models(config_for(64, 2))
+    x = batch()
+    mask = torch.ones_like(x)
+    mask[0, 100:230] = 0
+    mask[1, 3::5] = 0
+    valid = mask.bool()
+    with torch.no_grad():
+        logits = {name: model(x, attention_mask=mask, use_cache=False).logits for name, model in nets.items()}
+    fagen_error = relative_error(logits["fagen"][valid], logits["fp32"][valid])
+    sdpa_error = relative_error(logits["sdpa"][valid], logits["fp32"][valid])
+    assert fagen_error < 2e-2 and fagen_error <= 2 * sdpa_error + 1e-3, (fagen_error, sdpa_error)
+    assert fagen_calls and all('"mask_mod": "keys[b, j] != 0"' in spec for spec in fagen_calls)
+
+
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_left_padded_generation_matches_sdpa(fagen_calls, cache):
+    """Left-padded batched greedy generation (4 prompts of 64, padding 0/7/20/50) with a cache: the prefill and every
+    step on fagen (the runs mask_mod; a static cache's with each row's end), the tokens SDPA's. Greedy bf16 decoding
+    may part ways at a near tie: a row's first differing token must be one where SDPA's own two best logits are
+    closer than fagen's and SDPA's logits differ, and each step's logits are compared while the row's tokens agree."""
+    nets = models(config_for(128, 2))
+    prompt = batch(seq=64, size=4)
+    mask = padded_mask([0, 7, 20, 50], "left", seq=64)
+    extra = {"cache_implementation": "static"} if cache == "static" else {}
+    generated = {name: nets[name].eval().generate(prompt, attention_mask=mask, max_new_tokens=8, do_sample=False,
+                                                  pad_token_id=0, output_logits=True, return_dict_in_generate=True,
+                                                  **extra)
+                 for name in ("fagen", "sdpa")}
+    ours, theirs = generated["fagen"], generated["sdpa"]
+    agreed = 0
+    for row in range(4):
+        for step in range(8):
+            a, b = ours.logits[step][row].float(), theirs.logits[step][row].float()
+            assert relative_error(a, b) < 2e-2, (row, step)
+            if ours.sequences[row, 64 + step] != theirs.sequences[row, 64 + step]:
+                top = b.topk(2).values
+                assert top[0] - top[1] <= 2 * (a - b).abs().max(), (row, step, "not a near tie")
+                break
+            agreed += 1
+    assert agreed >= 4 * 8 // 2, f"only {agreed} of 32 tokens compared"
+    text = RUNS_SPEC if cache == "dynamic" else \
+        '"mask_mod": "rows[b, 0] <= j < rows[b, 1] and j <= i + rows[b, 2] - Nq"'
+    assert len(fagen_calls) == 8 * 2 and all(text in spec for spec in fagen_calls)
