@@ -264,23 +264,6 @@ def test_set_attn_implementation_switches_an_existing_model_to_fagen(calls):
     assert len(calls) == 2
 
 
-def test_padding_mask_falls_back_to_sdpa_once_with_the_right_answer(calls):
-    eager, ours = model_pair(tiny(LlamaConfig))
-    x = tokens()
-    mask = torch.ones_like(x)
-    mask[0, :3] = 0  # left padding on the first sequence
-    with warnings.catch_warnings(record=True) as records:
-        warnings.simplefilter("always")
-        got = ours(x, attention_mask=mask).logits
-        ours(x, attention_mask=mask)  # again: no second warning
-    expected = eager(x, attention_mask=mask).logits
-    found = fallback_warnings(records)
-    assert len(found) == 1 and "explicit attention mask" in str(found[0].message)
-    assert not calls
-    valid = mask.bool()
-    assert max_error(got[valid], expected[valid]) < TOLERANCE
-
-
 def test_an_all_ones_padding_mask_stays_on_fagen(calls):
     eager, ours = model_pair(tiny(LlamaConfig))
     x = tokens()
