@@ -9,7 +9,8 @@
   at once compile it once; the others wait, then read it. The holder touches its lock file every
   2 s while it builds; a waiter gives up on a holder that has been silent for $FAGEN_LOCK_TIMEOUT
   seconds (default 30), with a warning, and builds the entry itself: the holder is stuck (stopped, or
-  not fagen), and a second build is safe because writes are atomic. A live holder is waited for. For ten minutes after that, the
+  not fagen), and a second build is safe because writes are atomic. A holder whose process runs is
+  waited for at most 3 minutes (its build may hang while its heartbeat thread beats). For ten minutes after that, the
   process waits at most 5 s for any lock (a stuck holder may hold several).
 - A cache that cannot be created, read or written (no home folder, read-only, full disk) costs speed,
   never the result: one warning says why, and the entry is built in memory.
@@ -59,7 +60,7 @@ DIGEST_BYTES = 32
 #: holder that stays silent this long is given up on. A live holder is waited for at most LIVE_HOLDER_CAP_S.
 LOCK_TIMEOUT_S = 30.0
 HEARTBEAT_S = 2.0
-LIVE_HOLDER_CAP_S = 900.0
+LIVE_HOLDER_CAP_S = 180.0
 #: After one wait timed out, the holder is likely stuck holding others too (the runtime builds a plan's cubins
 #: under the plan's lock): for STUCK_WINDOW_S the process waits at most STUCK_WAIT_S for any lock, so one stuck
 #: holder costs one timeout, not one per lock it holds.
@@ -224,6 +225,8 @@ class DiskCache:
             try:
                 st = os.stat(folder)
             except (FileNotFoundError, NotADirectoryError):   # (a file where a folder above it should be)
+                if os.path.islink(folder):
+                    return self._refuse(folder, "it is a link to a folder that does not exist", warn)
                 if not create or attempt:
                     return _Folder.ABSENT, None
                 try:
@@ -571,6 +574,8 @@ def _touch(path: str) -> None:
 
 
 _heartbeat = _Heartbeat()
+# A forked child holds none of its parent's locks, and the parent's heartbeat thread did not come with it
+os.register_at_fork(after_in_child=lambda: _heartbeat.__init__())
 
 
 def _entry(kind: str, key: str, path: Path) -> Optional[Entry]:

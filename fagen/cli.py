@@ -135,7 +135,7 @@ def build(spec_files: tuple[Path, ...], out_dir: Path, arch: Optional[str], no_c
     from fagen import build as builder
     from fagen import compiler as nvcc
 
-    files = list(dict.fromkeys(spec_files))   # a file named twice is built once
+    files = list({Path(f).resolve(): f for f in reversed(spec_files)}.values())[::-1]   # a file named twice is built once
     loaded = [(spec_file, load_specs(spec_file)) for spec_file in files]   # every file read before any work
     prepared, source_of = [], {}
     for spec_file, specs in loaded:
@@ -360,7 +360,7 @@ def _paper_lines(spec: Spec, data: dict, solution: Any) -> list[str]:
         how = (f"a reference point, not the plan's footprint: fagen checks each template's own shared memory (the "
                f"smem column) against the {budget} budget")
     return [f"paper constraint  FlashAttention-1's {constraint.get('expression')}, M = {rhs} elements of {spec.dtype}",
-            f"                  at its closed-form tiles Br = {block_r}, Bc = {block_c}: {lhs} <= {rhs}, {verdict}",
+            f"                  at its closed-form tiles Br = {block_r}, Bc = {block_c}: {lhs} {'<=' if constraint.get('holds') else '>'} {rhs}, {verdict}",
             f"                  ({how})"]
 
 

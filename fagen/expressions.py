@@ -42,6 +42,8 @@ from typing import Callable, Optional, Union
 import numpy as np
 import sympy as sp
 
+from fagen.spec import FLT_MAX, INT32_MAX
+
 #: Positions per entry of a run-time summary (templates/attention_common.cuh has the same constant).
 SUMMARY_GRAIN = 64
 
@@ -68,8 +70,6 @@ MAX_EXPRESSION_CHARS = 2000
 MAX_EXPRESSION_NODES = 1000
 MAX_EXPRESSION_DEPTH = 40
 MAX_EXPONENT = 128                        # |a constant exponent|: beyond it any |base| > 1.01 overflows float32
-INT32_MAX = 2**31 - 1
-FLT_MAX = 3.4028234663852886e38
 FLT_TRUE_MIN = 1.401298464324817e-45      # the smallest float32 above 0: a constant below it would be 0
 _LOG10_FLT_MAX, _LOG10_FLT_TRUE_MIN = math.log10(FLT_MAX), math.log10(FLT_TRUE_MIN)
 
@@ -626,8 +626,31 @@ def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
     if not boolean and _is_boolean(expr):
         raise ExpressionError(f"{field_name} must be a number expression, got the boolean {expr}")
     if expr.has(sp.zoo, sp.nan, sp.oo, -sp.oo):
-        raise ExpressionError(f"{field_name}: the expression is not finite ({expr})")
+        raise ExpressionError(f"{field_name}: the expression is not finite ({_cut(str(expr))})")
+    _check_constants(expr, field_name)
     return _integer_relations(expr), parser
+
+
+def _check_constants(expr, field_name: str) -> None:
+    """The constants of the whole expression as sympy folded it: score * exp(80) * exp(80) is
+    score * exp(160), one factor no subexpression the parser saw had (float32 overflows at e^88.7)."""
+    stack = [expr]
+    while stack:
+        node = stack.pop()
+        if getattr(node, "is_number", False) and not _is_boolean(node):
+            if node.is_Integer:
+                if abs(node) > INT32_MAX:
+                    raise ExpressionError(f"{field_name}: the constant {_digits(node)} does not fit in 32 bits "
+                                          "(int32: |x| < 2**31); write a float (e.g. 1e12) where a float is meant")
+            elif not node.is_zero:
+                number = sp.N(node, 20)
+                shown = f"{_cut(str(node))} (~{sp.Float(number, 4)})" if not node.is_Float else f"{float(node):g}"
+                if number.is_real and abs(number) > FLT_MAX:
+                    raise ExpressionError(f"{field_name}: the constant {shown} overflows float32 (|x| <= {FLT_MAX:g})")
+                if number.is_real and abs(number) < FLT_TRUE_MIN:
+                    raise ExpressionError(f"{field_name}: the constant {shown} rounds to 0 in float32")
+            continue
+        stack.extend(node.args)
 
 
 #: The largest coefficient a comparison may get when its fractions are cleared (_integer_relations).
@@ -673,9 +696,6 @@ def parse(text: str, *, field: str, inputs: dict, boolean: bool) -> sp.Basic:
 # ---- sympy -> C++ ---------------------------------------------------------------------------
 _C_FLOAT_FUNCTIONS = {sp.exp: "expf", sp.log: "logf", sp.tanh: "tanhf", sp.sin: "sinf", sp.cos: "cosf",
                       sp.tan: "tanf", sp.sinh: "sinhf", sp.cosh: "coshf"}
-
-
-FLT_MAX = 3.4028234663852886e38
 
 
 def _float_literal(value) -> str:
@@ -2186,6 +2206,14 @@ def _probe_print(expr) -> None:
 
 def modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optional[dict]) -> Modifiers:
     """Parses and checks a spec's mask_mod, score_mod and inputs. Raises ExpressionError."""
+    try:
+        return _modifiers(mask_mod, score_mod, inputs)
+    except RecursionError:   # sympy recurses deeper than the text nests: sigmoid is four levels of exp, +, /
+        raise ExpressionError("mask_mod / score_mod: the expression is nested too deeply for sympy to derive and "
+                              "print it; write it with fewer nested calls") from None
+
+
+def _modifiers(mask_mod: Optional[str], score_mod: Optional[str], inputs: Optional[dict]) -> Modifiers:
     inputs = dict(inputs or {})
     _check_input_names(inputs)
     tensor_names = [name for name, kind in inputs.items() if kind != "scalar"]

@@ -75,7 +75,7 @@ class Spec(BaseModel):
         except ValidationError as err:
             raise SpecError(_validation_message(err, data), where="Spec") from None
 
-    name: Optional[str] = Field(None, description="Variant name; default derived from every other field.")
+    name: Optional[str] = Field(None, strict=True, description="Variant name; default derived from every other field.")
     head_dim: int = Field(..., strict=True, description="Head dimension d: any from 1 to 256.",
                           json_schema_extra={"minimum": 1, "maximum": 256})
     dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
@@ -126,7 +126,7 @@ class Spec(BaseModel):
     @classmethod
     def _head_dim(cls, value: int) -> int:
         if isinstance(value, bool) or not (1 <= value <= 256):
-            raise ValueError(f"{value} is not allowed: head_dim must be from 1 to 256")
+            raise ValueError(f"{_short(value)} is not allowed: head_dim must be from 1 to 256")
         return value
 
     @field_validator("dropout")
@@ -151,11 +151,11 @@ class Spec(BaseModel):
     @classmethod
     def _window(cls, value: Optional[int]) -> Optional[int]:
         if value is not None and not (1 <= value <= INT32_MAX):
-            raise ValueError(f"{value} is not allowed: window is a positive number of keys, at most 2**31 - 1 "
+            raise ValueError(f"{_short(value)} is not allowed: window is a positive number of keys, at most 2**31 - 1 "
                              "(the kernels' int32)")
         return value
 
-    @field_validator("sram_budget")
+    @field_validator("sram_budget", mode="before")
     @classmethod
     def _budget(cls, value: Union[int, str, None]) -> Optional[int]:
         if isinstance(value, bool):
@@ -382,12 +382,20 @@ def _field_names() -> list[str]:
 
 def _short(value: Any, limit: int = 60) -> str:
     """repr(value) cut to `limit` characters, at bounded cost: a message stays one short line whatever the
-    input (a YAML alias bomb expands to billions of values when printed whole)."""
+    input (a YAML alias bomb expands to billions of values when printed whole; an int of 5,000 digits has no
+    repr at all past Python's 4,300-digit limit)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
     text = _REPR.repr(value)
     return text if len(text) <= limit else text[:limit - 3] + "..."
 
 
-_REPR = reprlib.Repr()
+class _Repr(reprlib.Repr):
+    def repr_int(self, value, level):
+        return _short(value) if value.bit_length() > 64 else repr(value)
+
+
+_REPR = _Repr()
 _REPR.maxlevel, _REPR.maxlist, _REPR.maxtuple, _REPR.maxdict, _REPR.maxstring, _REPR.maxother = 3, 4, 4, 4, 50, 50
 
 #: A spec file's values, counted with repetition (an alias counts each time it is used), may number this many
@@ -516,6 +524,9 @@ def load_specs(path: Union[str, Path]) -> list[Spec]:
         raise SpecError(" ".join(f"{path}:{line}: not valid YAML: {problem}".split())) from None
     except RecursionError:
         raise SpecError(f"{path}: is nested too deeply to be a spec") from None
+    except ValueError as err:   # PyYAML's int() of a number longer than Python's 4,300-digit limit
+        what = "a number of more than 4,300 digits" if "digits" in str(err) else " ".join(str(err).split())[:120]
+        raise SpecError(f"{path}: holds a value that cannot be read: {what}") from None
     if data is None:
         raise SpecError(f"{path}: holds no spec (the file is empty)")
     _check_size(data, path, len(raw))

@@ -73,7 +73,7 @@ def store(spec: Spec, gpu_name: str, entry: dict, path: Optional[Path] = None) -
     data = load_cache(path)
     data["entries"].setdefault(gpu_name, {})[spec_key(spec)] = entry
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)   # as fagen/cache.py makes its folders
         fd, tmp = tempfile.mkstemp(prefix=".autotune-", suffix=".json", dir=str(path.parent))
     except OSError as err:
         warnings.warn(f"fagen: cannot store the autotune result in {path} ({err.strerror or err})", stacklevel=2)
@@ -82,7 +82,6 @@ def store(spec: Spec, gpu_name: str, entry: dict, path: Optional[Path] = None) -
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=True)
             handle.write("\n")
-        os.chmod(tmp, 0o600)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):

@@ -36,6 +36,17 @@ def gpu_unavailable_reason():
     return None
 
 
+def pytest_configure(config):
+    """FAGEN_REQUIRE_TORCH=1 (.ci/run sets it): torch and transformers must import, so that their CPU tests run
+    rather than skip with "could not import"."""
+    if os.environ.get("FAGEN_REQUIRE_TORCH"):
+        for module in ("torch", "transformers"):
+            try:
+                __import__(module)
+            except ImportError as err:
+                raise pytest.UsageError(f"FAGEN_REQUIRE_TORCH is set but {module} cannot be imported ({err})")
+
+
 def pytest_collection_modifyitems(config, items):
     gpu_items = [item for item in items if "gpu" in item.keywords]
     reason = gpu_unavailable_reason() if gpu_items else None

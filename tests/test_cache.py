@@ -468,3 +468,45 @@ def test_a_live_holder_is_waited_for_past_the_timeout(tmp_path, monkeypatch):
         assert payload == b"built by the holder" and time.monotonic() - start > 1.5
     finally:
         holder.wait(timeout=30)
+
+
+_FORK_HOLD = """
+import os, sys, time
+import fagen.cache as cache
+cache.HEARTBEAT_S = 0.2
+store = cache.DiskCache(sys.argv[1])
+with store.lock("plan", "00" * 32):   # the parent's heartbeat thread starts here, and does not survive a fork
+    pass
+pid = os.fork()
+if pid == 0:
+    with store.lock("plan", sys.argv[2]) as lock:
+        assert lock.held
+        print("held", flush=True)
+        time.sleep(float(sys.argv[3]))
+        store.put("plan", sys.argv[2], b"built by the child")
+    os._exit(0)
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_childs_lock_beats_too(tmp_path, monkeypatch):
+    """The heartbeat starts afresh in a forked child (multiprocessing's default on Linux)."""
+    cache, key = DiskCache(tmp_path), "fe" * 32
+    monkeypatch.setenv("FAGEN_LOCK_TIMEOUT", "1")
+    holder = subprocess.Popen([sys.executable, "-c", _FORK_HOLD, str(tmp_path), key, "3"], stdout=subprocess.PIPE,
+                              text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert cache.get_or_build("plan", key, lambda: b"built by the waiter") == b"built by the child"
+    finally:
+        holder.wait(timeout=30)
+
+
+def test_a_cache_folder_that_is_a_dangling_link_is_refused_with_a_warning(tmp_path):
+    root = tmp_path / "cache"
+    root.symlink_to(tmp_path / "gone")
+    cache = DiskCache(root)
+    with pytest.warns(UserWarning, match="link to a folder that does not exist"):
+        assert cache.get_or_build("plan", "ab" * 32, lambda: b"built") == b"built"

@@ -191,7 +191,7 @@ def test_solve_table(run):
     solution = solve(spec)
     paper = solution.to_dict()["constraint"]
     assert spec.variant_name in result.stdout
-    assert f"{paper['lhs']} <= {paper['rhs']}" in result.stdout
+    assert f"{paper['lhs']} {'<=' if paper['holds'] else '>'} {paper['rhs']}" in result.stdout
     assert "candidates" in result.stdout and "forward" in result.stdout and "backward" in result.stdout
 
 
@@ -408,7 +408,7 @@ def test_solve_presents_the_paper_constraint_as_a_reference_point(run):
     assert not paper["holds"], "this example's closed form is over M: the case that used to alarm"
     assert "does NOT hold" not in result.stdout and "violates" not in result.stdout
     assert "reference point, not the plan's footprint" in result.stdout
-    assert f"closed-form tiles Br = {paper['block_r']}, Bc = {paper['block_c']}: {paper['lhs']} <= {paper['rhs']}" \
+    assert f"closed-form tiles Br = {paper['block_r']}, Bc = {paper['block_c']}: {paper['lhs']} > {paper['rhs']}" \
         in result.stdout
     assert "FlashAttention-1" in result.stdout
 
