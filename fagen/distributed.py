@@ -36,7 +36,10 @@ from typing import Callable, Optional, Protocol, Sequence
 # otherwise. NCCL reads it when a communicator is created, i.e. at the first NCCL operation of a group.
 os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError as err:   # the extra is not installed: say which one, not just the module
+    raise ModuleNotFoundError("fagen.distributed needs PyTorch: pip install 'fagen[torch]'", name=err.name) from None
 
 __all__ = [
     "ring_attention",
