@@ -262,29 +262,11 @@ def solve(spec_file: Path, as_json: bool, policy: Optional[str], arch: Optional[
         _print_solution(console, spec, solution.to_dict(), solution, top)
 
 
-# What decides a plan's rank: the fields of solver.Plan.rank_key, in its order, for each of its three layouts.
-_RANK_FIELDS = {
-    "occupancy_first": ("padding", "preference", "timed", "hbm", "resident", "reads", "tile", "warps"),
-    "tensor_cores": ("padding", "preference", "timed", "hbm", "reads", "tile", "resident", "warps"),
-    "cuda_cores": ("padding", "timed", "hbm", "reads", "resident", "tile", "warps"),
-}
-
-
-def _rank_fields(plan: Any) -> tuple:
-    from fagen.solver import family_named
-
-    family = family_named(plan.family)
-    return _RANK_FIELDS["occupancy_first" if family.occupancy_first else
-                        "tensor_cores" if plan.tensor_cores else "cuda_cores"]
-
-
 def _deciding_field(top: Any, other: Any, head_dim: int) -> Optional[str]:
     """The first rank_key field in which `top` ranks ahead of `other` (None: equal on all of them)."""
-    mine, theirs = top.rank_key(head_dim), other.rank_key(head_dim)
-    fields = _rank_fields(top)
-    for n, (a, b) in enumerate(zip(mine, theirs)):
+    for (name, a), (_, b) in zip(top.rank_fields(head_dim), other.rank_fields(head_dim)):
         if a != b:
-            return fields[n] if n < len(fields) else None
+            return name
     return None
 
 

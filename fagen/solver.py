@@ -430,8 +430,8 @@ class Plan:
     tensor_cores: bool = False
     head_dim: int = 0                # the d the template computes with: the spec's, padded up to the family's multiple
 
-    def rank_key(self, data_dim: int = 0) -> tuple:
-        """Lower is better: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
+    def rank_fields(self, data_dim: int = 0) -> tuple[tuple[str, object], ...]:
+        """(name, value) pairs, lower is better, compared in order: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
         tensor-core plans the other way round: fewer barriers per key), fewer warps. `data_dim`: the spec's
         head dim (0: not known, taken as even)."""
         family = family_named(self.family)
@@ -447,14 +447,19 @@ class Plan:
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         # a plan timed faster than the cost model's choice (Family.timed_first) goes ahead of the cost model
         untimed = (self.head_dim, self.block_r, self.block_c, self.warps) not in family.timed_first
+        padding, preference, timed, hbm = ("padding", head_dim), ("preference", family.preference), ("timed", untimed), \
+            ("hbm", self.hbm_bytes)
+        resident, reads = ("resident", -self.resident_warps), ("reads", self.smem_reads)
+        tile, warps = ("tile", -self.block_r * self.block_c), ("warps", self.warps)
         if family.occupancy_first:
-            return (head_dim, family.preference, untimed, self.hbm_bytes, -self.resident_warps, self.smem_reads,
-                    -self.block_r * self.block_c, self.warps)
+            return padding, preference, timed, hbm, resident, reads, tile, warps
         if self.tensor_cores:  # timed on H100: a bigger tile beats a third resident block
-            return (head_dim, family.preference, untimed, self.hbm_bytes, self.smem_reads, -self.block_r * self.block_c,
-                    -self.resident_warps, self.warps)
-        return (head_dim, untimed, self.hbm_bytes, self.smem_reads, -self.resident_warps, -self.block_r * self.block_c,
-                self.warps)
+            return padding, preference, timed, hbm, reads, tile, resident, warps
+        return padding, timed, hbm, reads, resident, tile, warps
+
+    def rank_key(self, data_dim: int = 0) -> tuple:
+        """rank_fields' values: what the solver sorts plans by."""
+        return tuple(value for _, value in self.rank_fields(data_dim))
 
     def to_dict(self) -> dict:
         return asdict(self)
