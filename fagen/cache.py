@@ -269,7 +269,13 @@ class DiskCache:
         """Why the cache folder cannot be used (cannot be made, not a folder, untrusted), or None (usable or
         not made yet). Warns nothing: for `fagen doctor` and `fagen cache`."""
         state, reason = self._folder(self.root, create, warn=False)
-        return reason if state == _Folder.REFUSED else None
+        if state == _Folder.REFUSED:
+            return reason
+        for kind in KINDS if state == _Folder.OK else ():   # the entry folders, where they exist: each is checked too
+            state, reason = self._folder(self.root / kind, False, warn=False)
+            if state == _Folder.REFUSED:
+                return f"its folder {kind}/ is refused: {reason}"
+        return None
 
     # ---- reading ----
     def _read(self, path: Path, kind: str, key: str) -> Optional[_Read]:

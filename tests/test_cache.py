@@ -297,8 +297,8 @@ def test_a_group_or_world_writable_folder_is_refused(tmp_path, where):
     assert found is None
     assert len(messages) == 1 and "writable by group and others" in messages[0] and "chmod -R go-w" in messages[0]
     assert str(folder) in messages[0]
-    assert cache.problem() == (None if where != "root" else "it is writable by group and others (mode 0777), so "
-                               "another user could plant kernels in it")
+    refused = "it is writable by group and others (mode 0777), so another user could plant kernels in it"
+    assert cache.problem() == {"root": refused, "kind": f"its folder plan/ is refused: {refused}", "key": None}[where]
     os.chmod(folder, 0o700)
     assert cache.get("plan", key) == b"payload", "fixed as the warning says, the entry is used again"
 
@@ -510,3 +510,11 @@ def test_a_cache_folder_that_is_a_dangling_link_is_refused_with_a_warning(tmp_pa
     cache = DiskCache(root)
     with pytest.warns(UserWarning, match="link to a folder that does not exist"):
         assert cache.get_or_build("plan", "ab" * 32, lambda: b"built") == b"built"
+
+
+def test_problem_reports_an_entry_folder_another_user_could_write(tmp_path):
+    cache = DiskCache(tmp_path)
+    cache.put("cubin", "ab" * 32, b"x")
+    assert cache.problem() is None
+    (tmp_path / "cubin").chmod(0o777)
+    assert "cubin/" in cache.problem() and "writable" in cache.problem()
