@@ -138,24 +138,12 @@ class _Parser:
         return self.bounded(method(node), node)
 
     def bounded(self, value, node):
-        """A constant the parser folded (sympy folds as it builds) must be one the kernels can hold: an
-        integer within int32, a real within float32 and not so small that it rounds to 0."""
-        if _is_boolean(value) or not getattr(value, "is_number", False) or value.is_zero:
-            return value
-        if value.is_Integer:
-            if abs(value) > INT32_MAX:
-                written = _source(node)
-                shown = written if written == str(value) else f"{written} = {_digits(value)}"
-                self.fail(f"the constant {shown} does not fit in 32 bits (int32: |x| < 2**31); write a float "
-                          "(e.g. 1e12) where a float is meant")
-            return value
-        number = sp.N(value, 20)
-        if not number.is_real:
-            self.fail(f"{_source(node)} is not a real number")
-        if abs(number) > FLT_MAX:
-            self.fail(f"the constant {_source(node)} (~{sp.Float(number, 4)}) overflows float32 (|x| <= {FLT_MAX:g})")
-        if abs(number) < FLT_TRUE_MIN:
-            self.fail(f"the constant {_source(node)} (~{sp.Float(number, 4)}) rounds to 0 in float32")
+        """A constant the parser folded (sympy folds as it builds) must be one the kernels can hold
+        (_constant_problem); refused here, before a later fold builds on it (exp(exp(100)))."""
+        if not _is_boolean(value) and getattr(value, "is_number", False):
+            problem = _constant_problem(value, _source(node))
+            if problem:
+                self.fail(problem)
         return value
 
     def visit_Expression(self, node):
@@ -558,6 +546,8 @@ def _cut(text: str, limit: int = 60) -> str:
 
 
 def _digits(value) -> str:
+    if int(value).bit_length() > 10_000:   # str() of an int past Python's 4,300-digit limit raises
+        return f"an integer of {int(value).bit_length()} bits"
     text = str(value)
     return text if len(text) <= 24 else f"{text[:6]}...({len(text)} digits)"
 
@@ -631,6 +621,28 @@ def _parse(text: str, field_name: str, inputs: dict, boolean: bool):
     return _integer_relations(expr), parser
 
 
+def _constant_problem(value, written: str) -> Optional[str]:
+    """Why a constant cannot be a kernel's (beyond int32, not real, beyond float32, or rounding to 0 in it), or
+    None. `written`: how the message shows it."""
+    if value.is_zero:
+        return None
+    if value.is_Integer:
+        if abs(value) <= INT32_MAX:
+            return None
+        shown = written if written == _digits(value) else f"{written} = {_digits(value)}"
+        return (f"the constant {shown} does not fit in 32 bits (int32: |x| < 2**31); write a float (e.g. 1e12) "
+                "where a float is meant")
+    number = sp.N(value, 20)
+    if not number.is_real:
+        return f"{written} is not a real number"
+    shown = written if value.is_Float else f"{written} (~{sp.Float(number, 4)})"
+    if abs(number) > FLT_MAX:
+        return f"the constant {shown} overflows float32 (|x| <= {FLT_MAX:g})"
+    if abs(number) < FLT_TRUE_MIN:
+        return f"the constant {shown} rounds to 0 in float32"
+    return None
+
+
 def _check_constants(expr, field_name: str) -> None:
     """The constants of the whole expression as sympy folded it: score * exp(80) * exp(80) is
     score * exp(160), one factor no subexpression the parser saw had (float32 overflows at e^88.7)."""
@@ -638,17 +650,10 @@ def _check_constants(expr, field_name: str) -> None:
     while stack:
         node = stack.pop()
         if getattr(node, "is_number", False) and not _is_boolean(node):
-            if node.is_Integer:
-                if abs(node) > INT32_MAX:
-                    raise ExpressionError(f"{field_name}: the constant {_digits(node)} does not fit in 32 bits "
-                                          "(int32: |x| < 2**31); write a float (e.g. 1e12) where a float is meant")
-            elif not node.is_zero:
-                number = sp.N(node, 20)
-                shown = f"{_cut(str(node))} (~{sp.Float(number, 4)})" if not node.is_Float else f"{float(node):g}"
-                if number.is_real and abs(number) > FLT_MAX:
-                    raise ExpressionError(f"{field_name}: the constant {shown} overflows float32 (|x| <= {FLT_MAX:g})")
-                if number.is_real and abs(number) < FLT_TRUE_MIN:
-                    raise ExpressionError(f"{field_name}: the constant {shown} rounds to 0 in float32")
+            written = _digits(node) if node.is_Integer else f"{float(node):g}" if node.is_Float else _cut(str(node))
+            problem = _constant_problem(node, written)
+            if problem:
+                raise ExpressionError(f"{field_name}: {problem}")
             continue
         stack.extend(node.args)
 
