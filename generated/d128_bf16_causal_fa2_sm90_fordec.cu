@@ -154,11 +154,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   };
 
   if (tid == 0) {
-    wg::barrier_init(q_full, 128);
+    wg::copy_barrier_init(q_full, 128);
     for (int s = 0; s < STAGES; ++s) {
-      wg::barrier_init(k_full(s), 128);
+      wg::copy_barrier_init(k_full(s), 128);
       wg::barrier_init(k_empty(s), CONSUMER_THREADS);
-      wg::barrier_init(v_full(s), 128);
+      wg::copy_barrier_init(v_full(s), 128);
       wg::barrier_init(v_empty(s), CONSUMER_THREADS);
     }
   }

@@ -758,9 +758,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
   };
   if (tid == 0) {
-    wg::barrier_init(kv_full, LOADERS);
+    wg::copy_barrier_init(kv_full, LOADERS);
     for (int s = 0; s < 2; ++s) {
-      wg::barrier_init(full(s), LOADERS);
+      wg::copy_barrier_init(full(s), LOADERS);
       wg::barrier_init(empty(s), CONSUMER_THREADS);
     }
   }

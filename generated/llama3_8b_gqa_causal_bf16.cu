@@ -154,11 +154,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   };
 
   if (tid == 0) {
-    wg::barrier_init(q_full, 128);
+    wg::copy_barrier_init(q_full, 128);
     for (int s = 0; s < STAGES; ++s) {
-      wg::barrier_init(k_full(s), 128);
+      wg::copy_barrier_init(k_full(s), 128);
       wg::barrier_init(k_empty(s), CONSUMER_THREADS);
-      wg::barrier_init(v_full(s), 128);
+      wg::copy_barrier_init(v_full(s), 128);
       wg::barrier_init(v_empty(s), CONSUMER_THREADS);
     }
   }
@@ -691,9 +691,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
   };
   if (tid == 0) {
-    wg::barrier_init(kv_full, LOADERS);
+    wg::copy_barrier_init(kv_full, LOADERS);
     for (int s = 0; s < 2; ++s) {
-      wg::barrier_init(full(s), LOADERS);
+      wg::copy_barrier_init(full(s), LOADERS);
       wg::barrier_init(empty(s), CONSUMER_THREADS);
     }
   }

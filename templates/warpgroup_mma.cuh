@@ -131,12 +131,17 @@ __device__ __forceinline__ void barrier_init(unsigned barrier, unsigned arrivals
 __device__ __forceinline__ void barrier_arrive(unsigned barrier) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" :: "r"(barrier) : "memory");
 }
-// this thread's arrival, complete once all of its cp.async copies issued so far have landed: the copies' arrival
-// (without .noinc: it raises the pending count by one and lowers it when they land) and then a plain arrival,
-// whose release also publishes what the thread wrote with ordinary stores (rows of odd length are copied
-// element by element: tc::load_rows_by_elements)
+// A "full" barrier, completed by COPIERS threads each calling barrier_arrive_when_copied once per phase: two
+// arrivals each, one when the thread's cp.async copies issued so far land (.noinc: counted in the init) and a
+// plain one, whose release also publishes what the thread wrote with ordinary stores (rows of odd length are
+// copied element by element: tc::load_rows_by_elements). Without .noinc (the copies' arrival raising the pending
+// count itself) the protocol is the same, but compute-sanitizer's synccheck reports each thread's second arrival
+// as a missing wait (dev/gpu/probes/mbarrier_synccheck.cu).
+__device__ __forceinline__ void copy_barrier_init(unsigned barrier, unsigned copiers) {
+  barrier_init(barrier, 2 * copiers);
+}
 __device__ __forceinline__ void barrier_arrive_when_copied(unsigned barrier) {
-  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" :: "r"(barrier) : "memory");
   barrier_arrive(barrier);
 }
 __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) {

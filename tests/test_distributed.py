@@ -28,7 +28,7 @@ def _dense(q, k, v, causal, scale):
     s = scale * q @ k.transpose(-1, -2)
     if causal:
         n = q.shape[2]
-        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+        s = s.masked_fill(~torch.ones(n, n, dtype=torch.bool, device=s.device).tril(), float("-inf"))
     return torch.softmax(s, -1) @ v, torch.logsumexp(s, -1)
 
 

@@ -2,6 +2,8 @@
     compute-sanitizer --tool memcheck python dev/gpu/sanitize.py
     compute-sanitizer --tool racecheck python dev/gpu/sanitize.py
     SANITIZE_ONLY=d59,d111 compute-sanitizer --tool memcheck python dev/gpu/sanitize.py   # some specs only
+    SANITIZE_PART=3 ... (SPECS[3] only), SANITIZE_PART=folded, SANITIZE_PART=pad_rows: one part per process
+    (synccheck stops a process at its first error: dev/gpu/sanitize_parts.sh runs every part on its own)
 Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
 import os
@@ -59,6 +61,12 @@ SPECS = [
          inputs={"cap": "scalar", "bias": "float32"}, dropout=0.1),
     # score_mod input gradients (fagen.testing asks for them): per-head sums of a derivative that reads the score
     Spec(head_dim=64, dtype="bf16", mask="causal", score_mod="score + w[h] * tanh(score)", inputs={"w": "float32"}),
+    # the transformers integration's padded batches (fagen.integrations.transformers): each row's key run, ANDed
+    # with causal (d = 128, warpgroup MMA), a static cache's runs, and the keys' own padding (d = 64)
+    Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="rows[b, 0] <= j < rows[b, 1]", inputs={"rows": "int32"}),
+    Spec(head_dim=64, dtype="fp16", mask_mod="rows[b, 0] <= j < rows[b, 1] and j <= i + rows[b, 2] - Nq",
+         inputs={"rows": "int32"}),
+    Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="keys[b, j] != 0", inputs={"keys": "int32"}),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
@@ -67,7 +75,12 @@ DECODE = dict(CASE, heads=8, kv_heads=2, seq_q=2, seq_k=3001)   # 4 x 2 rows per
 
 def main():
     ONLY = [w for w in os.environ.get("SANITIZE_ONLY", "").split(",") if w]   # variant-name substrings, e.g. d59,d111
-    for spec in (s for s in SPECS if not ONLY or any(w in s.variant_name for w in ONLY)):
+    PART = os.environ.get("SANITIZE_PART", "")
+    chosen = [s for s in SPECS if not ONLY or any(w in s.variant_name for w in ONLY)]
+    if PART:
+        chosen = [SPECS[int(PART)]] if PART.isdigit() else []
+    for spec in chosen:
+        print("checking", spec.variant_name, flush=True)
         extra = {}
         if spec.mask == "padding":
             extra["kv_lengths"] = (133, 70)
@@ -95,7 +108,7 @@ def main():
                  Spec(head_dim=128, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"}),
                  # ... on 128-row blocks (d = 64), where the consumers' head loop spills a few bytes
                  Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})):
-        if not ONLY or any(w in spec.variant_name for w in ONLY):
+        if (not PART or PART == "folded") and (not ONLY or any(w in spec.variant_name for w in ONLY)):
             case = dict(GROUPED, kv_heads=2, seq_q=140, seq_k=141)
             case.update(input_fields(spec, 4, 4, 140, 141, seed=5, scalars=[]))
             errors = assert_matches_reference(spec, Case(**case), backward=True)
@@ -105,6 +118,8 @@ def main():
     from fagen import pad_rows
 
     for shape, width, padded in (((2, 3, 77, 59), 59, 64), ((2, 77, 3, 111), 111, 112), ((131, 3, 3), 3, 8)):
+        if PART and PART != "pad_rows":
+            break
         tensors = [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(3)]
         if len(shape) == 4 and width == 111:
             tensors = [t.transpose(1, 2) for t in tensors]   # (B, N, H, d) seen as (B, H, N, d)
