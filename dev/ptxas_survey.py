@@ -18,9 +18,10 @@ def main() -> None:
     parser.add_argument("--masks", default="none,causal")
     parser.add_argument("--dtypes", default="bf16")
     parser.add_argument("--dropout", type=float, default=0.0)
+    parser.add_argument("--layout", default="padded", choices=("padded", "packed"))
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
-    specs = [Spec(head_dim=d, mask=mask, dtype=dtype, dropout=args.dropout)
+    specs = [Spec(head_dim=d, mask=mask, dtype=dtype, dropout=args.dropout, layout=args.layout)
              for d, mask, dtype in itertools.product([int(x) for x in args.head_dims.split(",")],
                                                      args.masks.split(","), args.dtypes.split(","))]
 

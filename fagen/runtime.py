@@ -349,6 +349,11 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
 #: N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64 blocks 3.3x slower (half the SMs idle).
 FOLD_WAVES = 3
 
+#: The forward templates that read a paged K/V cache for packed query rows (fagen::PagedRows: each key row's page
+#: looked up): Hopper's warpgroup-MMA ones. Not sm_80's mma.sync forward: at its register limit, the paged loads
+#: beside the contiguous ones made ptxas spill 4-96 B in its d = 32 .. 256 plans, inlined or called (2026-12-01).
+PAGED_FORWARD_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2")
+
 #: The templates whose grids run in groups of problems (grouped_grid), and the group size: where later rows
 #: see more keys (Spec.keys_grow_with_rows: causal, a mask_mod) the blocks are ordered heaviest first, so a
 #: group puts every problem's heavy blocks ahead of the light ones. Timed on an H100 (bf16, N = 4096, B x H =
@@ -1234,11 +1239,19 @@ class Kernel:
         Specs with layout packed take q (total_q, heads, d), k and v (total_k, kv_heads, d) and
         cu_seqlens_q / cu_seqlens_k (see `_sequences`); o is (total_q, heads, d) and lse (heads, total_q).
 
-        `block_table`: k and v are a paged K/V cache (see `_forward_paged`)."""
+        `block_table`: k and v are a paged K/V cache: decoding with a padded spec (see `_forward_paged`), packed
+        query rows of any count per sequence with a packed spec (prefill, chunked prefill, speculative decoding:
+        see `_forward_paged_packed`)."""
+        if block_table is not None and self.spec.layout == "packed":
+            if cu_seqlens_q is None or cu_seqlens_k is None:
+                raise ArgumentError("block_table with a layout packed spec: pass cu_seqlens_q (the query rows of each "
+                                    "sequence) and cu_seqlens_k (their key counts, as offsets)")
+            return self._forward_paged_packed(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream)
         if block_table is not None:
-            if self.spec.layout == "packed" or cu_seqlens_q is not None or cu_seqlens_k is not None:
-                raise ArgumentError("block_table: a paged K/V cache takes a layout padded spec and q of shape "
-                                    "(batch, heads, Nq, d), without cu_seqlens")
+            if cu_seqlens_q is not None or cu_seqlens_k is not None:
+                raise ArgumentError("block_table with cu_seqlens: a packed batch against a paged K/V cache takes a "
+                                    "layout packed spec; a layout padded spec takes q of shape (batch, heads, Nq, d)")
             signature = None
             if out is None and stream is None and "decode" in self.plans:
                 signature = self._paged_signature(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset)
@@ -1371,18 +1384,13 @@ class Kernel:
             return None
         return ("paged", key, tuple(block_table.shape), block_table.stride(0))
 
-    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                       signature=None):
-        """Decoding from a paged K/V cache, the layout of vLLM and FlashAttention's kvcache call: k_cache and
-        v_cache (pages, page_size, kv_heads, d), block_table (batch, pages per sequence) int32 on the GPU,
-        sequence b's key j in page block_table[b, j // page_size], row j % page_size. The keys are
-        max pages x page_size long; mask padding with kv_lengths gives each sequence its own length.
-        Only the decode pass reads pages (the spec's passes must include it, and a call must fit its
-        rows); a page must hold whole tiles of the decode plan's keys."""
-        decode = self.plans.get("decode")
-        if decode is None:
-            raise ArgumentError(f"{self.spec.variant_name}: paged K/V caches are read by the decode pass; build the spec "
-                                f"with passes including \"decode\" (passes: {list(self.spec.passes)})")
+    def _paged_cache(self, k_cache, v_cache, block_table, batch: int, q, view_batch: Optional[int] = None) -> tuple:
+        """A paged K/V cache checked: k_cache and v_cache (pages, page_size, kv_heads, d), block_table (batch,
+        pages per sequence) int32 on the GPU, sequence b's key j in page block_table[b, j // page_size], row
+        j % page_size. Returns (k, v as the (batch, kv_heads, pages per sequence x page_size, d) views the kernels
+        address: strides (page, head, row), the page stride used only through the block table (`view_batch`
+        entries instead of batch: 1 for a packed call's, whose sequences are all in entry 0); the block-table
+        fields of the argument struct; the table)."""
         pages = {name: as_device_tensor(name, value) for name, value in (("k", k_cache), ("v", v_cache))}
         for t in pages.values():
             if len(t.shape) != 4:
@@ -1392,30 +1400,97 @@ class Kernel:
             raise ArgumentError(f"k and v must have the same shape, got {pages['k'].shape} and {pages['v'].shape}")
         page_count, page_size, kv_heads, head_dim = pages["k"].shape
         table = as_device_tensor("block_table", block_table)
-        batch = as_device_tensor("q", q).shape[0]
         if len(table.shape) != 2 or table.dtype != "int32" or table.strides[1] != 1 or table.shape[0] != batch:
             raise ArgumentError(f"block_table: expected int32 of shape (batch = {batch}, pages per sequence), last dim "
                                 f"contiguous; got {table.dtype} of shape {table.shape}, strides {table.strides}")
         if min(table.shape[1], page_count, page_size) < 1:
             raise ArgumentError(f"block_table and the cache need at least one page of one row; got block_table "
                                 f"{table.shape}, cache {pages['k'].shape}")
-        if page_size % decode.block_c:
-            raise ArgumentError(f"page_size {page_size}: the decode kernel reads keys in tiles of {decode.block_c}, and a "
-                                f"page must hold whole tiles (page_size a multiple of {decode.block_c})")
         owners = [t.owner for t in (*pages.values(), table) if t.is_torch]
         q_owner = getattr(q, "device", None)
         if q_owner is not None and any(o.device != q_owner for o in owners):
             raise ArgumentError(f"q, the cache and block_table must be on one device, got "
                                 f"{sorted({str(q_owner), *(str(o.device) for o in owners)})}")
-        # the cache as the (batch, kv_heads, keys, d) tensor the kernels address: strides (page, head, row), the
-        # page stride used only through the block table
-        views = {name: DeviceTensor(name, t.pointer, (batch, kv_heads, table.shape[1] * page_size, head_dim),
+        view_batch = batch if view_batch is None else view_batch
+        views = {name: DeviceTensor(name, t.pointer, (view_batch, kv_heads, table.shape[1] * page_size, head_dim),
                                     (t.strides[0], t.strides[2], t.strides[1], t.strides[3]), t.dtype, t.owner, False,
                                     t.stream) for name, t in pages.items()}
-        paged = {"block_table": table.pointer, "block_table_stride": table.strides[0], "page_size": page_size,
-                 "page_count": page_count}
+        fields = {"block_table": table.pointer, "block_table_stride": table.strides[0], "page_size": page_size,
+                  "page_count": page_count}
+        return views, fields, table
+
+    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
+                       signature=None):
+        """Decoding from a paged K/V cache (_paged_cache), the layout of vLLM and FlashAttention's kvcache call.
+        The keys are max pages x page_size long; mask padding with kv_lengths gives each sequence its own length.
+        With a padded spec only the decode pass reads pages (the spec's passes must include it, and a call must
+        fit its rows); a page must hold whole tiles of the decode plan's keys. (Packed specs: _forward_paged_packed.)"""
+        decode = self.plans.get("decode")
+        if decode is None:
+            raise ArgumentError(f"{self.spec.variant_name}: with a layout padded spec, paged K/V caches are read by the "
+                                f"decode pass; build the spec with passes including \"decode\" (passes: "
+                                f"{list(self.spec.passes)}), or with layout packed for many query rows (prefill)")
+        views, fields, table = self._paged_cache(k_cache, v_cache, block_table, as_device_tensor("q", q).shape[0], q)
+        page_size = fields["page_size"]
+        if page_size % decode.block_c:
+            raise ArgumentError(f"page_size {page_size}: the decode kernel reads keys in tiles of {decode.block_c}, and a "
+                                f"page must hold whole tiles (page_size a multiple of {decode.block_c})")
         return self._forward(q, views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                             signature, None, (paged, table.owner))
+                             signature, None, (fields, table.owner))
+
+    def _forward_paged_packed(self, q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
+                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream):
+        """Prefill, chunked prefill and speculative decoding against a paged K/V cache (_paged_cache): q packed
+        (total_q, heads, d) with cu_seqlens_q, as a packed call's; cu_seqlens_k gives each sequence's key count
+        (its differences: sequence b's keys are its pages' first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows,
+        FlashAttention-2's varlen convention with a block table). Causal masks align bottom-right per sequence.
+        Any page size; the forward kernels look each key row's page up."""
+        plan = self._pass("forward")
+        if plan.template not in PAGED_FORWARD_TEMPLATES:
+            raise ArgumentError(f"{self.spec.variant_name}: its forward kernel ({plan.template}) does not read paged "
+                                f"K/V caches; Hopper's warpgroup-MMA forwards do ({', '.join(sorted(PAGED_FORWARD_TEMPLATES))}: "
+                                f"arch sm_90, fp16 / bf16, loop_order fa2)")
+        if self.spec.head_dim % 8:
+            raise ArgumentError(f"{self.spec.variant_name}: a paged K/V cache's rows are copied in 16-byte pieces, so "
+                                f"head_dim must be a multiple of 8 (got {self.spec.head_dim})")
+        tensors = self._check_packed({"q": q})
+        like = tensors["q"]
+        if stream is not None and like.is_torch:
+            with _caller_stream(like, stream):
+                return self._forward_paged_packed(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
+                                                  max_seqlen_q, max_seqlen_k, kv_lengths, block_mask, inputs, seed,
+                                                  offset, out, None)
+        _, launch_stream = self._stream(tensors, stream)
+        total_q, heads, _ = like.shape
+        table_shape = as_device_tensor("block_table", block_table).shape
+        views, fields, table = self._paged_cache(k_cache, v_cache, block_table, table_shape[0] if table_shape else -1, q,
+                                                 view_batch=1)
+        capacity = views["k"].shape[2]
+        # (cu_seqlens_k's offsets count keys, not rows of a tensor: only int32 bounds them; each sequence's count
+        # is checked against its row of the table below)
+        sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q, 2**31 - 1)
+        if sequences.count != table_shape[0]:
+            raise ArgumentError(f"block_table has {table_shape[0]} rows, one per sequence, but cu_seqlens_q describes "
+                                f"{sequences.count} sequences")
+        if sequences.max_k > capacity:
+            raise ArgumentError(f"cu_seqlens_k: a sequence of {sequences.max_k} keys does not fit its row of the block "
+                                f"table ({table_shape[1]} pages x {fields['page_size']} rows = {capacity} keys)")
+        for name in ("k", "v"):
+            if not self._rows_aligned(views[name].pointer, views[name].strides, 16):
+                raise ArgumentError(f"{name}: a paged cache's rows and pages must start on 16-byte boundaries (pointer "
+                                    f"and strides); got pointer {views[name].pointer:#x}, strides {views[name].strides}")
+        o, lse = self._packed_outputs(like, {"o": (like.shape, self.spec.dtype), "lse": ((heads, total_q), "fp32")},
+                                      out, launch_stream,
+                                      {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
+                                      else {"o": 0, "lse": -math.inf})
+        if out is not None and not sequences.has_work:
+            self._clear_sequence_rows(((o, 0, 0.0), (lse, 1, -math.inf)), sequences, 0)
+        if total_q == 0:
+            return o, lse
+        self._forward(_packed_view(tensors["q"]), views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset,
+                      (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))), stream, None,
+                      sequences, (fields, table.owner))
+        return o, lse
 
     def _forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
                  sequences: Optional["Sequences"], paged: Optional[tuple] = None):
@@ -1454,7 +1529,12 @@ class Kernel:
                                   stream)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
-        if paged is not None:
+        if paged is not None and sequences is not None:   # a packed batch against pages: the forward kernels
+            fields, table = paged
+            for name, value in fields.items():
+                args[name] = value
+            keep.append(table)
+        elif paged is not None:
             if group * seq_q > decode.block_r:
                 raise ArgumentError(f"a paged K/V cache is read by the decode kernel, which holds at most {decode.block_r} "
                                     f"query rows per K/V head (query heads per K/V head x Nq); got {group} x {seq_q}")
@@ -1462,7 +1542,7 @@ class Kernel:
             for name, value in fields.items():
                 args[name] = value
             keep.append(table)
-        if decode is not None and group * seq_q <= decode.block_r:
+        if decode is not None and group * seq_q <= decode.block_r and not (paged is not None and sequences is not None):
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
                                 kv_lengths, block_mask, inputs, paged is not None)
         symbol = plan.symbols[0]

@@ -275,9 +275,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
     const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
     const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-    auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
+    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j) {
       const int col0 = j * BLOCK_C;
-      wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, 128>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
+      wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
+                                                      DATA_DIM);
     };
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
     // K_j, V_j into stage i % STAGES; after_k(s) runs while K_j's copies fly, before their arrival
@@ -285,11 +286,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       const int s = i % STAGES;
       const unsigned parity = ((i / STAGES) & 1) ^ 1;
       wg::barrier_wait(k_empty(s), parity);
-      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride[2], j);
+      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j);
       after_k(s);
       wg::barrier_arrive_when_copied(k_full(s));
       wg::barrier_wait(v_empty(s), parity);
-      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride[2], j);
+      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j);
       wg::barrier_arrive_when_copied(v_full(s));
     };
     if constexpr (Mods::HAS_MASK) {

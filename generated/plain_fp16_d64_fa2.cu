@@ -112,14 +112,15 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_fp16_none_fa2
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
   auto k_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES; };
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
-  auto load_rows = [&](unsigned tile, const elem_t* slice, long long stride, int j) {
+  auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, THREADS>(tile, slice, stride, col0, min(BLOCK_C, seq_k - col0), DATA_DIM);
+    wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
+                                                        DATA_DIM);
   };
   // K_{j+1} and V_j into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s)
   auto issue_copies = [&](int i, int j, int j_next) {
-    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride[2], j_next);
-    load_rows(v_stage(i), v, args.v_stride[2], j);
+    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride, j_next);
+    load_rows(v_stage(i), v, args.v_stride, j);
     tc::cp_async_commit();
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
@@ -284,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_fp16_none_fa2
   // Q_i and the first visible K_j load together.
   wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
-  if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride[2], j);
+  if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride, j);
   tc::cp_async_commit();
   float rescale[2];
   int i = 0;

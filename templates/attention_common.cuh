@@ -4,6 +4,7 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+#include <limits.h>
 
 namespace fagen {
 
@@ -69,9 +70,10 @@ struct AttentionArgs {
   // Dropout's seed in device memory, or nullptr for `seed` above: a seed drawn on the GPU each step (by
   // torch's CUDA generator), which a CUDA graph then replays as a new draw instead of a captured value.
   const unsigned long long* seed_pointer;
-  // A paged K/V cache (the decode pass): k and v hold page_count pages of page_size rows each (strides:
-  // page, head, row), and sequence b's key j lives in page block_table[b * block_table_stride +
-  // j / page_size], row j % page_size. nullptr: k and v are (batch, head, row) tensors as above.
+  // A paged K/V cache (the decode pass, and the packed forward: PagedRows): k and v hold page_count pages of
+  // page_size rows each (strides: page, head, row), and sequence b's key j lives in page
+  // block_table[b * block_table_stride + j / page_size], row j % page_size. nullptr: k and v are (batch, head,
+  // row) tensors as above.
   const int* block_table;
   long long block_table_stride, page_size, page_count;
   // Gradients of score_mod's float tensor inputs (the backward built WITH_INPUT_GRADS): per tensor input, a
@@ -149,11 +151,13 @@ struct Problem {
     h_kv = kv_head(args, h);
     if (PACKED) {
       entry = 0;
-      const int rows_q = (int)args.seq_q, rows_k = (int)args.seq_k;
+      // a paged cache holds each sequence's keys from its row 0 (PagedRows): cu_seqlens_k gives only their counts
+      const bool paged = args.block_table != nullptr;
+      const int rows_q = (int)args.seq_q, rows_k = paged ? INT_MAX : (int)args.seq_k;
       const int q_begin = min(max(args.cu_seqlens_q[b], 0), rows_q), q_end = min(max(args.cu_seqlens_q[b + 1], q_begin), rows_q);
       const int k_begin = min(max(args.cu_seqlens_k[b], 0), rows_k), k_end = min(max(args.cu_seqlens_k[b + 1], k_begin), rows_k);
       q_row0 = q_begin;
-      k_row0 = k_begin;
+      k_row0 = paged ? 0 : k_begin;
       seq_q = min(q_end - q_begin, (int)args.max_seq_q);
       seq_k = min(k_end - k_begin, (int)args.max_seq_k);
       row_offset = h * args.seq_q + q_begin;
@@ -175,6 +179,31 @@ struct Problem {
   }
   template <typename T> __device__ __forceinline__ T* key_grad_rows(T* base, const long long (&stride)[3]) const {
     return base + entry * stride[0] + h * stride[1] + k_row0 * stride[2];
+  }
+};
+
+// ---- a paged K/V cache (AttentionArgs::block_table) ----
+// The page holding key j of the sequence whose block-table row is `table_row`. Page numbers arrive in device
+// memory unchecked: clamped into [0, page_count).
+__device__ __forceinline__ long long key_page(const int* table_row, int j, int page_size, long long page_count) {
+  return min(max((long long)table_row[j / page_size], 0LL), page_count - 1);
+}
+// Where key row r of sequence b lives, for the forward kernels' loaders (wg::async_load_key_rows) in place of a
+// contiguous slice and its row stride: `head_rows` is the
+// cache plus the K/V head's offset (Problem::key_rows, whose k_row0 is 0 when paged).
+template <typename T>
+struct PagedRows {
+  using element_type = T;
+  const T* head_rows;
+  const int* table_row;
+  long long page_stride, row_stride, page_count;
+  int page_size;
+  __device__ __forceinline__ PagedRows(const AttentionArgs& args, long long b, const T* head_rows_,
+                                       const long long (&stride)[3])
+      : head_rows(head_rows_), table_row(args.block_table + b * args.block_table_stride), page_stride(stride[0]),
+        row_stride(stride[2]), page_count(args.page_count), page_size((int)args.page_size) {}
+  __device__ __forceinline__ const T* operator()(int r) const {
+    return head_rows + key_page(table_row, r, page_size, page_count) * page_stride + (long long)(r % page_size) * row_stride;
   }
 };
 

@@ -121,6 +121,37 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 // fences after its copies land and before the barrier that publishes them.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
+// Rows [row0, row0 + ROWS) into a swizzled shared tile as above, from rows that need not be evenly spaced:
+// rows_at(r) is row r's address (fagen::PagedRows, a paged K/V cache). Each copy looks its row up; valid_cols
+// whole 16-byte chunks (the host refuses paged caches otherwise).
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename RowsAt>
+__device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const RowsAt& rows_at, int row0, int valid_rows,
+                                                            int valid_cols) {
+  using T = typename RowsAt::element_type;
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
+  constexpr int PER_CHUNK = 16 / sizeof(T);
+  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
+  for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
+    const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
+    const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
+    tc::cp_async_16(tile + Layout::offset(ROWS, r, c), valid ? rows_at(row0 + r) + c * PER_CHUNK : rows_at.head_rows, valid);
+  }
+}
+
+// K_j's or V_j's rows [col0, col0 + valid_rows) of one (sequence, K/V head) into a swizzled tile: `slice` from
+// Problem::key_rows, `stride` the tensor's (batch or page, head, row) strides; through sequence b's row of the
+// block table where the call passed a paged cache.
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
+__device__ __forceinline__ void async_load_key_rows(unsigned tile, const AttentionArgs& args, long long b, const T* slice,
+                                                    const long long (&stride)[3], int col0, int valid_rows, int valid_cols) {
+  if (args.block_table == nullptr) {
+    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, slice, stride[2], col0, valid_rows, valid_cols);
+  } else {
+    async_load_rows_swizzled_at<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, PagedRows<T>(args, b, slice, stride), col0,
+                                                                     valid_rows, valid_cols);
+  }
+}
+
 // ---- a warp-specialized block's stages: mbarriers (8 bytes of shared memory each, by shared address) ----
 // A stage is "full" once the producer's copies into it landed and "empty" once every consumer is done
 // reading it; each side waits on the other's barrier with the phase parity it expects, so the warpgroups

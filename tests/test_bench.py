@@ -428,3 +428,23 @@ def test_corners_flex_masks_are_the_reference_masks(spec):
     fagen_mask = reference.visible_mask(spec, 1, 1, n, n, block_mask=table)[0, 0]
     assert np.array_equal(flex, np.broadcast_to(fagen_mask, (n, n)))
     assert {c.spec.mask for c in CORNERS} >= {"causal", "sliding_window", "block_sparse"}
+
+
+def test_paged_bench_counts_bottom_right_causal_pairs_and_scatters_keys_into_pages():
+    """fagen.bench.paged: the FLOP count's visible pairs (row i of nq sees keys j <= i + nk - nq), and the pool its
+    paged calls read: each sequence's keys are the first rows of its table's pages, in order."""
+    torch = pytest.importorskip("torch")
+    from fagen.bench.paged import _causal_pairs, _paged
+
+    assert _causal_pairs(3, 3) == 6 and _causal_pairs(2, 5) == 4 + 5 and _causal_pairs(3, 0) == 0
+    assert _causal_pairs(4, 2) == 0 + 0 + 1 + 2   # more rows than keys: the first rows see none
+    lengths = [5, 0, 17]
+    k = torch.randn(sum(lengths), 2, 8)
+    v = torch.randn_like(k)
+    k_cache, v_cache, table = _paged(k, v, lengths, 4, torch.Generator().manual_seed(0))
+    assert table.dtype == torch.int32 and table.shape == (3, 5) and sorted(table.flatten().tolist()) == list(range(15))
+    start = 0
+    for b, n in enumerate(lengths):
+        for cache, original in ((k_cache, k), (v_cache, v)):
+            assert torch.equal(cache[table[b].long()].flatten(0, 1)[:n], original[start:start + n])
+        start += n

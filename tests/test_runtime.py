@@ -159,18 +159,27 @@ def test_fast_path_keys_return_none_for_arrays_that_are_not_torch_tensors():
     assert Kernel._paged_signature(object(), array, array, array, array, None, None, None, 0, 0) is None
 
 
-def test_a_paged_cache_with_packed_arguments_is_refused_before_anything_runs():
-    """block_table (a paged K/V cache) takes padded q, k, v: cu_seqlens with it, or a packed spec, get a
-    clear error at once (not the packed path, not a hint about passes a packed spec cannot have)."""
+def test_a_paged_cache_with_mismatched_layout_arguments_is_refused_before_anything_runs():
+    """block_table (a paged K/V cache): a padded spec takes padded q (cu_seqlens with it get a clear error at
+    once, not the packed path); a packed spec needs cu_seqlens_q and cu_seqlens_k (packed rows against pages);
+    a packed spec whose forward kernel does not read pages says which ones do."""
     from types import SimpleNamespace
 
-    from fagen.runtime import Kernel
+    from fagen.runtime import Kernel, LaunchPlan
 
-    for spec, packed in ((Spec(head_dim=64, dtype="bf16", mask="padding", passes=["forward", "decode"]), {"cu_seqlens_q": [0, 1]}),
-                         (Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"), {})):
-        kernel = SimpleNamespace(spec=spec)
-        with pytest.raises(ArgumentError, match="without cu_seqlens"):
-            Kernel.forward(kernel, None, None, None, block_table=[[0]], **packed)
+    padded = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="padding", passes=["forward", "decode"]))
+    with pytest.raises(ArgumentError, match="takes a layout packed spec"):
+        Kernel.forward(padded, None, None, None, block_table=[[0]], cu_seqlens_q=[0, 1])
+    packed = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="causal", layout="packed"))
+    with pytest.raises(ArgumentError, match="pass cu_seqlens_q"):
+        Kernel.forward(packed, None, None, None, block_table=[[0]])
+    for template in ("forward_fa2_simt.cu.j2", "forward_fa1_simt.cu.j2", "forward_fa2_mma.cu.j2"):
+        plan = LaunchPlan(("f",), 64, 64, 128, 0, 2, False, 64, template)
+        packed = SimpleNamespace(spec=Spec(head_dim=64, dtype="fp32", mask="causal", layout="packed"),
+                                 _pass=lambda name: plan)
+        with pytest.raises(ArgumentError, match="does not read paged K/V caches; Hopper's warpgroup-MMA"):
+            Kernel._forward_paged_packed(packed, None, None, None, [[0]], [0, 1], [0, 1], None, None, None, None,
+                                         None, 0, 0, None, None)
 
 
 def test_backward_scratch_holds_delta_then_an_aligned_dq_accum():

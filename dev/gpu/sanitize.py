@@ -2,7 +2,7 @@
     compute-sanitizer --tool memcheck python dev/gpu/sanitize.py
     compute-sanitizer --tool racecheck python dev/gpu/sanitize.py
     SANITIZE_ONLY=d59,d111 compute-sanitizer --tool memcheck python dev/gpu/sanitize.py   # some specs only
-    SANITIZE_PART=3 ... (SPECS[3] only), SANITIZE_PART=folded, SANITIZE_PART=pad_rows: one part per process
+    SANITIZE_PART=3 ... (SPECS[3] only), SANITIZE_PART=folded, =pad_rows, =paged: one part per process
     (synccheck stops a process at its first error: dev/gpu/sanitize_parts.sh runs every part on its own)
 Shapes are small and not multiples of the tiles, so the edge paths run."""
 import sys
@@ -126,6 +126,15 @@ def main():
         result = pad_rows.pad(tensors, padded)
         assert all(torch.equal(r, torch.nn.functional.pad(t, (0, padded - width))) for t, r in zip(tensors, result))
         print("pad_rows", shape, padded, "ok", flush=True)
+    # packed query rows against a paged K/V cache (tests/test_paged_prefill_gpu.py's check): warp-specialized
+    # d = 128 and forward_wgmma d = 64 with dropout, pages of 1 and 48 rows
+    if not PART or PART == "paged":
+        import tests.test_paged_prefill_gpu as paged
+
+        for spec, page_size in ((paged.SPECS[0], 48), (paged.SPECS[1], 1)):
+            if not ONLY or any(w in spec.variant_name for w in ONLY):
+                paged.test_paged_prefill_equals_the_contiguous_call_and_the_reference(spec, page_size)
+                print(spec.variant_name, "paged", page_size, "ok", flush=True)
     print("sanitize run complete", file=sys.stderr)
 
 

@@ -3,6 +3,7 @@
 `extras` (compile and cache-load time, the bf16 GEMM rate and the ptxas report, for BENCHMARKS.md),
 `decode` (one query against a long KV cache, against SDPA and FlexAttention, as bandwidth),
 `varlen` (packed variable-length batches against SDPA on the padded batch),
+`paged` (packed query rows against a paged K/V cache, against the contiguous call and SDPA),
 `modifiers` (the mask_mod / score_mod variants of examples/modifiers.yaml against FlexAttention),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
@@ -52,6 +53,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     varlen.add_argument("--head-dim", type=int, default=128)
     varlen.add_argument("--no-causal", action="store_true")
     varlen.add_argument("--json", dest="json_path")
+    paged = sub.add_parser("paged", help="GPU: packed query rows against a paged K/V cache (prefill, chunked "
+                           "prefill, speculative decoding) against the same call on contiguous keys and SDPA")
+    paged.add_argument("--page-sizes", default="1,16,64,256")
+    paged.add_argument("--heads", type=int, default=32)
+    paged.add_argument("--kv-heads", type=int, default=8)
+    paged.add_argument("--head-dim", type=int, default=128)
+    paged.add_argument("--json", dest="json_path")
     modifiers = sub.add_parser("modifiers", help="GPU: the mask_mod / score_mod variants of examples/modifiers.yaml "
                                "against FlexAttention, forward and backward")
     modifiers.add_argument("--seq-lens", default="2048,8192", help="comma-separated N (q and k alike)")
@@ -88,6 +96,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_varlen(heads=args.heads, kv_heads=args.kv_heads, head_dim=args.head_dim, causal=not args.no_causal,
                    json=args.json_path)
+        return 0
+    if args.command == "paged":
+        from fagen.bench.paged import BATCHES, run_paged
+
+        run_paged(BATCHES, [int(x) for x in args.page_sizes.split(",")], args.heads, args.kv_heads, args.head_dim,
+                  json=args.json_path)
         return 0
     if args.command == "modifiers":
         from fagen.bench import modifiers as modifiers_bench
