@@ -21,6 +21,12 @@ own custom ops, CUDA) or `ReferenceKernel` (float64 torch, any device: what the 
 ring itself talks to a *ring communicator* (`ProcessGroupRing` over torch.distributed P2P,
 `batch_isend_irecv`; `SimulatedRing`: W ranks as threads of one process, the same code path).
 
+The all-to-all mode (DeepSpeed-Ulysses: `ulysses_attention`) swaps the sequence shards for head shards instead:
+one all-to-all gives each rank the whole sequence of H / W query heads (and their K/V heads), the rank runs
+one ordinary attention call on them (fagen.attention: every mask, window, mask_mod / score_mod that does not
+read h), and a second all-to-all returns each rank its sequence shard of every head. The backward runs the
+two exchanges the other way.
+
 NCCL's NVLink multicast (NVLS) is turned off: importing this module sets NCCL_NVLS_ENABLE=0 in the
 environment unless it is already set (child processes inherit it), and `init_process_group` forces it.
 """
@@ -45,6 +51,7 @@ __all__ = [
     "ring_attention",
     "ring_attention_forward",
     "ring_attention_backward",
+    "ulysses_attention",
     "merge_partials",
     "Block",
     "ring_schedule",
@@ -423,6 +430,14 @@ class ProcessGroupRing:
         ops += [dist.P2POp(dist.irecv, t, self.prev, self.group, tag * 16 + n) for n, t in enumerate(received)]
         return _Pending(dist.batch_isend_irecv(ops), received)
 
+    def all_to_all(self, chunks: Sequence[torch.Tensor]) -> list:
+        """chunks[r] to rank r; returns what each rank r sent this one, in rank order (shapes as the caller's
+        chunks: every rank sends chunks of one shape). Waits for the exchange."""
+        chunks = [c.contiguous() for c in chunks]
+        received = [torch.empty_like(c) for c in chunks]
+        self._dist.all_to_all(received, chunks, group=self.group)
+        return received
+
 
 class _Pending:
     def __init__(self, requests, received):
@@ -440,6 +455,9 @@ class _SingleRank:
 
     def exchange(self, tensors, tag: int = 0):   # pragma: no cover - never called with one rank
         raise RuntimeError("a world of one rank exchanges nothing")
+
+    def all_to_all(self, chunks) -> list:
+        return list(chunks)
 
 
 class SimulatedRing:
@@ -488,6 +506,16 @@ class _SimulatedMember:
     def exchange(self, tensors, tag: int = 0):
         self.ring._post((self.rank + 1) % self.world_size, tag, [t.detach().clone() for t in tensors])
         return _SimulatedPending(self.ring, self.rank, tag)
+
+    def all_to_all(self, chunks) -> list:
+        # every rank posts one chunk to each rank (its own included), with its rank, under the tag of its n-th
+        # all-to-all (every rank makes the same calls in the same order; a fast rank's next one must not mix in)
+        self.exchanges = getattr(self, "exchanges", 0) + 1
+        tag = (_TAG_ALL_TO_ALL, self.exchanges)
+        for target, chunk in enumerate(chunks):
+            self.ring._post(target, tag, (self.rank, chunk.detach().clone()))
+        received = [self.ring._take(self.rank, tag) for _ in range(self.world_size)]
+        return [chunk for _, chunk in sorted(received, key=lambda item: item[0])]
 
 
 class _SimulatedPending:
@@ -544,7 +572,7 @@ def _ring_of(group):
 
 
 # ---- the ring -----------------------------------------------------------------------------------
-_TAG_KV, _TAG_DKV = 1, 2
+_TAG_KV, _TAG_DKV, _TAG_ALL_TO_ALL = 1, 2, 3
 
 
 def _accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -688,3 +716,125 @@ def ring_attention_backward(q, k, v, o, lse, do, d_lse, spec, group=None, *, lay
     ring, kernel, causal = _prepare(q, k, v, spec, group, layout, kernel)
     with torch.no_grad():
         return _ring_backward(q, k, v, o, lse, do, d_lse, kernel, ring, causal, layout)
+
+
+# ---- the all-to-all mode (DeepSpeed-Ulysses) ---------------------------------------------------------
+def _communicator_of(group):
+    """A communicator with all_to_all (SimulatedRing's member, ProcessGroupRing, your own), from `group`."""
+    if group is not None and hasattr(group, "all_to_all") and hasattr(group, "world_size"):
+        return group
+    return _ring_of(group)
+
+
+def _heads_of(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    per = t.shape[1] // world
+    return t.narrow(1, rank * per, per)
+
+
+def _sequence_to_heads(t: torch.Tensor, comm, layout: str) -> torch.Tensor:
+    """(B, H, n, ...) this rank's sequence shard of every head -> (B, H / W, W n, ...) the whole sequence of its
+    heads (rank r: heads r H / W ..), in sequence order whatever the shards' layout."""
+    world = comm.world_size
+    received = comm.all_to_all([_heads_of(t, r, world) for r in range(world)])
+    return unshard_sequence(received, layout, dim=2)
+
+
+def _heads_to_sequence(t: torch.Tensor, comm, layout: str) -> torch.Tensor:
+    """_sequence_to_heads' inverse: (B, H / W, N, ...) -> (B, H, N / W, ...)."""
+    world = comm.world_size
+    received = comm.all_to_all([shard_sequence(t, r, world, layout, dim=2) for r in range(world)])
+    return torch.cat(received, dim=1)
+
+
+class _SequenceToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, layout):
+        ctx.comm, ctx.layout = comm, layout
+        return _sequence_to_heads(t, comm, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _heads_to_sequence(grad.contiguous(), ctx.comm, ctx.layout), None, None
+
+
+class _HeadsToSequence(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, t, comm, layout):
+        ctx.comm, ctx.layout = comm, layout
+        return _heads_to_sequence(t, comm, layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _sequence_to_heads(grad.contiguous(), ctx.comm, ctx.layout), None, None
+
+
+def _check_ulysses_spec(spec) -> None:
+    """What the all-to-all mode computes exactly as one GPU would; the rest say so. A rank holds heads
+    r H / W .. of the whole sequence, and the kernels number them from 0: dropout's stream and a mask_mod /
+    score_mod that reads h would see other heads than on one GPU."""
+    unsupported = []
+    if spec.dropout:
+        unsupported.append("dropout (its random stream is keyed by the head)")
+    modifiers = spec.modifiers
+    from fagen.expressions import H
+
+    if any(expr is not None and H in expr.free_symbols for expr in (modifiers.mask, modifiers.score)):
+        unsupported.append("a mask_mod / score_mod that reads h")
+    if spec.layout != "padded":
+        unsupported.append("layout packed")
+    if spec.mask == "block_sparse":
+        unsupported.append("mask block_sparse")
+    if unsupported:
+        raise NotImplementedError("ulysses_attention does not implement " + ", ".join(unsupported) + " yet "
+                                  "(docs/distributed.md)")
+
+
+def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, group=None, *,
+                      layout: str = "contiguous", return_lse: bool = False, attend: Optional[Callable] = None,
+                      kv_lengths=None, inputs: Optional[dict] = None):
+    """Attention of the whole sequence by all-to-all (DeepSpeed-Ulysses), each rank holding its shard: q
+    (B, H, n, d), k and v (B, H_kv, n_k, d), every rank the same shapes, sharded as `layout` says
+    (`shard_sequence`). Differentiable in q, k, v (and through lse). Needs H divisible by the world size W,
+    and H_kv either divisible by W (each rank gets H_kv / W K/V heads) or dividing it (each rank's query heads
+    share one K/V head, which it receives).
+
+    Every spec feature of a single call works (masks, windows, padding with `kv_lengths`, a mask_mod /
+    score_mod and its `inputs`, bottom-right alignment of n != n_k) except dropout, a mask_mod / score_mod that
+    reads h, block_sparse and layout packed (NotImplementedError; see `_check_ulysses_spec`). `attend(q, k,
+    v) -> (o, lse)` computes a rank's heads over the whole sequence: default fagen.attention with the spec
+    (CUDA); the CPU tests pass a float64 one. group: as ring_attention's. Returns o (and with return_lse the
+    LSE, (B, H, n) float32) of this rank's shard."""
+    spec = _parse_spec(spec)
+    _check_ulysses_spec(spec)
+    _check_layout(layout)
+    if q.dim() != 4 or k.dim() != 4 or v.dim() != 4 or k.shape != v.shape or k.shape[0] != q.shape[0]:
+        raise ValueError(f"q, k, v must be (batch, heads, seq, head_dim) with k and v of one shape and q's batch, "
+                         f"got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    comm = _communicator_of(group)
+    world = comm.world_size
+    heads, kv_heads = q.shape[1], k.shape[1]
+    if heads % world or heads % kv_heads:
+        raise ValueError(f"ulysses_attention splits the query heads over the ranks: {heads} query heads, "
+                         f"{kv_heads} K/V heads and {world} ranks (the heads must divide by the ranks, and the "
+                         f"K/V heads divide the query heads)")
+    if kv_heads % world:
+        if world % kv_heads:
+            raise ValueError(f"{kv_heads} K/V heads over {world} ranks: the K/V heads must divide by the ranks, or "
+                             f"divide them (each rank's query heads then share one K/V head)")
+        # rank r's query heads all read K/V head r // (W / H_kv): each rank is sent that one
+        k, v = (t.repeat_interleave(world // kv_heads, dim=1) for t in (k, v))
+    if layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
+        raise ValueError(f"a zigzag shard holds two equal chunks: local lengths {q.shape[2]}, {k.shape[2]}; one is odd")
+    if attend is None:
+        import fagen.torch as fagen_torch
+
+        def attend(q_, k_, v_):
+            return fagen_torch.attention(q_, k_, v_, spec, return_lse=True, kv_lengths=kv_lengths, inputs=inputs)
+
+    q_full, k_full, v_full = (_SequenceToHeads.apply(t, comm, layout) for t in (q, k, v))
+    o_full, lse_full = attend(q_full, k_full, v_full)
+    o = _HeadsToSequence.apply(o_full, comm, layout)
+    if not return_lse:
+        return o
+    return o, _HeadsToSequence.apply(lse_full.to(_accumulator_dtype(q.dtype)).unsqueeze(-1), comm, layout).squeeze(-1)
+

@@ -10,6 +10,8 @@ import json
 import os
 import tempfile
 
+import numpy as np
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -535,3 +537,175 @@ def test_gpu_nccl_two_ranks_match_one_gpu():
             assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (name, rank)
             for g, w in zip(got[2:], want[2:]):
                 torch.testing.assert_close(g.float(), w.float(), rtol=1e-2, atol=1e-2)
+
+
+# ---- the all-to-all mode (ulysses_attention) -------------------------------------------------------------
+def _dense_attend(spec):
+    """attend(q, k, v) -> (o, lse) for ulysses_attention on the CPU: float64 torch with autograd, under the spec's
+    mask as fagen.reference.visible_mask gives it (mask, window, mask_mod; bottom-right alignment)."""
+    from fagen import reference
+
+    def attend(q, k, v):
+        group = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        s = spec.scale * q @ k.transpose(-1, -2)
+        visible = torch.from_numpy(reference.visible_mask(spec, *q.shape[:3], k.shape[2]).copy())
+        s = s.masked_fill(~visible.broadcast_to(s.shape), float("-inf"))
+        lse = torch.logsumexp(s, -1)
+        p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
+        return p @ v, lse
+
+    return attend
+
+
+ULYSSES_SPECS = {"none": fagen.Spec(head_dim=D, dtype="fp32", mask="none"),
+                 "causal": fagen.Spec(head_dim=D, dtype="fp32", mask="causal"),
+                 "window": fagen.Spec(head_dim=D, dtype="fp32", mask="sliding_window", window=5),
+                 "mask_mod": fagen.Spec(head_dim=D, dtype="fp32", mask_mod="j <= i and (i - j < 7 or j < 2)")}
+
+
+def _ulysses_step(rank, world, comm, tensors, spec, layout):
+    q, k, v, w_o, w_lse = (fd.shard_sequence(t, rank, world, layout) for t in tensors)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    o, lse = fd.ulysses_attention(q, k, v, spec, comm, layout=layout, return_lse=True, attend=_dense_attend(spec))
+    ((o * w_o).sum() + (lse * w_lse).sum()).backward()
+    return [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+
+def _ulysses_whole(tensors, spec):
+    q, k, v, w_o, w_lse = (t.clone() for t in tensors)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    o, lse = _dense_attend(spec)(q, k, v)
+    ((o * w_o).sum() + (lse * w_lse).sum()).backward()
+    return [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("name", list(ULYSSES_SPECS))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("h_kv", [4, 2, 1])
+def test_ulysses_matches_attention_on_the_whole_sequence(world, name, layout, h_kv):
+    """Each rank's o, lse and gradients, unsharded, against the same attention on the whole sequence: heads
+    split over the ranks (H_kv dividing by W, or dividing W: each rank's heads share one K/V head), the sequence
+    in contiguous or zigzag shards, every mask kind the mode takes; the dense attend itself against
+    fagen.reference."""
+    from fagen import reference
+
+    spec = ULYSSES_SPECS[name]
+    tensors = _inputs(4 * world, h_kv, seed=world * 10 + h_kv)
+    per_rank = fd.run_simulated(world, lambda rank, comm: _ulysses_step(rank, world, comm, tensors, spec, layout))
+    got = _unshard(per_rank, layout)
+    whole = [fd.unshard_sequence([fd.shard_sequence(t, r, world, layout) for r in range(world)], layout)
+             for t in tensors]
+    want = _ulysses_whole(whole, spec)
+    for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=what)
+    ref_o, ref_lse = reference.attention_forward(*(t.numpy() for t in whole[:3]), spec)
+    assert np.allclose(want[0].numpy(), ref_o, atol=1e-12) and np.allclose(want[1].numpy(), ref_lse, atol=1e-12)
+
+
+def test_ulysses_bottom_right_with_fewer_queries_than_keys():
+    """Shards of q shorter than k's (a chunk against its history): causal aligns bottom-right on the whole."""
+    spec, world = ULYSSES_SPECS["causal"], 2
+    q, k, v, w_o, w_lse = _inputs(6, 2, seed=3, nk=10)
+    tensors = (q, k, v, w_o, w_lse)
+
+    def step(rank, comm):
+        qs, ks, vs = (fd.shard_sequence(t, rank, world) for t in (q, k, v))
+        qs, ks, vs = (t.clone().requires_grad_() for t in (qs, ks, vs))
+        o, lse = fd.ulysses_attention(qs, ks, vs, spec, comm, return_lse=True, attend=_dense_attend(spec))
+        ((o * fd.shard_sequence(w_o, rank, world)).sum() + (lse * fd.shard_sequence(w_lse, rank, world)).sum()).backward()
+        return [o.detach(), lse.detach(), qs.grad, ks.grad, vs.grad]
+
+    got = _unshard(fd.run_simulated(world, step), "contiguous")
+    for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, _ulysses_whole(tensors, spec)):
+        torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=what)
+
+
+def test_ulysses_refuses_what_it_would_compute_differently():
+    q, k, v, _, _ = _inputs(8, 2)
+    ring = fd.SimulatedRing(2).member(0)
+    for spec, match in ((fagen.Spec(head_dim=D, dtype="fp32", dropout=0.1), "dropout"),
+                        (fagen.Spec(head_dim=D, dtype="fp32", mask_mod="(h + j) % 2 == 0"), "reads h"),
+                        (fagen.Spec(head_dim=D, dtype="fp32", score_mod="score * w[h]", inputs={"w": "float32"}),
+                         "reads h"),
+                        (fagen.Spec(head_dim=D, dtype="fp32", mask="block_sparse", block_size=16), "block_sparse")):
+        with pytest.raises(NotImplementedError, match=match):
+            fd.ulysses_attention(q, k, v, spec, ring)
+    spec = ULYSSES_SPECS["none"]
+    with pytest.raises(ValueError, match="must divide by the ranks"):
+        fd.ulysses_attention(q, k, v, spec, fd.SimulatedRing(3).member(0))
+    k3 = torch.randn(B, 3, 8, D, dtype=torch.float64)
+    with pytest.raises(ValueError, match="K/V heads"):
+        fd.ulysses_attention(torch.randn(B, 6, 8, D, dtype=torch.float64), k3, k3, spec, fd.SimulatedRing(2).member(0))
+
+
+def _gloo_ulysses_worker(rank, world, init_file, out_dir):
+    torch.set_num_threads(1)
+    fd.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        results = {}
+        for name, layout, h_kv in (("causal", "zigzag", 1), ("window", "contiguous", 2)):
+            tensors = _inputs(4 * world, h_kv, seed=world + h_kv)
+            results[name] = _ulysses_step(rank, world, None, tensors, ULYSSES_SPECS[name], layout)
+        torch.save(results, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def test_gloo_processes_match_the_simulated_ulysses():
+    """torch.distributed's all_to_all over gloo in 2 processes: bit for bit what the simulated ranks give."""
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if not dist.is_available() or not dist.is_gloo_available():
+        pytest.skip("torch.distributed with gloo is not available")
+    world = 2
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_gloo_ulysses_worker, args=(world, os.path.join(tmp, "init"), tmp), nprocs=world, join=True)
+        per_rank = [torch.load(os.path.join(tmp, f"rank{r}.pt")) for r in range(world)]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for name, layout, h_kv in (("causal", "zigzag", 1), ("window", "contiguous", 2)):
+            tensors = _inputs(4 * world, h_kv, seed=world + h_kv)
+            simulated = fd.run_simulated(world, lambda rank, comm: _ulysses_step(rank, world, comm, tensors,
+                                                                                 ULYSSES_SPECS[name], layout))
+            for rank in range(world):
+                for what, got, want in zip(("o", "lse", "dq", "dk", "dv"), per_rank[rank][name], simulated[rank]):
+                    assert torch.equal(got, want), f"{name}, rank {rank}: {what} differs from the simulated ranks"
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_gpu_simulated_ulysses_equals_fagen_attention(world):
+    """On one GPU, fagen's kernels: the forward of W simulated ranks (each runs fagen.attention on its H / W heads
+    of the whole sequence) is bit for bit fagen.attention on all heads (every head's blocks are computed alone);
+    a world of one through autograd, gradients included."""
+    spec = fagen.Spec(head_dim=64, dtype="bf16", mask="causal")
+    q, k, v, do = _gpu_inputs(512, 4, seed=world)
+    want_o, want_lse = fagen.attention(q, k, v, spec, return_lse=True)
+
+    def rank_fn(rank, comm):
+        shards = [fd.shard_sequence(t, rank, world, "zigzag") for t in (q, k, v)]
+        with torch.no_grad():
+            return fd.ulysses_attention(*shards, spec, comm, layout="zigzag", return_lse=True)
+
+    import fagen.torch as fagen_torch
+
+    fagen_torch.kernel_for(fagen_torch.spec_key(spec), torch.cuda.current_device())   # compiled before the threads
+    per_rank = fd.run_simulated(world, rank_fn)
+    got_o, got_lse = (fd.unshard_sequence([r[n] for r in per_rank], "zigzag") for n in (0, 1))
+    assert torch.equal(got_o, want_o) and torch.equal(got_lse, want_lse.float())
+    if world == 1:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        fd.ulysses_attention(*leaves, spec).backward(do)
+        whole = [t.clone().requires_grad_() for t in (q, k, v)]
+        fagen.attention(*whole, spec).backward(do)
+        for g, w in zip(leaves, whole):   # (dQ's atomics may differ in the last bits between runs)
+            torch.testing.assert_close(g.grad, w.grad, rtol=1e-2, atol=1e-2)
+
