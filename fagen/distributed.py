@@ -746,26 +746,18 @@ def _heads_to_sequence(t: torch.Tensor, comm, layout: str) -> torch.Tensor:
     return torch.cat(received, dim=1)
 
 
-class _SequenceToHeads(torch.autograd.Function):
+class _AllToAll(torch.autograd.Function):
+    """_sequence_to_heads (to_heads) or _heads_to_sequence; each one's backward is the other."""
+
     @staticmethod
-    def forward(ctx, t, comm, layout):
-        ctx.comm, ctx.layout = comm, layout
-        return _sequence_to_heads(t, comm, layout)
+    def forward(ctx, t, comm, layout, to_heads):
+        ctx.comm, ctx.layout, ctx.to_heads = comm, layout, to_heads
+        return (_sequence_to_heads if to_heads else _heads_to_sequence)(t, comm, layout)
 
     @staticmethod
     def backward(ctx, grad):
-        return _heads_to_sequence(grad.contiguous(), ctx.comm, ctx.layout), None, None
-
-
-class _HeadsToSequence(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, t, comm, layout):
-        ctx.comm, ctx.layout = comm, layout
-        return _heads_to_sequence(t, comm, layout)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _sequence_to_heads(grad.contiguous(), ctx.comm, ctx.layout), None, None
+        inverse = _heads_to_sequence if ctx.to_heads else _sequence_to_heads
+        return inverse(grad.contiguous(), ctx.comm, ctx.layout), None, None, None
 
 
 def _check_ulysses_spec(spec) -> None:
@@ -831,10 +823,11 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, g
         def attend(q_, k_, v_):
             return fagen_torch.attention(q_, k_, v_, spec, return_lse=True, kv_lengths=kv_lengths, inputs=inputs)
 
-    q_full, k_full, v_full = (_SequenceToHeads.apply(t, comm, layout) for t in (q, k, v))
+    q_full, k_full, v_full = (_AllToAll.apply(t, comm, layout, True) for t in (q, k, v))
     o_full, lse_full = attend(q_full, k_full, v_full)
-    o = _HeadsToSequence.apply(o_full, comm, layout)
+    o = _AllToAll.apply(o_full, comm, layout, False)
     if not return_lse:
         return o
-    return o, _HeadsToSequence.apply(lse_full.to(_accumulator_dtype(q.dtype)).unsqueeze(-1), comm, layout).squeeze(-1)
+    lse = _AllToAll.apply(lse_full.to(_accumulator_dtype(q.dtype)).unsqueeze(-1), comm, layout, False)
+    return o, lse.squeeze(-1)
 
