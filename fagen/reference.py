@@ -24,6 +24,9 @@ from typing import TYPE_CHECKING, NamedTuple, Optional
 
 import numpy as np
 
+# the kernels' dropout constants, defined once for the renderer and the reference (re-exported: reference's API)
+from fagen.dropout import PHILOX_ROUNDS, dropout_keep_scale, dropout_threshold
+
 if TYPE_CHECKING:  # the spec is only read (mask, window, block_size, dropout, scale, loop_order)
     from fagen.spec import Spec
 
@@ -47,10 +50,6 @@ PHILOX_M0 = 0xD2511F53
 PHILOX_M1 = 0xCD9E8D57
 PHILOX_W0 = 0x9E3779B9  # golden ratio
 PHILOX_W1 = 0xBB67AE85  # sqrt(3) - 1
-# Rounds of dropout's Philox calls (templates/attention_common.cuh: PHILOX_ROUNDS). Random123 reports 7 as
-# the fewest that pass BigCrush and uses 10 as a safety margin; FlashAttention-2 draws dropout with 7.
-# Dropout kernels spend most of their time in Philox, so fagen draws with 7 too (a 30% cheaper call).
-PHILOX_ROUNDS = 7
 _U32 = np.uint64(0xFFFFFFFF)
 
 
@@ -91,24 +90,7 @@ def philox4x32(counter, key, rounds: int = PHILOX_ROUNDS) -> np.ndarray:
     return np.stack(np.broadcast_arrays(c0, c1, c2, c3), axis=-1).astype(np.uint32)
 
 
-# ---- 2. Dropout ------------------------------------------------------------------------------
-def dropout_threshold(p: float) -> int:
-    """The 16-bit threshold for drop probability p: floor(p * 2**16); an element is kept iff its draw is >= it.
-
-    So the drop probability applied is floor(p * 2**16) / 2**16, within 2**-16 (< 1.6e-5) of p.
-    """
-    p = float(p)
-    if not (0.0 <= p < 1.0):
-        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
-    return int(p * 2**16)
-
-
-def dropout_keep_scale(p: float) -> float:
-    """The factor kept weights take: 1 / the keep probability applied, 2**16 / (2**16 - dropout_threshold(p)),
-    so that E[Z * scale] = 1 exactly (1 / (1 - p) would be off by up to 2**-16 / (1 - p))."""
-    return 2**16 / (2**16 - dropout_threshold(p))
-
-
+# ---- 2. Dropout (the threshold and keep scale: fagen.dropout) ---------------------------------
 def _philox_key(seed) -> np.ndarray:
     seed = operator.index(seed)  # any Python/numpy integer; a float seed is a bug
     return np.array([seed % 2**32, (seed >> 32) % 2**32], dtype=np.uint64)

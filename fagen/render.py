@@ -14,7 +14,7 @@ from pathlib import Path
 import jinja2
 
 from fagen.expressions import mask_kind_struct
-from fagen.reference import dropout_keep_scale, dropout_threshold
+from fagen.dropout import dropout_keep_scale, dropout_threshold
 from fagen.solver import Plan, Solution, family_named
 from fagen.sources import TEMPLATE_DIR, folds_kv_group
 from fagen.spec import Spec

@@ -34,7 +34,7 @@ from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
 from fagen.compiler import cached_cubin, cubin_key
 from fagen.sources import folds_kv_group
 from fagen.spec import ARCHS, Spec, spec_from_dict
-from fagen.target import Target, from_device
+from fagen.target import Target, from_attributes
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
 CAI_TYPESTRS = {"fp16": ("<f2",), "bf16": ("<V2", "|V2", "<b2"), "fp32": ("<f4",)}
@@ -1945,7 +1945,7 @@ _compile_lock = threading.RLock()
 def device_target(device_index: int) -> Target:
     target = _targets.get(device_index)
     if target is None:
-        target = _targets[device_index] = from_device(device_index)
+        target = _targets[device_index] = from_attributes(driver.device_attributes(device_index))
     return target
 
 

@@ -40,12 +40,9 @@ def target_for(arch: str) -> Target:
         raise ValueError(f"unknown arch {arch!r}: allowed {', '.join(TARGETS)}") from None
 
 
-def from_device(device_index: int = 0) -> Target:
-    """Read the limits off a live GPU through the CUDA driver (imported lazily, so that the CPU
-    pipeline never needs a GPU)."""
-    from fagen.cuda_driver import device_attributes
-
-    values = device_attributes(device_index)
+def from_attributes(values: dict) -> Target:
+    """The limits of a live GPU, from what the runtime read off it (fagen.cuda_driver.device_attributes): this
+    module holds the facts and never touches the driver, so that planning never needs a GPU."""
     return Target(
         arch=f"sm_{values['cc_major']}{values['cc_minor']}",
         smem_per_block=values["smem_per_block"],

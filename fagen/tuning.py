@@ -29,7 +29,7 @@ from typing import Optional
 
 from fagen import solver as solver_stage
 from fagen.cache import AUTOTUNE_FILE as CACHE_FILE
-from fagen.cache import trusted_file
+from fagen.cache import cache_dir, trusted_file
 from fagen.spec import Spec
 
 CACHE_VERSION = 1
@@ -38,8 +38,6 @@ PLAN_FIELDS = ("family", "block_r", "block_c", "warps", "stages")
 
 # ---- the cache file ---------------------------------------------------------------------------
 def cache_path() -> Path:
-    from fagen.compiler import cache_dir
-
     return cache_dir() / CACHE_FILE
 
 

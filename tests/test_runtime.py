@@ -318,3 +318,18 @@ def test_kernel_functions_are_looked_up_in_the_devices_context(monkeypatch):
     kernel = SimpleNamespace(plans={"backward": SimpleNamespace(symbols=("main", "main_delta"), smem_bytes=99000)})
     assert runtime.Kernel._module_functions(kernel, 1, {"backward": b"cubin"}) == {"main": 9, "main_delta": 9}
     assert events == [("enter", 1), ("load", b"cubin"), ("get", "main", 99000), ("get", "main_delta", 0), ("leave", 1)]
+
+
+def test_device_target_reads_the_driver_once_per_device(monkeypatch):
+    """runtime.device_target: the driver's attributes (fagen.cuda_driver) made into a Target by fagen.target,
+    which never touches the driver itself; remembered per device."""
+    from fagen import cuda_driver, runtime
+
+    calls = []
+    attributes = {"cc_major": 9, "cc_minor": 0, "smem_per_block": 232448, "smem_per_sm": 233472,
+                  "registers_per_sm": 65536, "max_threads_per_sm": 2048, "sm_count": 132, "name": "a GPU"}
+    monkeypatch.setattr(cuda_driver, "device_attributes", lambda index: calls.append(index) or attributes)
+    monkeypatch.setattr(runtime, "_targets", {})
+    target = runtime.device_target(7)
+    assert (target.arch, target.sm_count, target.smem_per_block, target.name) == ("sm_90", 132, 232448, "a GPU")
+    assert runtime.device_target(7) is target and calls == [7]
