@@ -1,6 +1,6 @@
 """Autotuning results: the data the runtime reads. Which tile plan won on this GPU for this spec.
 
-`fagen bench --autotune` (fagen/autotune.py) measures candidates and stores the winner per (GPU, spec) in
+`fagen bench --autotune` (fagen/bench/autotune.py) measures candidates and stores the winner per (GPU, spec) in
 `$FAGEN_CACHE_DIR/autotune.json`:
 
     {"version": 1,

@@ -4,7 +4,8 @@ import types
 
 import pytest
 
-from fagen import autotune, solver, tuning
+from fagen import solver, tuning
+from fagen.bench import autotune
 from fagen.spec import Spec
 from fagen.target import target_for
 

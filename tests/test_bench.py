@@ -346,7 +346,7 @@ def test_bench_and_autotune_import_without_torch_or_pycuda():
     import subprocess
 
     code = ("import sys; sys.modules['torch'] = sys.modules['pycuda'] = None; "
-            "import fagen.bench.kernels, fagen.bench.model, fagen.bench.extras, fagen.bench.__main__, fagen.autotune; "
+            "import fagen.bench.kernels, fagen.bench.model, fagen.bench.extras, fagen.bench.__main__, fagen.bench.autotune; "
             "print('ok')")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ok"

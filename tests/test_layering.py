@@ -24,7 +24,7 @@ LAYERS = {
     "oracle": {"fagen.reference"},
     "api": {"fagen", "fagen.torch", "fagen.testing", "fagen.distributed", "fagen.integrations",
             "fagen.integrations.transformers"},
-    "tools": {"fagen.cli", "fagen.autotune", "fagen.bench"},
+    "tools": {"fagen.cli", "fagen.bench"},
 }
 ORDER = ("spec", "plan", "codegen", "build")
 
@@ -35,8 +35,6 @@ KNOWN = {
     ("fagen.runtime", "fagen.solver"), ("fagen.runtime", "fagen.render"), ("fagen.runtime", "fagen.sources"),
     ("fagen.runtime", "fagen.tuning"), ("fagen.runtime", "fagen.compiler"),
     ("fagen.pad_rows", "fagen.compiler"), ("fagen.pad_rows", "fagen.sources"),
-    # the autotuner times with the benchmarks' helpers, and `fagen bench --autotune` calls the autotuner
-    ("fagen.autotune", "fagen.bench"), ("fagen.bench", "fagen.autotune"),
 }
 
 
@@ -130,7 +128,6 @@ def test_no_stage_imports_a_later_one():
     ("fagen.spec", "fagen.cli", False),
     ("fagen.testing", "fagen.reference", True),
     ("fagen.cli", "fagen.bench.report", True),
-    ("fagen.bench.kernels", "fagen.autotune", False),
 ])
 def test_the_rules_themselves(importer, imported, allowed):
     assert _allowed(importer, imported) is allowed

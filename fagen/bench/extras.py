@@ -75,7 +75,7 @@ def measure_gemm_tflops(n: int = 8192, warmup: int = 5, repeats: int = 20) -> fl
 def ptxas_report(spec: Spec) -> dict:
     """ptxas's resources for the kernels fagen runs for `spec` on this GPU (the device's plan, autotuned
     where the cache says so): {pass: {kernel: {registers, spill_stores, spill_loads, ...}}, plans}."""
-    from fagen import autotune as autotuner
+    from fagen.bench import autotune as autotuner
     from fagen.compiler import compile_cubin
 
     kernel = autotuner.compile_tuned(spec)

@@ -135,7 +135,7 @@ def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16
     run end with status 1 (click's Exit) after everything is written, unless exit_on_failure=False."""
     import torch
 
-    from fagen import autotune as autotuner
+    from fagen.bench import autotune as autotuner
     from fagen import runtime
 
     if not torch.cuda.is_available():
