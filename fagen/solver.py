@@ -134,44 +134,22 @@ FAMILIES: tuple[Family, ...] = (
     Family("forward_wgmma", "forward_wgmma.cu.j2", ("forward",),
            smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024,
            # O and S accumulators of the warp's 16 rows over 32 lanes, P~ packed in pairs, plus 32 of loop state
-           # (ptxas on sm_90a: 128 at d = 96, Br = 128, Bc = 64, 8 warps, no spills; with 40, the estimate of the
-           # other families, that plan lost its second resident block and ran 1.26x slower, H100)
+           # (0001-forward-wgmma-plans.md in docs/decisions: the reservations and tiles below are measured there)
            registers=Br * d / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
            # the tensor cores read K_j, V_j once per warpgroup and Q_g once per K/V block
            smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
-           # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate (timed 0.79-0.94x of Bc = 64)
-           # dropout: 8 registers (ptxas at d = 64, 128: 112-224 registers, no spills, with the 16-bit draws)
+           # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
-           packed_registers=4,  # measured: 212 -> 214 registers packed (d = 128, Br = Bc = 128)
-           # ALiBi / soft-capping at d = 128, Br = Bc = 128: no spills with 4; a bias table with dropout at d = 64,
-           # Br = 128, Bc = 64 spills 4 B at two resident blocks (128 registers), which 12 rules out
+           packed_registers=4,
            modifier_registers=12,
-           # prefix-LM, window + sinks, dilated at d = 64, Br = 64, Bc = 128: 168 registers at three resident blocks
-           # and no spills (ptxas, sm_90a), where 12 left them two
-           light_mask_mod_registers=0,
-           # documents at d = 64, Br = 64, Bc = 128: at three resident blocks the template tests it ahead of the tile
-           # (MASK_AHEAD), 166 registers and no spills, where 12 left it two (255 registers, 32 B spilled). 8, not
-           # 0: beside a packed batch's 4 or dropout's 8 it keeps two blocks (spilled 140 B at three, packed); at
-           # d = 96 (0: Br = 128, Bc = 64 at two blocks of 8 warps, 128 registers) 192 B
-           key_mask_mod_registers=8,
+           light_mask_mod_registers=0,   # prefix-LM, window + sinks, dilated: three resident blocks at d = 64
+           key_mask_mod_registers=8,     # documents: tested ahead of the tile (MASK_AHEAD) at three blocks
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
-           # timed on H100: warpgroups of other blocks fill the tensor cores while one runs its softmax, so
-           # a second resident block beats a larger Bc (d=64: Bc=64 at 2 blocks 1.20x SDPA, Bc=128 at 1 block 0.97x)
+           # warpgroups of other blocks fill the tensor cores while one runs its softmax: a second resident block
+           # before a larger Bc
            preference=0, occupancy_first=True,
-           # d = 64: one warpgroup per 64-row block beat 128 x 64 at two blocks on every shape timed (H200, bf16 unless
-           # noted, dev/gpu/plan_time.py with dev/gpu/plans_d64_rank.txt and plans_d64_mods.txt, forward us, 128 x 64
-           # -> 64 x 128): causal 16 x 16 x 1024 131 -> 115, 4 x 16 x 4096 378 -> 329, 2 x 16 x 16384 2840 -> 2728;
-           # no mask 4 x 16 x 4096 692 -> 600, 8 x 16 x 1000 102 -> 93; causal with dropout 597 -> 562; sliding window
-           # 1024 at 2 x 16 x 8192 282 -> 230; mask_mod variants at 4 x 16 x 8192 (two blocks, as their register
-           # estimate gives): documents 545 -> 481, prefix-LM 1597 -> 1372, window + sinks 249 -> 244, dilated (fp16,
-           # 2048) 148 -> 126. (More K/V traffic per query, which the cost model counts first; more blocks to spread.)
-           # d = 192: 112 keys a block (as FlashAttention-3 takes there; the largest multiple of 16 whose two stages
-           # fit beside Q) beat 64 (H200, bf16, dev/gpu/plans_d192_bc.txt, forward us, 128 x 64 -> 128 x 112): no
-           # mask 8 x 8 x 1024 186 -> 183, 16 x 16 x 1024 709 -> 700, 2 x 16 x 3001 710 -> 647; causal 4 x 16 x 4096
-           # 1311 -> 1221. (96 keys: 187, 716, 709, 1330.)
-           # Not where a mask_mod reads run-time summaries (document ids: ptxas spilled 8-80 B at 255 registers).
-           # d = 128: 64 x 64 at two blocks is the plan of the specs forward_wgmma_ws leaves to this family (mask_mods
-           # reading inputs at key positions; timed there, see forward_wgmma_ws's spec_rules)
+           # timed first: d = 64 on one warpgroup per 64-row block, d = 192 at 112 keys a block, and d = 128's 64 x 64
+           # for the specs forward_wgmma_ws leaves here
            timed_first=((64, 64, 128, 4), (192, 128, 112, 8), (128, 64, 64, 4)),
            extra_tiles=((128, 112, "Bc = 112 only at d = 192 (and what pads to it), without a mask_mod read through "
                                    "run-time summaries (spills)", lambda spec: not spec.modifiers.summaries),)),
@@ -179,13 +157,7 @@ FAMILIES: tuple[Family, ...] = (
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers
     # (setmaxnreg: 56 and 224 per thread). Ranked ahead of forward_wgmma (preference -1) at d = 128 only, where
-    # it was timed faster (H200, bf16, dev/gpu/plan_time.py, forward_wgmma's plan against this one, us): causal
-    # N = 8192 2571-2589 -> 2042-2184, none N = 4096 1276 -> 948, causal 16 x 16 x 1024 236 -> 196, causal with
-    # dropout 863 -> 757, sliding window 1024 at 8192 890 -> 734. Elsewhere it was slower or mixed (causal, 4 x 16
-    # x 4096 unless noted): d = 32 612 -> 728, d = 96 576 -> 719, d = 160 1070 -> 1103, d = 192 1307 -> 1393,
-    # d = 256 1170 -> 1758; d = 64 415 -> 395-400 but 141 -> 145-152 at 16 x 16 x 1024. With the library's mask_mods
-    # at d = 128 (dev/gpu/ws_mask_mods.sh, 4 x 16, N = 2048 / 8192): documents 130 -> 120 / 754 -> 660, prefix-LM
-    # 195 -> 156 / 2580 -> 2177, window + sinks 117 -> 98 / 458 -> 374, dilated 203 -> 162 / 2611 -> 2203.
+    # it was timed faster (docs/decisions/0002-forward-wgmma-ws.md).
     Family("forward_wgmma_ws", "forward_wgmma_ws.cu.j2", ("forward",),
            smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024 + 72 + 12,   # + the mbarriers, the walk's hand-over words
            registers=sp.Integer(168),   # every thread of the block at launch: 64 K registers over 384 threads
@@ -200,14 +172,8 @@ FAMILIES: tuple[Family, ...] = (
                   ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
                    lambda r, c, hd, w: r * hd / (32 * (w - 4)) + 3 * r * c / (64 * (w - 4)) + 32 <= 224),
                   ("d = 128 (timed faster there only)", lambda r, c, hd, w: hd == 128)),
-           # A mask_mod reading inputs at key positions (packed documents) leaves a row block few visible key blocks,
-           # and one 128-row block per SM leaves each block's start and end exposed: forward_wgmma's 64 x 64 at two
-           # blocks of one warpgroup was faster (H200, bf16, d = 128, doc[b, i] == doc[b, j] with the bench's
-           # document ids, dev/gpu/plans_documents_d128.txt and plans_mods_d128_small.txt, forward us, this family
-           # -> 64 x 64): documents of about 128 tokens (16 x 16 x 1024) 204 -> 145, about 256 (4 x 16 x 2048) 121 ->
-           # 95, about 1024 (4 x 16 x 8192) 663 -> 642, about 2048 (1 x 16 x 16384) 449 -> 477. Masks without such
-           # inputs kept this family: prefix-LM 156 -> 193 at 2048, dilated 162 -> 207, causal 195 -> 207. (Other
-           # mask_mods reading at key positions, a table over i - j, follow the documents mask here untimed.)
+           # a mask_mod reading inputs at key positions leaves a row block few visible key blocks, and one 128-row
+           # block per SM leaves each block's start and end exposed (0002-forward-wgmma-ws.md)
            spec_rules=(("not a mask_mod that reads inputs at key positions (documents: forward_wgmma's 64 x 64 at two "
                         "blocks, timed faster)", lambda spec: not spec.modifiers.mask_reads_keys),)),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
@@ -216,9 +182,7 @@ FAMILIES: tuple[Family, ...] = (
            shared_pointer_bytes=32,   # the rows of K, V, O and LSE (block_values_in_shared)
            smem_bytes=E * (Br * (d + 8) + 2 * 2 * Bc * (d + 8)),
            # Q fragments (bf16 pairs), O and S accumulators of the warp's Br/W rows, spread over 32 lanes, + 16 for
-           # a second 16-row slab per warp: ptxas on sm_80 at two slabs (W = 4, Br = 128) spilled 8-56 B where Q, O
-           # and S took 200-208 registers (d = 112 at Bc = 32, d = 96 at Bc = 64) and none at 176-200 (d = 32, 48
-           # at Bc = 128), whatever else it used up to 255
+           # a second 16-row slab per warp (docs/decisions/0003-mma-sync-register-estimates.md)
            registers=Br * d / (64 * W) + Br * d / (32 * W) + Br * Bc / (32 * W) + REGISTER_OVERHEAD + 16 * (Br / (16 * W) - 1),
            # every warp reads all of K_j and V_j from shared memory: bytes per (query row, key) pair
            smem_reads=2 * 2 * d * W / Br,
@@ -247,14 +211,10 @@ FAMILIES: tuple[Family, ...] = (
            # 64 x 64 by dims, over 128 lanes) + 24: ptxas on sm_90a gives 247-248 at d + Br = 192 (d = 128, Br = 64, 8 warps)
            registers=d + Br + sp.Piecewise((32, Br < 16 * W), (Br * d / (32 * W), True)) + 24,
            smem_reads=E * (W / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
-           # dropout: the keep decisions as a bit mask, Philox in a rolled loop (ptxas: 255 at d = 128, Br = 64, no spills)
+           # dropout: the keep decisions as a bit mask, Philox in a rolled loop
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=4,
-           # packed: 4 (measured: 248 -> 251 registers packed, d = 128, Br = 64, no spills); mask_mod / score_mod: 4
-           # (with dropout as well, 8: d = 64 then takes Br = 64, where Br = 128 spilled 72 B with a bias table).
-           # Neither at d = 128, where the template has one plan (Br = 64, 8 warps): with dropout as well it was
-           # estimated 256 registers, and such specs fell to backward_fa2_mma at Br = 16, which ran 1.9-2.4x slower
-           # than this plan with its spills (H200, 4 x 16 x 4096, causal, p = 0.1, dev/gpu/plans_mods_dropout.txt:
-           # ALiBi 5342 -> 2354 us spilling 120 B, soft-capping 5597 -> 3024, 80 B; packed at d = 112: 4 B)
+           # none at d = 128, where the template has one plan: the fallback a reservation led to was slower than
+           # this plan's spills (docs/decisions/0004-backward-wgmma-registers.md)
            packed_registers=4 * _BELOW_128, modifier_registers=4 * _BELOW_128,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
            archs=("sm_90",), preference=0,
@@ -265,13 +225,7 @@ FAMILIES: tuple[Family, ...] = (
     # backward_wgmma's row-block loop; two dS^T tiles (one per stage), so that the consumers meet once a step
     # (before dQ) and the block never. One block per multiprocessor; the producer gives its registers to the
     # consumers (setmaxnreg: 40 and 232 per thread). Ranked ahead of backward_wgmma (preference -1): faster on
-    # every shape timed (H200, bf16, dev/gpu/plans_bwd_ws.txt, backward_wgmma's plan -> this one, us; 4 x 16 x 4096
-    # unless noted): d = 128 causal 1802 -> 1757, none 3239 -> 3193, causal 3 x 16 x 3001 813 -> 781, causal with
-    # dropout 2199 -> 2152, sliding window 1024 at 2 x 16 x 8192 1216 -> 1207; d = 64 (4 x 32 x 4096) causal 1994 ->
-    # 1907, none 3535 -> 3362, causal 16 x 32 x 1024 831 -> 824, causal with dropout 2783 -> 2713; d = 96 causal
-    # 1757 -> 1621. mask_mods (A/B in one process, 4 x 16, backward us): window + sinks 2048 270 -> 256, 8192 1045 ->
-    # 993; prefix-LM 356 -> 338, 4075 -> 3820; dilated 369 -> 373, 4242 -> 4250 (every tile partial: the same).
-    # Additive score_mods (the same A/B, d = 128): ALiBi 2048 587 -> 575-577, 8192 6690 -> 6599-6648.
+    # every shape timed (docs/decisions/0005-backward-wgmma-ws.md).
     Family("backward_wgmma_ws", "backward_wgmma_ws.cu.j2", ("backward",),
            # backward_wgmma's footprint over the 8 consumer warps, a second dS^T, 5 mbarriers, 3 hand-over words
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024
@@ -285,8 +239,7 @@ FAMILIES: tuple[Family, ...] = (
            # S^T and dP^T its loads spilled the consumers' 232 registers
            options=(("mask_bits_ahead", True),),
            walk_warps=4,   # the producer warpgroup walks alone (templates/backward_wgmma_key_block.cu.j2)
-           # where ptxas spilled, in the consumers' 232 registers or the producer's 40 (swept: every mask kind and
-           # the example mask_mods x d = 40-128 x dropout x packed x fp16 / bf16)
+           # where ptxas spilled, in the consumers' 232 registers or the producer's 40 (0005-backward-wgmma-ws.md)
            spec_rules=(("a score_mod only where sympy's d score_mod / d score is 1 (an additive bias: ALiBi, a bias "
                         "table; soft-capping's tanh spilled 224-1028 B at d = 64, 128)",
                         lambda spec: not spec.score_mod or spec.modifiers.score_grad == 1),
@@ -324,10 +277,8 @@ FAMILIES: tuple[Family, ...] = (
            dropout_registers=4, packed_registers=4, modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
            archs=("sm_90",), preference=0, weighed_padding_up_to=256,
-           # At d = 97-128 also for block-sparse masks of 64-key blocks, which backward_wgmma's 128 keys there do not
-           # divide: they ran on backward_fa2_mma (H200, every block on, dev/gpu/plans_block_sparse_d128.txt, us:
-           # d = 128 4 x 16 x 4096 6882 -> 5164, 1 x 16 x 8192 6822 -> 5149; d = 112 with dropout 2362 -> 1862;
-           # backward_wgmma at 128-key blocks, d = 128: 3442)
+           # at d = 97-128 also for block-sparse masks of 64-key blocks, which backward_wgmma's 128 keys there do not
+           # divide (docs/decisions/0006-backward-wgmma-wide-block-sparse.md)
            # (The user's d, where the tile rule it replaced read the padded one: no d <= 128 reaches 192 or 256 here.)
            spec_rules=(("head dims above 128, or above 96 with a block-sparse mask of 64-key blocks (where "
                         "backward_wgmma holds dK, dV in one warpgroup and its key blocks divide the mask's)",
@@ -340,11 +291,8 @@ FAMILIES: tuple[Family, ...] = (
     Family("backward_fa2_mma", "backward_fa2_mma.cu.j2", ("backward",),
            shared_pointer_bytes=56,   # the rows of Q, dO, LSE, D, dQ, dK, dV (block_values_in_shared)
            smem_bytes=2 * 2 * 4 * Br + E * (2 * Bc * (d + 8) + 2 * 2 * Br * (d + 8) + Bc * (Br + 8)),
-           # dK, dV (16 x d each) + S^T, dP^T (16 x Br each) over 32 lanes; the dQ tile reuses S^T's registers.
-           # The overhead and the dropout term (Philox draws interleaved across the Br/2 scores a lane holds)
-           # are calibrated against ptxas on sm_90 at the edge: d + Br = 192 compiles to 255 registers with
-           # 0-48 bytes of spills depending on the mask (timed faster than Br/2 without spills), 256 spills
-           # hundreds of bytes.
+           # dK, dV (16 x d each) + S^T, dP^T (16 x Br each) over 32 lanes; the dQ tile reuses S^T's registers;
+           # the overhead and the dropout term calibrated against ptxas (docs/decisions/0003-mma-sync-register-estimates.md)
            registers=d + sp.Max(Br, Br * d / (32 * W)) + 60,
            # per step: every warp reads K_w, V_w once and Q_i, dO_i twice; the dQ product reads dS and K_j
            smem_reads=E * (W * (32 * d + 4 * Br * d) + Br * Bc * sp.Max(1, 16 * W / Br) + Bc * d * sp.Min(W, Br / 16))
@@ -407,7 +355,7 @@ FAMILIES: tuple[Family, ...] = (
     # per row; dK_j, dV_j accumulate in registers (and dQ_i in the deterministic second pass).
     Family("backward_simt", "backward_simt.cu.j2", ("backward",),
            smem_bytes=E * (2 * Br * d + 2 * Bc * d) + 8 * Bc + 8 * Br * Bc + 2 * 4 * Br,
-           # ~5 registers per dK/dV accumulator pair: calibrated against ptxas (d=96, Bc=128, 8 warps: 242-247)
+           # ~5 registers per dK/dV accumulator pair (docs/decisions/0003-mma-sync-register-estimates.md)
            registers=sp.Max(5 * sp.ceiling(Bc * d / (32 * W)) + 16, sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD),
            warps=(4, 8), head_dim_multiple=1, rules=(_EVEN_TILES_FOR_ODD_DIMS,)),
 )

@@ -3,7 +3,7 @@
 // without .noinc, then a plain arrival; 1 .noinc alone; 2 as 0 with a tail waiting on the last phases; 3 as 2,
 // each stage's previous phase also waited for; 4 wait_all, then a plain arrival; 5 .noinc, then a plain arrival,
 // the full barriers counting two arrivals per thread. Seen on an H200 (2026-12-01): synccheck reports "Missing
-// wait" for 0, 2 and 3, nothing for 1 and 4 (5: see docs/decisions/mbarrier-noinc.md).
+// wait" for 0, 2 and 3, nothing for 1 and 4 (5: see docs/decisions/0007-mbarrier-noinc.md).
 #include <cstdio>
 __device__ __forceinline__ unsigned saddr(const void* p) { return (unsigned)__cvta_generic_to_shared(p); }
 __device__ __forceinline__ void init(unsigned b, unsigned n) { asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" :: "r"(b), "r"(n) : "memory"); }
