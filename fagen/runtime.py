@@ -344,31 +344,26 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
 
 
 #: A grouped-KV backward folds where fagen/sources.py folds_kv_group built it so and the folded grid
-#: still has FOLD_WAVES blocks per multiprocessor. H200, bf16 backward, per query head -> folded (BENCHMARKS.md
-#: "Grouped KV heads folded"): 32 / 8 heads causal at 1024 blocks d = 64 N = 4096 -8%, N = 1024 -18%, d = 128
-#: N = 1024 -17%; 16 / 4 at 512 blocks -3%; MQA at 64 blocks 3.3x slower (half the SMs idle).
+#: still has FOLD_WAVES blocks per multiprocessor (docs/decisions/0008-grid-order-and-folding.md).
 FOLD_WAVES = 3
 
 #: The forward templates that read a paged K/V cache for packed query rows (fagen::PagedRows: each key row's page
 #: looked up): Hopper's warpgroup-MMA ones. Not sm_80's mma.sync forward: at its register limit, the paged loads
-#: beside the contiguous ones made ptxas spill 4-96 B in its d = 32 .. 256 plans, inlined or called (2026-12-01).
+#: beside the contiguous ones made ptxas spill (docs/decisions/0010-paged-loads.md).
 PAGED_FORWARD_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2")
 
 #: The templates whose grids run in groups of problems (grouped_grid), and the group size: where later rows
 #: see more keys (Spec.keys_grow_with_rows: causal, a mask_mod) the blocks are ordered heaviest first, so a
-#: group puts every problem's heavy blocks ahead of the light ones. Timed on an H100 (bf16, N = 4096, B x H =
-#: 128 / 64; BENCHMARKS.md "Causal blocks in groups of problems") against one problem at a time: causal with
-#: 16, forward -5%, backward -1.5..-2%. Without a mask every block has the same work, and groups of 4 timed
-#: the same as none (+-1%): 1, the grid's own order.
+#: group puts every problem's heavy blocks ahead of the light ones (groups of 16); without a mask, 1: the grid's
+#: own order (docs/decisions/0008-grid-order-and-folding.md).
 GROUPED_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2", "backward_wgmma.cu.j2", "backward_wgmma_ws.cu.j2",
                      "backward_wgmma_wide.cu.j2")
 
 
 #: ... except where a mask_mod lets each row see only a band of keys plus fixed ones (Modifiers.sees_a_band: a
 #: window with sinks). Then a problem's heavy blocks are few (the backward's key block of the sink keys, which
-#: every row sees), and all problems' heavy blocks go first, in one group: H200, window + sinks d = 64, 4 x 16,
-#: backward 255 -> 235 us at N = 2048 and 990 -> 891 at 8192. Not for a triangle or a prefix (ALiBi's causal
-#: mask, prefix-LM), whose many heavy blocks then stream more than L2 holds at once: up to 11% and 21% slower.
+#: every row sees), and all problems' heavy blocks go first, in one group. Not for a triangle or a prefix, whose
+#: many heavy blocks then stream more than L2 holds at once (0008-grid-order-and-folding.md).
 ALL_PROBLEMS = 1 << 30
 
 

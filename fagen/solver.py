@@ -47,9 +47,7 @@ MODIFIER_REGISTERS = 24
 
 # Head-dim padding weighed against the family: a warpgroup-MMA family (sm_90 only) computing d padded to its
 # multiple of 32 (up to 128) ranks as if its head dim were this much smaller, so that it beats mma.sync at the next multiple
-# of 16 up to a third more columns. Timed on H100 (bf16, causal, 4 x 16 x 4096, fwd / bwd ms): wgmma at 96 0.63 /
-# 1.98 against mma.sync at 80 0.69 / 2.32 (d = 72); at 128 0.72 / 2.19 against 1.06 / 3.10 at 112 (d = 97-112);
-# at 64 0.45 / 1.27 against 0.46 / 1.50 at 48 (d = 33-48). Twice the columns (d <= 16 as 32) stays on mma.sync.
+# of 16 up to a third more columns (docs/decisions/0009-head-dim-padding.md).
 PREFERRED_PADDING = Fraction(4, 3)
 
 # 1 below d = 128, 0 from there: for a reservation that must not take away a family's one plan at d = 128
@@ -384,12 +382,8 @@ class Plan:
         head dim (0: not known, taken as even)."""
         family = family_named(self.family)
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
-        # Not for an odd d: its rows load element by element (not 4-byte aligned), which costs more on wgmma's
-        # larger tiles (H100, d = 111: 6.2 ms forward as 128 on wgmma against 4.6 ms as 112 on mma.sync). Not
-        # above 128 either, where it was not timed (d = 144 stays on mma.sync at 144), but for the wide backward
-        # (its weighed_padding_up_to): H200, bf16, causal, 4 x 16 x 4096, backward_wgmma_wide at 192 4.5 ms against
-        # backward_fa2_mma_wide at 160 5.5 ms, at 256 5.2 ms against 7.5 ms at 256 (so d = 129-160 run as 192,
-        # d = 193-224 as 256).
+        # Not for an odd d (its rows load element by element), nor above 128 but for the wide backward (its
+        # weighed_padding_up_to: d = 129-160 run as 192, d = 193-224 as 256): 0009-head-dim-padding.md.
         weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
                    and self.head_dim <= family.weighed_padding_up_to)
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
