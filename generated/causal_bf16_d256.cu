@@ -83,11 +83,8 @@ static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warp
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
-// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64. H200,
-// bf16, B x H x N = 4 x 16 x 2048, main kernel us, fragments -> staged (dev/gpu/template_ab.sh): d = 96 causal
-// 163.6 -> 160.7, documents 137.8 -> 130.7; d = 128 documents (64 x 64) 91.3 -> 86.5; d = 256 causal 286.7 -> 268.8,
-// a window of 1 key 108.4 -> 89.7. At d = 64 (64 x 128, three blocks per SM) causal 95.5 -> 95.6 and documents
-// 71.3 -> 73.9: there the other blocks already hide the stores.
+// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64; at
+// d = 64 the other resident blocks already hide the stores (docs/decisions/0011-kernel-techniques.md).
 constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 4 * KV_BYTES;
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
@@ -403,7 +400,7 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d256_bf16_causal_
 //   dV_j[:, g] += P_drop^T dO_i[:, g],  dK_j[:, g] += tau dS^T Q_i[:, g],  dQ_i[:, g] += tau dS K_j[:, g]
 // so a thread holds 2 x 64 x d / (128 GROUPS) accumulators of dK, dV and, for the step, 64 x d / (128 GROUPS) of
 // dQ (added to the fp32 buffer by 16-byte atomics straight from the registers, while dK, dV are still computed:
-// they are what this kernel waits on most, H200, d = 256: 5.1 ms with them, 3.7 ms with none).
+// they are what this kernel waits on most: docs/decisions/0011-kernel-techniques.md).
 // Every tile the tensor cores read sits in swizzled shared memory (templates/warpgroup_mma.cuh), each
 // warpgroup's dims starting on a panel; Q_i, dO_i, LSE_i and D_i arrive by cp.async into two stages.
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a).
@@ -577,8 +574,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   // step's Q_i, dO_i have landed and every warpgroup is done with the previous step (its products waited for), so
   // the other stage and the tiles the step writes (dS^T, P^T) are free; then the next visible row block starts
   // loading into the other stage while this one computes. Without it, the prefetch goes out ahead of the barrier and
-  // end_row_block's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
-  // 1.5-3% with backward_wgmma_wide, 0.5-1.7% slower at d = 64, whose steps are short enough to feel the later load.
+  // end_row_block's barrier frees the stage. One barrier is faster above d = 64 (docs/decisions/0011-kernel-techniques.md).
   auto next_row_block = walk_row_block;   // every thread walks the row blocks
   auto begin_row_block = [&](int i_next, int stage) {
     if (!ONE_BARRIER_A_STEP && i_next < row_blocks) {
@@ -794,10 +790,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     wg::fence_registers(dq_acc);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // 16-byte atomics (half as many as the lane's pairs of adjacent dims: H200, d = 256 causal, N = 4096, backward
-      // 5.55 -> 5.07 ms): lanes of a quad pair swap halves, so that the even one holds dims 8 n + 2 quad .. + 3 of
-      // tile n and the odd one dims 8 (n + 1) + 2 (quad - 1) .. + 3 of tile n + 1. (Bulk reductions of each row out
-      // of the stage just used, cp.reduce.async.bulk, were slower: 6.20 ms, the staging and its barrier exposed.)
+      // 16-byte atomics (half as many as the lane's pairs of adjacent dims; bulk reductions were slower: docs/decisions/0011-kernel-techniques.md):
+      // lanes of a quad pair swap halves, so that the even one holds dims 8 n + 2 quad .. + 3 of tile n and the odd
+      // one dims 8 (n + 1) + 2 (quad - 1) .. + 3 of tile n + 1.
       const int row = row0 + warp_in_group * 16 + group + 8 * half;
       const bool odd = quad & 1;
       float* dq_row = dq_accum + (long long)row * HEAD_DIM + dim0 + (quad & 2) * 2 + (odd ? 8 : 0);
@@ -816,9 +811,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     stage ^= 1;
     i = i_next;
   }
-  // dK, dV leave through the Q_i, dO_i stages, free once every warp's last products landed (all of them compute).
-  // H200, bf16, 4 x 16 x 2048, main kernel us, from the fragments -> staged (dev/gpu/template_ab.sh): d = 256 causal
-  // 1150 -> 1104, documents 434 -> 385; d = 192 causal 1093 -> 1060, documents 412 -> 373.
+  // dK, dV leave through the Q_i, dO_i stages, free once every warp's last products landed (all of them compute;
+  // staged, faster than from the fragments: docs/decisions/0011-kernel-techniques.md).
   const unsigned key_grads_stage = q_tile(0) + warp * tc::StagedTile<D_TILES>::BYTES;
   auto key_grads_stage_free = [] { __syncthreads(); };
   // ---- dK_j, dV_j: made by templates/backward_wgmma_key_grads.cu.j2 ----

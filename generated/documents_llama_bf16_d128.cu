@@ -225,11 +225,8 @@ static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warp
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
-// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64. H200,
-// bf16, B x H x N = 4 x 16 x 2048, main kernel us, fragments -> staged (dev/gpu/template_ab.sh): d = 96 causal
-// 163.6 -> 160.7, documents 137.8 -> 130.7; d = 128 documents (64 x 64) 91.3 -> 86.5; d = 256 causal 286.7 -> 268.8,
-// a window of 1 key 108.4 -> 89.7. At d = 64 (64 x 128, three blocks per SM) causal 95.5 -> 95.6 and documents
-// 71.3 -> 73.9: there the other blocks already hide the stores.
+// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64; at
+// d = 64 the other resident blocks already hide the stores (docs/decisions/0011-kernel-techniques.md).
 constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 4 * KV_BYTES;
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
@@ -587,9 +584,8 @@ constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 // the 4 rows of one half-warp's 8-byte stores (8 words each) fall in disjoint banks (rows 8 words apart)
 constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 32;
 constexpr int DQ_STAGE_BYTES = 16 * DQ_STAGE_ROW_BYTES;   // per warp
-// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2).
-// H200, bf16, 4 x 16 x 2048, main kernel us, stored from the fragments -> staged (dev/gpu/template_ab.sh): d = 128
-// causal 438 -> 416, documents 228 -> 204, a window of 1 key 135 -> 108; d = 64 causal 238 -> 226, documents 152 -> 140.
+// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2;
+// faster than from the fragments: docs/decisions/0011-kernel-techniques.md).
 static_assert(fagen::tc::StagedTile<HEAD_DIM / 8>::BYTES <= DQ_STAGE_BYTES, "a warp's 16 keys x d in its dQ stage");
 constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 dims) per row
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -613,7 +609,7 @@ constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
-// Two overlaps (H100: backward 1-3% faster at d = 64, 128 without dropout): P^T's exponentials while dP^T is still
+// Two overlaps (docs/decisions/0011-kernel-techniques.md): P^T's exponentials while dP^T is still
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off
 // (a mask_mod's test runs in the first half, on S^T alone: P^T during dP^T serves it).

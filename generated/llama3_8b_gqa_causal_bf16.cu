@@ -88,8 +88,7 @@ static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per 
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
-// The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there. H200, bf16,
-// d = 128, 4 x 16 x 2048, main kernel us, fragments -> staged: causal 151.8 -> 146.2, a window of 1 key 58.6 -> 52.7
+// The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there (docs/decisions/0011-kernel-techniques.md)
 constexpr bool O_STAGED = 4 * CONSUMERS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGES * KV_BYTES;
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
@@ -520,9 +519,8 @@ constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 // the 4 rows of one half-warp's 8-byte stores (8 words each) fall in disjoint banks (rows 8 words apart)
 constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 32;
 constexpr int DQ_STAGE_BYTES = 16 * DQ_STAGE_ROW_BYTES;   // per warp
-// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2).
-// H200, bf16, 4 x 16 x 2048, main kernel us, stored from the fragments -> staged (dev/gpu/template_ab.sh): d = 128
-// causal 438 -> 416, documents 228 -> 204, a window of 1 key 135 -> 108; d = 64 causal 238 -> 226, documents 152 -> 140.
+// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2;
+// faster than from the fragments: docs/decisions/0011-kernel-techniques.md).
 static_assert(fagen::tc::StagedTile<HEAD_DIM / 8>::BYTES <= DQ_STAGE_BYTES, "a warp's 16 keys x d in its dQ stage");
 constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 dims) per row
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -546,7 +544,7 @@ constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
-// Two overlaps (H100: backward 1-3% faster at d = 64, 128 without dropout): P^T's exponentials while dP^T is still
+// Two overlaps (docs/decisions/0011-kernel-techniques.md): P^T's exponentials while dP^T is still
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off
 // (a mask_mod's test runs in the first half, on S^T alone: P^T during dP^T serves it).

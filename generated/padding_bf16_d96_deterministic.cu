@@ -48,11 +48,8 @@ static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warp
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
-// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64. H200,
-// bf16, B x H x N = 4 x 16 x 2048, main kernel us, fragments -> staged (dev/gpu/template_ab.sh): d = 96 causal
-// 163.6 -> 160.7, documents 137.8 -> 130.7; d = 128 documents (64 x 64) 91.3 -> 86.5; d = 256 causal 286.7 -> 268.8,
-// a window of 1 key 108.4 -> 89.7. At d = 64 (64 x 128, three blocks per SM) causal 95.5 -> 95.6 and documents
-// 71.3 -> 73.9: there the other blocks already hide the stores.
+// The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64; at
+// d = 64 the other resident blocks already hide the stores (docs/decisions/0011-kernel-techniques.md).
 constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 4 * KV_BYTES;
 
 // s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)

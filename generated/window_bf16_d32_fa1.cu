@@ -202,7 +202,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_bf16_slidingwind
 //   dV_g += P_drop^T dO_i,  dK_g += tau dS^T Q_i     (P^T, dS^T go from accumulators to A registers)
 //   dQ_i += tau dS K_j                               (dS^T through shared memory, fp32 atomics)
 // dQ_i's atomics leave from shared memory, where each warp puts its accumulator tile first: read back row-wise,
-// 16 bytes a lane, they touch 2 rows a warp instruction instead of 8 (timed on an H100: backward 2-6% faster).
+// 16 bytes a lane, they touch 2 rows a warp instruction instead of 8 (docs/decisions/0011-kernel-techniques.md).
 // Every tile the tensor cores read sits in swizzled shared memory (templates/warpgroup_mma.cuh);
 // Q_i, dO_i, LSE_i and D_i arrive by cp.async into two stages, so block i+1 loads while i computes.
 // Per warp, the accumulator layout is the one of templates/backward_fa2_mma.cu.j2 (16 keys per warp).
@@ -239,9 +239,8 @@ constexpr int DQ_TILES = (DQ_BY_ROWS ? HEAD_DIM : 64) / 8;
 // the 4 rows of one half-warp's 8-byte stores (8 words each) fall in disjoint banks (rows 8 words apart)
 constexpr int DQ_STAGE_ROW_BYTES = DQ_TILES * 8 * 4 + 32;
 constexpr int DQ_STAGE_BYTES = 16 * DQ_STAGE_ROW_BYTES;   // per warp
-// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2).
-// H200, bf16, 4 x 16 x 2048, main kernel us, stored from the fragments -> staged (dev/gpu/template_ab.sh): d = 128
-// causal 438 -> 416, documents 228 -> 204, a window of 1 key 135 -> 108; d = 64 causal 238 -> 226, documents 152 -> 140.
+// ... through which the warp's dK, dV leave at the end, as whole rows (templates/backward_wgmma_key_grads.cu.j2;
+// faster than from the fragments: docs/decisions/0011-kernel-techniques.md).
 static_assert(fagen::tc::StagedTile<HEAD_DIM / 8>::BYTES <= DQ_STAGE_BYTES, "a warp's 16 keys x d in its dQ stage");
 constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 dims) per row
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
@@ -265,7 +264,7 @@ constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;
-// Two overlaps (H100: backward 1-3% faster at d = 64, 128 without dropout): P^T's exponentials while dP^T is still
+// Two overlaps (docs/decisions/0011-kernel-techniques.md): P^T's exponentials while dP^T is still
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off
 // (a mask_mod's test runs in the first half, on S^T alone: P^T during dP^T serves it).
@@ -402,8 +401,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d32_bf16_slidingwind
   // step's Q_i, dO_i have landed and every warpgroup is done with the previous step (its products waited for), so
   // the other stage and the tiles the step writes (dS^T, P^T) are free; then the next visible row block starts
   // loading into the other stage while this one computes. Without it, the prefetch goes out ahead of the barrier and
-  // end_row_block's barrier frees the stage. H200 A/B (bf16, 4096, backward): one barrier 3.5-5% faster at d = 128 and
-  // 1.5-3% with backward_wgmma_wide, 0.5-1.7% slower at d = 64, whose steps are short enough to feel the later load.
+  // end_row_block's barrier frees the stage. One barrier is faster above d = 64 (docs/decisions/0011-kernel-techniques.md).
   auto next_row_block = walk_row_block;   // every thread walks the row blocks
   auto begin_row_block = [&](int i_next, int stage) {
     if (!ONE_BARRIER_A_STEP && i_next < row_blocks) {

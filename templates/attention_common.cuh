@@ -278,9 +278,8 @@ __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
 // aligned 16 x 16 square; its call's word ((i >> 3) & 1) * 2 + ((j >> 3) & 1) holds the row's pair of
 // columns j0 + (j & 8), 16 bits each (column j in half j & 1). fagen/reference.py: dropout_bits.
 // The Philox key: the seed argument, or the seed in device memory where the caller gave one there.
-// forward_wgmma reads it once per block (timed on H100: 4-7% faster than reading it at each tile's
-// draws); the kernels at the edge of their registers (the mma.sync forward, every backward) read it where
-// they draw, as holding it through their loops made ptxas spill.
+// forward_wgmma reads it once per block; the kernels at the edge of their registers (the mma.sync forward,
+// every backward) read it where they draw, as holding it through their loops made ptxas spill (docs/decisions/0011-kernel-techniques.md).
 __device__ __forceinline__ uint2 dropout_key(const AttentionArgs& args) {
   const unsigned long long seed = args.seed_pointer != nullptr ? __ldg(args.seed_pointer) : args.seed;
   return make_uint2((unsigned)seed, (unsigned)(seed >> 32));
@@ -337,8 +336,7 @@ __device__ __forceinline__ void dropout_accumulator_pair(float (&lo)[4], float (
 //  - SHUFFLED: the warp draws each 16 x 16 square once, in the forward's layout: lane (group, quad) draws
 //    the patch of queries group, group + 8 x keys 2 quad + {0, 1, 8, 9} (8 decisions from one call), and
 //    each lane takes its 4 + 4 from the two lanes that drew its queries 2 quad and 2 quad + 1, one
-//    shuffle each: one Philox call per 8 elements (H100: backward 7-13% faster with dropout). Every lane
-//    of the warp must call it.
+//    shuffle each: one Philox call per 8 elements (docs/decisions/0011-kernel-techniques.md). Every lane of the warp must call it.
 //  - otherwise each lane draws the patches of its own elements, one call per 4, for the kernels where the
 //    shuffled form's few more live registers make ptxas spill (backward_fa2_mma at 255 on sm_80).
 // row0 and key0 are multiples of 16. Loops that are not unrolled, because the backwards run at the edge
@@ -433,8 +431,7 @@ enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 // (1-D inputs: one row), into args.mod_summary[k]; the generated tile tests bound a tile's loads by
 // the entries its positions cover. LANES threads per entry (a warp; 1 in the host build of the tests), a
 // grid-stride loop: they read the entry's SUMMARY_GRAIN positions side by side (coalesced where the
-// positions are contiguous, as document ids are), then combine. (A thread per entry, reading them one
-// after another, took 10 us at N = 8192.)
+// positions are contiguous, as document ids are), then combine (docs/decisions/0011-kernel-techniques.md).
 constexpr int SUMMARY_GRAIN = 64;   // the tiles' own grain: a tile's bounds read 1-2 entries per axis
 
 // A NaN among a float input's values widens its entry to (-inf, inf): fminf / fmaxf would skip it, and a
@@ -620,8 +617,7 @@ __device__ __forceinline__ void accumulator_visibility(const V& visibility, int 
 // A block's walk over the tiles of its loop: key tiles of a query block (KEYS, the forwards) or query tiles
 // of a key block (the backwards); tiles without a visible pair are never loaded. The mask kinds' tests are
 // arithmetic and run tile by tile. A mask_mod's test (ACTIVE) reads its inputs' run-time summaries from
-// memory: tested one after the other, those reads sat between one tile and the next, and a spec with a
-// mask_mod ran at a third of its mask kind's speed with every tile visible (H100, d = 64, N = 8192). So with
+// memory: tested one after the other, those reads sat between one tile and the next (docs/decisions/0011-kernel-techniques.md). So with
 // a mask_mod the block's threads classify THREADS tiles at once, one tile each, and keep two bits per tile
 // in shared memory (a visible pair; the mask_mod sees every pair); the loop then reads bits.
 // Uniform over its walkers: every one calls next() with the same arguments (a refill meets __syncthreads, or

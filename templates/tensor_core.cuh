@@ -79,8 +79,7 @@ __device__ __forceinline__ void accumulators_to_a(unsigned (&a)[4], const float 
 }
 
 // 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled. The L2::128B
-// hint has L2 fetch a miss's whole 128-byte line: the tiles are read in whole rows, and the decode kernel,
-// which only streams K/V, read it 3% faster so (H200, BENCHMARKS.md "Decoding").
+// hint has L2 fetch a miss's whole 128-byte line: the tiles are read in whole rows (docs/decisions/0011-kernel-techniques.md).
 __device__ __forceinline__ void cp_async_16(unsigned dst, const void* src, bool valid) {
   asm volatile("cp.async.cg.shared.global.L2::128B [%0], [%1], 16, %2;\n" :: "r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
@@ -187,8 +186,7 @@ __device__ __forceinline__ void store_pair(T* row, int dim, float lo, float hi) 
 // StagedTile<TILES>::BYTES of shared memory that this warp alone uses (nothing else may read it meanwhile). Staged,
 // the tile goes out row by row, each warp store whole rows in 16-byte pieces where the rows start on 16-byte
 // boundaries (else element by element). Straight from the fragments, each store instruction wrote 4 bytes of each
-// lane, 16 of each of 8 rows: the backward's dK, dV stores so took 40-48 us of a 135-364 us kernel (d = 128, H200;
-// dev/gpu/bwd_ablate.sh); staged, that kernel took 108-337 us.
+// lane, 16 of each of 8 rows (docs/decisions/0011-kernel-techniques.md).
 template <int TILES>
 struct StagedTile {
   static constexpr int ROW_BYTES = TILES * 16 + 16;   // padded: the 8 rows of one fragment store fall in disjoint banks

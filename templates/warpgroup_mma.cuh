@@ -73,10 +73,9 @@ struct Swizzle {
 // valid_rows are zero-filled so that they add nothing to any product. Each thread copies one fixed
 // 16-byte column chunk of every (THREADS / chunks-per-row)-th row: when that row step is a multiple of 8
 // the swizzle phase never changes, so every copy after the first is a constant offset away, and the thread
-// steps one source pointer down its rows (a row past valid_rows: 0 bytes read from it, 16 zero-filled). About
-// 6 instructions a copy, where ptxas had recomputed each copy's address from its index (about 15): the H200's
-// d = 64 forward and the backwards 2.5-9% faster. (tc::async_load_rows, the mma.sync templates' padded tiles,
-// keeps its loop by index: at 255 registers on sm_80, every change to it moved ptxas's spills into forwards.)
+// steps one source pointer down its rows (a row past valid_rows: 0 bytes read from it, 16 zero-filled): about
+// 6 instructions a copy instead of 15. (tc::async_load_rows, the mma.sync templates' padded tiles, keeps its loop
+// by index: at 255 registers on sm_80, every change to it moved ptxas's spills into forwards; docs/decisions/0011-kernel-techniques.md.)
 // PANEL_BYTES: the tile's Swizzle (its default, or what the template's Layout asks for).
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
 __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T* slice, long long row_stride, int row0, int valid_rows,
