@@ -471,6 +471,7 @@ class SimulatedRing:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size, self.timeout = world_size, timeout
         self._mail: list[dict] = [{} for _ in range(world_size)]
+        self._all_to_alls = [0] * world_size   # per rank: the all-to-alls it made (their tags; see all_to_all)
         self._condition = threading.Condition()
         self.failed: Optional[BaseException] = None
 
@@ -509,13 +510,19 @@ class _SimulatedMember:
 
     def all_to_all(self, chunks) -> list:
         # every rank posts one chunk to each rank (its own included), with its rank, under the tag of its n-th
-        # all-to-all (every rank makes the same calls in the same order; a fast rank's next one must not mix in)
-        self.exchanges = getattr(self, "exchanges", 0) + 1
-        tag = (_TAG_ALL_TO_ALL, self.exchanges)
+        # all-to-all (every rank makes the same calls in the same order; a fast rank's next one must not mix in).
+        # The count lives on the ring, per rank, so that every member object of a rank shares it.
+        ring = self.ring
+        with ring._condition:
+            ring._all_to_alls[self.rank] += 1
+            tag = (_TAG_ALL_TO_ALL, ring._all_to_alls[self.rank])
         for target, chunk in enumerate(chunks):
-            self.ring._post(target, tag, (self.rank, chunk.detach().clone()))
-        received = [self.ring._take(self.rank, tag) for _ in range(self.world_size)]
-        return [chunk for _, chunk in sorted(received, key=lambda item: item[0])]
+            ring._post(target, tag, (self.rank, chunk.detach().clone()))
+        received = sorted((ring._take(self.rank, tag) for _ in range(self.world_size)), key=lambda item: item[0])
+        senders = [sender for sender, _ in received]
+        if senders != list(range(self.world_size)):
+            raise RuntimeError(f"simulated all-to-all {tag[1]} of rank {self.rank}: chunks from ranks {senders}")
+        return [chunk for _, chunk in received]
 
 
 class _SimulatedPending:
@@ -723,7 +730,11 @@ def _communicator_of(group):
     """A communicator with all_to_all (SimulatedRing's member, ProcessGroupRing, your own), from `group`."""
     if group is not None and hasattr(group, "all_to_all") and hasattr(group, "world_size"):
         return group
-    return _ring_of(group)
+    comm = _ring_of(group)
+    if not hasattr(comm, "all_to_all"):
+        raise TypeError(f"ulysses_attention needs a communicator with all_to_all(chunks) -> list (chunks[r] to rank "
+                        f"r; what each rank sent back, in rank order): {type(comm).__name__} has none")
+    return comm
 
 
 def _heads_of(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
@@ -785,7 +796,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, g
                       layout: str = "contiguous", return_lse: bool = False, attend: Optional[Callable] = None,
                       kv_lengths=None, inputs: Optional[dict] = None):
     """Attention of the whole sequence by all-to-all (DeepSpeed-Ulysses), each rank holding its shard: q
-    (B, H, n, d), k and v (B, H_kv, n_k, d), every rank the same shapes, sharded as `layout` says
+    (B, H, n, d), k and v (B, H_kv, n_k, d), every rank the same shapes (the exchanges size what they receive by
+    what they send), sharded as `layout` says
     (`shard_sequence`). Differentiable in q, k, v (and through lse). Needs H divisible by the world size W,
     and H_kv either divisible by W (each rank gets H_kv / W K/V heads) or dividing it (each rank's query heads
     share one K/V head, which it receives).
@@ -793,8 +805,8 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, g
     Every spec feature of a single call works (masks, windows, padding with `kv_lengths`, a mask_mod /
     score_mod and its `inputs`, bottom-right alignment of n != n_k) except dropout, a mask_mod / score_mod that
     reads h, block_sparse and layout packed (NotImplementedError; see `_check_ulysses_spec`). `attend(q, k,
-    v) -> (o, lse)` computes a rank's heads over the whole sequence: default fagen.attention with the spec
-    (CUDA); the CPU tests pass a float64 one. group: as ring_attention's. Returns o (and with return_lse the
+    v, **extra) -> (o, lse)` computes a rank's heads over the whole sequence, `extra` holding `kv_lengths` and
+    `inputs` where given: default fagen.attention with the spec (CUDA); the CPU tests pass a float64 one. group: as ring_attention's. Returns o (and with return_lse the
     LSE, (B, H, n) float32) of this rank's shard."""
     spec = _parse_spec(spec)
     _check_ulysses_spec(spec)
@@ -817,14 +829,15 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec, g
         k, v = (t.repeat_interleave(world // kv_heads, dim=1) for t in (k, v))
     if layout == "zigzag" and (q.shape[2] % 2 or k.shape[2] % 2):
         raise ValueError(f"a zigzag shard holds two equal chunks: local lengths {q.shape[2]}, {k.shape[2]}; one is odd")
+    extra = {name: value for name, value in (("kv_lengths", kv_lengths), ("inputs", inputs)) if value is not None}
     if attend is None:
         import fagen.torch as fagen_torch
 
-        def attend(q_, k_, v_):
-            return fagen_torch.attention(q_, k_, v_, spec, return_lse=True, kv_lengths=kv_lengths, inputs=inputs)
+        def attend(q_, k_, v_, **given):
+            return fagen_torch.attention(q_, k_, v_, spec, return_lse=True, **given)
 
     q_full, k_full, v_full = (_AllToAll.apply(t, comm, layout, True) for t in (q, k, v))
-    o_full, lse_full = attend(q_full, k_full, v_full)
+    o_full, lse_full = attend(q_full, k_full, v_full, **extra)
     o = _AllToAll.apply(o_full, comm, layout, False)
     if not return_lse:
         return o

@@ -1468,8 +1468,9 @@ class Kernel:
             raise ArgumentError(f"block_table has {table_shape[0]} rows, one per sequence, but cu_seqlens_q describes "
                                 f"{sequences.count} sequences")
         if sequences.max_k > capacity:
-            raise ArgumentError(f"cu_seqlens_k: a sequence of {sequences.max_k} keys does not fit its row of the block "
-                                f"table ({table_shape[1]} pages x {fields['page_size']} rows = {capacity} keys)")
+            raise ArgumentError(f"cu_seqlens_k / max_seqlen_k: sequences of up to {sequences.max_k} keys do not fit a row "
+                                f"of the block table ({table_shape[1]} pages x {fields['page_size']} rows = {capacity} "
+                                f"keys)")
         for name in ("k", "v"):
             if not self._rows_aligned(views[name].pointer, views[name].strides, 16):
                 raise ArgumentError(f"{name}: a paged cache's rows and pages must start on 16-byte boundaries (pointer "

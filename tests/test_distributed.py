@@ -545,11 +545,12 @@ def _dense_attend(spec):
     mask as fagen.reference.visible_mask gives it (mask, window, mask_mod; bottom-right alignment)."""
     from fagen import reference
 
-    def attend(q, k, v):
+    def attend(q, k, v, kv_lengths=None, inputs=None):
         group = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
         s = spec.scale * q @ k.transpose(-1, -2)
-        visible = torch.from_numpy(reference.visible_mask(spec, *q.shape[:3], k.shape[2]).copy())
+        visible = torch.from_numpy(reference.visible_mask(spec, *q.shape[:3], k.shape[2], kv_lengths=kv_lengths,
+                                                          inputs=inputs).copy())
         s = s.masked_fill(~visible.broadcast_to(s.shape), float("-inf"))
         lse = torch.logsumexp(s, -1)
         p = torch.exp(s - torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse).unsqueeze(-1))
@@ -708,4 +709,69 @@ def test_gpu_simulated_ulysses_equals_fagen_attention(world):
         fagen.attention(*whole, spec).backward(do)
         for g, w in zip(leaves, whole):   # (dQ's atomics may differ in the last bits between runs)
             torch.testing.assert_close(g.grad, w.grad, rtol=1e-2, atol=1e-2)
+
+
+def test_ulysses_passes_kv_lengths_and_inputs_to_the_local_call():
+    """mask padding with kv_lengths, and a mask_mod reading an input (a per-sequence prefix), through the
+    all-to-all: the same as the whole sequence's attention with them."""
+    world = 2
+    cases = ((fagen.Spec(head_dim=D, dtype="fp32", mask="padding"), {"kv_lengths": [5, 13]}),
+             (fagen.Spec(head_dim=D, dtype="fp32", mask="causal", mask_mod="j < prefix[b] or j <= i - 2",
+                         inputs={"prefix": "int32"}), {"inputs": {"prefix": np.array([3, 9], dtype=np.int32)}}))
+    for spec, extra in cases:
+        q, k, v, w_o, w_lse = _inputs(8, 2, seed=4)
+
+        def step(rank, comm):
+            qs, ks, vs = (fd.shard_sequence(t, rank, world).clone().requires_grad_() for t in (q, k, v))
+            o, lse = fd.ulysses_attention(qs, ks, vs, spec, comm, return_lse=True, attend=_dense_attend(spec), **extra)
+            ((o * fd.shard_sequence(w_o, rank, world)).sum()
+             + (lse * fd.shard_sequence(w_lse, rank, world)).sum()).backward()
+            return [o.detach(), lse.detach(), qs.grad, ks.grad, vs.grad]
+
+        got = _unshard(fd.run_simulated(world, step), "contiguous")
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        o, lse = _dense_attend(spec)(*leaves, **extra)
+        ((o * w_o).sum() + (lse * w_lse).sum()).backward()
+        for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, [o.detach(), lse.detach()] + [t.grad for t in leaves]):
+            torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"{spec.mask}: {what}")
+
+
+def test_simulated_all_to_alls_stay_apart_across_member_objects():
+    """Each rank's n-th all-to-all is counted on the ring, so fresh member objects of one rank (ring.member(rank)
+    called anew) and ranks at different speeds still pair every chunk with its own exchange."""
+    import random
+    import threading
+
+    world, rounds = 3, 20
+    ring = fd.SimulatedRing(world, timeout=30)
+    results = [[] for _ in range(world)]
+
+    def body(rank):
+        rng = random.Random(rank)
+        for n in range(rounds):
+            member = ring.member(rank)   # a new object each time
+            threading.Event().wait(rng.random() * 0.003)
+            got = member.all_to_all([torch.tensor([100.0 * n + 10 * rank + target]) for target in range(world)])
+            results[rank].append([int(t.item()) for t in got])
+
+    threads = [threading.Thread(target=body, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert ring.failed is None
+    for rank in range(world):
+        assert results[rank] == [[100 * n + 10 * sender + rank for sender in range(world)] for n in range(rounds)]
+
+
+def test_ulysses_names_what_a_communicator_needs():
+    class RingOnly:
+        rank, world_size = 0, 2
+
+        def exchange(self, tensors, tag=0):   # pragma: no cover - never reached
+            raise AssertionError
+
+    q, k, v, _, _ = _inputs(8, 2)
+    with pytest.raises(TypeError, match="all_to_all"):
+        fd.ulysses_attention(q, k, v, ULYSSES_SPECS["none"], RingOnly())
 

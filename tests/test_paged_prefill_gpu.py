@@ -93,13 +93,14 @@ def test_paged_prefill_equals_the_contiguous_call_and_the_reference(spec, page_s
     # the pages no sequence names, and the rows of its pages past a sequence's keys, are never read
     k_cache[unused] = float("nan")
     v_cache[unused] = float("nan")
-    for b, (_, nk) in enumerate(LENGTHS):
-        tail = k_cache[table[b].long()].flatten(0, 1)
-        tail[nk:] = float("nan")
-        k_cache[table[b].long()] = tail.view(-1, page_size, *tail.shape[1:])
-    again, _ = kernel.forward(q, k_cache, v_cache, block_table=table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, seed=5,
-                              offset=1)
-    assert torch.equal(again, o)
+    for cache in (k_cache, v_cache):
+        for b, (_, nk) in enumerate(LENGTHS):
+            tail = cache[table[b].long()].flatten(0, 1)
+            tail[nk:] = float("nan")
+            cache[table[b].long()] = tail.view(-1, page_size, *tail.shape[1:])
+    again, again_lse = kernel.forward(q, k_cache, v_cache, block_table=table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                                      seed=5, offset=1)
+    assert torch.equal(again, o) and torch.equal(again_lse, lse)
 
 
 def test_paged_prefill_offsets_on_the_gpu():
@@ -126,7 +127,7 @@ def test_paged_prefill_arguments_get_clear_errors():
 
     kernel = runtime.compile(SPECS[0])
     q, k_cache, v_cache, table, cu_q, cu_k, _ = _paged_batch(SPECS[0], 16)
-    with pytest.raises(ArgumentError, match="does not fit its row of the block table"):
+    with pytest.raises(ArgumentError, match="do not fit a row of the block table"):
         kernel.forward(q, k_cache, v_cache, block_table=table[:, :2], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     with pytest.raises(ArgumentError, match="one per sequence"):
         kernel.forward(q, k_cache, v_cache, block_table=table[:-1], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
