@@ -184,7 +184,7 @@ def visible_mask(spec: "Spec", B: int, H: int, Nq: int, Nk: int,
                       (ceil(Nq/G), ceil(Nk/G)) or (B or 1, H or 1, ceil(Nq/G), ceil(Nk/G)), required
     Only the spec's own mask is applied: kv_lengths is ignored unless spec.mask == "padding", and
     block_mask unless spec.mask == "block_sparse". A spec's mask_mod is ANDed in, evaluated (by
-    fagen/expressions.py, from the same sympy expression the kernels are rendered from) at
+    fagen/expressions/, from the same sympy expression the kernels are rendered from) at
     (first_batch + b, h, i, j) with `inputs` (name -> array or number), positions not shifted.
     """
     visible = _mask_kind(spec, B, H, Nq, Nk, kv_lengths, block_mask)

@@ -192,7 +192,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         # the statements the backward's _delta kernel runs first: the mask_mod inputs' summaries (no _summary kernel)
         "summary_calls": spec.modifiers.summary_calls() if pass_name == "backward" else "",
         "mods_type": f"{mods_namespace(spec)}::SpecMods" if spec.modifiers.active else "fagen::NoMods",
-        # causal / sliding_window as their expression (fagen/expressions.py MASK_KIND_TEXT), or no mask kind test
+        # causal / sliding_window as their expression (fagen/expressions/modifiers.py MASK_KIND_TEXT), or no mask kind test
         "kind_type": f"{mods_namespace(spec)}::KindMask" if spec.kind_mask else "fagen::NoMods",
         "m_tiles": max(1, plan.block_r // (16 * plan.warps)),
         "decode_entry_points": "".join(
@@ -212,7 +212,7 @@ def mods_namespace(spec: Spec) -> str:
 
 def mods_source(spec: Spec) -> str:
     """The spec's mask kind when it is an expression (causal, sliding_window) and its mask_mod / score_mod,
-    as C++ structs (fagen/expressions.py), once per file, or nothing."""
+    as C++ structs (fagen/expressions/), once per file, or nothing."""
     mods, kind = spec.modifiers, spec.kind_mask
     if not mods.active and kind is None:
         return ""

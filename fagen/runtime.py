@@ -553,7 +553,7 @@ class Kernel:
 
     @property
     def modifiers(self):
-        """The spec's mask_mod / score_mod and their inputs (fagen/expressions.py), parsed on first use."""
+        """The spec's mask_mod / score_mod and their inputs (fagen/expressions/), parsed on first use."""
         if self._modifiers is None:
             self._modifiers = self.spec.modifiers
         return self._modifiers

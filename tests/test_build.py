@@ -99,7 +99,7 @@ def test_no_compile_writes_no_cubin(tmp_path, monkeypatch):
 
 
 def test_record_shows_the_mask_kind_as_its_expression(tmp_path):
-    """causal / sliding_window are rendered from an expression (fagen/expressions.py MASK_KIND_TEXT): the
+    """causal / sliding_window are rendered from an expression (fagen/expressions/modifiers.py MASK_KIND_TEXT): the
     record says which, and the source carries the struct made from it."""
     window = Spec(head_dim=32, dtype="fp16", mask="sliding_window", window=64, passes=("forward",))
     for spec, text in ((SMALL, "j <= i + Nk - Nq"), (window, "0 <= i + Nk - Nq - j < 64")):

@@ -1,4 +1,4 @@
-"""fagen/expressions.py: parsing and validation, derived gradients, tile_class soundness, the CUDA
+"""fagen/expressions/: parsing and validation, derived gradients, tile_class soundness, the CUDA
 struct compiling, and the numpy evaluators against direct Python."""
 import math
 import shutil

@@ -1,4 +1,4 @@
-"""GPU tests of mask_mod / score_mod (fagen/expressions.py): the variant library of examples/modifiers.yaml
+"""GPU tests of mask_mod / score_mod (fagen/expressions/): the variant library of examples/modifiers.yaml
 and the same expressions on every template family (wgmma, mma.sync, SIMT, FA1), with dropout, grouped
 KV heads and packed batches, forward and backward against the float64 reference, which evaluates
 the same sympy expressions (and sympy's derivative of score_mod) in numpy.

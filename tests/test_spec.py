@@ -372,13 +372,14 @@ def test_score_mod_constant_that_overflows_at_the_spec_scale_is_refused():
 
 # ---- hardening: every input from issue 60's tables gets one line, fast -------------------------------
 def _one_line_spec_error(make) -> str:
-    """make() must raise SpecError (one line) within a second; returns the message."""
+    """make() must raise SpecError (one line) well before a hang would show (the inputs of issue 60's tables hung
+    for minutes; 5 s leaves room for a loaded CI machine); returns the message."""
     import time
 
     start = time.perf_counter()
     with pytest.raises(SpecError) as info:
         make()
-    assert time.perf_counter() - start < 1.0, "a bad spec is refused at once"
+    assert time.perf_counter() - start < 5.0, "a bad spec is refused at once"
     message = str(info.value)
     assert "\n" not in message and len(message) < 400, message
     return message

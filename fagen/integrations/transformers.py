@@ -20,7 +20,7 @@ two sequences at the bottom right), and the pattern plain causal or the model's 
 Packed sequences (several sequences back to back in one row, found by transformers from position_ids
 restarting at 0) are one more: fagen_mask then returns the (B, N) int32 sequence ids transformers
 derived, and attention_forward runs the spec's causal (or window) mask AND the mask_mod
-`doc[b, i] == doc[b, j]` with those ids, tiles across two sequences skipped (fagen/expressions.py's
+`doc[b, i] == doc[b, j]` with those ids, tiles across two sequences skipped (fagen/expressions/'s
 run-time summaries). Nothing is read back to the host, and no (N, N) mask is built. (transformers
 looks for packed sequences only when the model makes no KV cache: train on packed rows with
 use_cache=False, or every attention implementation attends across the sequences' boundaries.)
