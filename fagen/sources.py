@@ -34,9 +34,10 @@ def folds_kv_group(spec, plan) -> bool:
     return plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
 
 
-#: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry).
-_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "tuning.py", "sources.py",
-                 "expressions.py")   # (the mask_mod / score_mod code, and what decides folds_kv_group)
+#: The Python stages whose code decides what a cached plan holds (tiles, sources, launch geometry); a folder stands
+#: for its .py files (expressions/: the mask_mod / score_mod code, and what decides folds_kv_group).
+_PLAN_MODULES = ("spec.py", "target.py", "solver.py", "render.py", "reference.py", "dropout.py", "tuning.py",
+                 "sources.py", "expressions/")
 
 
 @functools.lru_cache(maxsize=1)
@@ -48,5 +49,7 @@ def fingerprint() -> str:
         if path.is_file():
             parts += [path.name, path.read_bytes()]
     for name in _PLAN_MODULES:
-        parts += [name, (here / name).read_bytes()]
+        paths = sorted((here / name).glob("*.py")) if name.endswith("/") else [here / name]
+        for path in paths:
+            parts += [str(path.relative_to(here)), path.read_bytes()]
     return digest(*parts)

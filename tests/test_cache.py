@@ -518,3 +518,16 @@ def test_problem_reports_an_entry_folder_another_user_could_write(tmp_path):
     assert cache.problem() is None
     (tmp_path / "cubin").chmod(0o777)
     assert "cubin/" in cache.problem() and "writable" in cache.problem()
+
+
+def test_fingerprint_reads_every_plan_making_module():
+    """The fingerprint that keys cached plans covers each module _PLAN_MODULES names (a folder: its .py files), so
+    that a module moved or renamed fails here, not on a GPU's first compile."""
+    from pathlib import Path
+
+    from fagen import sources
+
+    here = Path(sources.__file__).resolve().parent
+    for name in sources._PLAN_MODULES:
+        paths = list((here / name).glob("*.py")) if name.endswith("/") else [here / name]
+        assert paths and all(p.is_file() for p in paths), name
