@@ -565,18 +565,19 @@ ULYSSES_SPECS = {"none": fagen.Spec(head_dim=D, dtype="fp32", mask="none"),
                  "mask_mod": fagen.Spec(head_dim=D, dtype="fp32", mask_mod="j <= i and (i - j < 7 or j < 2)")}
 
 
-def _ulysses_step(rank, world, comm, tensors, spec, layout):
+def _ulysses_step(rank, world, comm, tensors, spec, layout, **extra):
     q, k, v, w_o, w_lse = (fd.shard_sequence(t, rank, world, layout) for t in tensors)
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    o, lse = fd.ulysses_attention(q, k, v, spec, comm, layout=layout, return_lse=True, attend=_dense_attend(spec))
+    o, lse = fd.ulysses_attention(q, k, v, spec, comm, layout=layout, return_lse=True, attend=_dense_attend(spec),
+                                  **extra)
     ((o * w_o).sum() + (lse * w_lse).sum()).backward()
     return [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
 
 
-def _ulysses_whole(tensors, spec):
+def _ulysses_whole(tensors, spec, **extra):
     q, k, v, w_o, w_lse = (t.clone() for t in tensors)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
-    o, lse = _dense_attend(spec)(q, k, v)
+    o, lse = _dense_attend(spec)(q, k, v, **extra)
     ((o * w_o).sum() + (lse * w_lse).sum()).backward()
     return [o.detach(), lse.detach(), q.grad, k.grad, v.grad]
 
@@ -608,17 +609,9 @@ def test_ulysses_matches_attention_on_the_whole_sequence(world, name, layout, h_
 def test_ulysses_bottom_right_with_fewer_queries_than_keys():
     """Shards of q shorter than k's (a chunk against its history): causal aligns bottom-right on the whole."""
     spec, world = ULYSSES_SPECS["causal"], 2
-    q, k, v, w_o, w_lse = _inputs(6, 2, seed=3, nk=10)
-    tensors = (q, k, v, w_o, w_lse)
-
-    def step(rank, comm):
-        qs, ks, vs = (fd.shard_sequence(t, rank, world) for t in (q, k, v))
-        qs, ks, vs = (t.clone().requires_grad_() for t in (qs, ks, vs))
-        o, lse = fd.ulysses_attention(qs, ks, vs, spec, comm, return_lse=True, attend=_dense_attend(spec))
-        ((o * fd.shard_sequence(w_o, rank, world)).sum() + (lse * fd.shard_sequence(w_lse, rank, world)).sum()).backward()
-        return [o.detach(), lse.detach(), qs.grad, ks.grad, vs.grad]
-
-    got = _unshard(fd.run_simulated(world, step), "contiguous")
+    tensors = _inputs(6, 2, seed=3, nk=10)
+    got = _unshard(fd.run_simulated(world, lambda rank, comm: _ulysses_step(rank, world, comm, tensors, spec,
+                                                                            "contiguous")), "contiguous")
     for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, _ulysses_whole(tensors, spec)):
         torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=what)
 
@@ -719,20 +712,10 @@ def test_ulysses_passes_kv_lengths_and_inputs_to_the_local_call():
              (fagen.Spec(head_dim=D, dtype="fp32", mask="causal", mask_mod="j < prefix[b] or j <= i - 2",
                          inputs={"prefix": "int32"}), {"inputs": {"prefix": np.array([3, 9], dtype=np.int32)}}))
     for spec, extra in cases:
-        q, k, v, w_o, w_lse = _inputs(8, 2, seed=4)
-
-        def step(rank, comm):
-            qs, ks, vs = (fd.shard_sequence(t, rank, world).clone().requires_grad_() for t in (q, k, v))
-            o, lse = fd.ulysses_attention(qs, ks, vs, spec, comm, return_lse=True, attend=_dense_attend(spec), **extra)
-            ((o * fd.shard_sequence(w_o, rank, world)).sum()
-             + (lse * fd.shard_sequence(w_lse, rank, world)).sum()).backward()
-            return [o.detach(), lse.detach(), qs.grad, ks.grad, vs.grad]
-
-        got = _unshard(fd.run_simulated(world, step), "contiguous")
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        o, lse = _dense_attend(spec)(*leaves, **extra)
-        ((o * w_o).sum() + (lse * w_lse).sum()).backward()
-        for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, [o.detach(), lse.detach()] + [t.grad for t in leaves]):
+        tensors = _inputs(8, 2, seed=4)
+        got = _unshard(fd.run_simulated(world, lambda rank, comm: _ulysses_step(rank, world, comm, tensors, spec,
+                                                                                "contiguous", **extra)), "contiguous")
+        for what, g, w in zip(("o", "lse", "dq", "dk", "dv"), got, _ulysses_whole(tensors, spec, **extra)):
             torch.testing.assert_close(g, w, rtol=1e-12, atol=1e-12, msg=f"{spec.mask}: {what}")
 
 
