@@ -1,13 +1,8 @@
-# Device call: GPU property tests, sanitizers, then the issue-5 benchmark grid (forward + backward),
+# Device call: GPU property tests, sanitizers (memcheck, racecheck, synccheck), then the issue-5 benchmark grid (forward + backward),
 # compile/cache-load times, the GEMM ceiling and the ptxas report. Everything lands in $OUT.
 # AUTOTUNE=1 times the solver's top candidates per spec first (fagen bench --autotune).
 source dev/gpu/device_prelude.sh
-python3 -c "
-import tests.test_runtime_gpu as t, tests.test_decode_gpu as d, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
-import tests.test_varlen_gpu as v, tests.test_padding_clamp_gpu as p
-from fagen.runtime import precompile; from fagen.spec import load_specs
-precompile(t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + d.SPECS + d.PAGED_SPECS + m.SPECS + v.SPECS + p.SPECS + s.SPECS
-           + load_specs('benchmarks/bench.yaml'), jobs=16)" 2>&1 | grep -iv warn | tail -2
+precompile_suite benchmarks/bench.yaml
 save_cache
 [ "${1:-all}" = bench ] && SKIP_TESTS=1
 if [ -z "${SKIP_TESTS:-}" ]; then
