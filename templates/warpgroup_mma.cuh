@@ -121,33 +121,74 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Rows [row0, row0 + ROWS) into a swizzled shared tile as above, from rows that need not be evenly spaced:
-// rows_at(r) is row r's address (fagen::PagedRows, a paged K/V cache). Each copy looks its row up; valid_cols
-// whole 16-byte chunks (the host refuses paged caches otherwise).
+// rows_at(r) is row r's address (fagen::PagedRows, a paged K/V cache); valid_cols whole 16-byte chunks (the host
+// refuses paged caches otherwise). As above, each thread copies one column chunk of every ROW_STEP-th row; it looks
+// up 8 rows' addresses before copying any of them, so that their block-table reads are in flight together, not
+// each copy waiting for its own (docs/decisions/0010-paged-loads.md).
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename RowsAt>
 __device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const RowsAt& rows_at, int row0, int valid_rows,
                                                             int valid_cols) {
   using T = typename RowsAt::element_type;
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
+  constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
   using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
-  for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
-    const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
-    const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
-    tc::cp_async_16(tile + Layout::offset(ROWS, r, c), valid ? rows_at(row0 + r) + c * PER_CHUNK : rows_at.head_rows, valid);
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0) {
+    constexpr int N = ROWS / ROW_STEP, GROUP = N < 8 ? N : 8;
+    static_assert(N % GROUP == 0, "whole groups of rows");
+    const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
+    const bool cols_here = c * PER_CHUNK < valid_cols;
+#pragma unroll
+    for (int g = 0; g < N; g += GROUP) {
+      const T* src[GROUP];
+#pragma unroll
+      for (int n = 0; n < GROUP; ++n) {
+        const int r = r0 + (g + n) * ROW_STEP;
+        src[n] = r < valid_rows ? rows_at(row0 + r) : rows_at.head_rows;
+      }
+#pragma unroll
+      for (int n = 0; n < GROUP; ++n) {
+        const int r = r0 + (g + n) * ROW_STEP;
+        tc::cp_async_16(tile + Layout::offset(ROWS, r, c), src[n] + c * PER_CHUNK, r < valid_rows && cols_here);
+      }
+    }
+  } else {
+    for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
+      const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
+      const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), valid ? rows_at(row0 + r) + c * PER_CHUNK : rows_at.head_rows, valid);
+    }
+  }
+}
+
+// A tile of keys from a paged cache (async_load_key_rows): pages of whole tiles (page_size a multiple of ROWS; tiles
+// start at multiples of ROWS) hold each tile in one page, found once, then copied as contiguous rows; smaller pages
+// row by row. A call rather than inlined: inlined beside the contiguous copies, it made ptxas spill
+// (docs/decisions/0010-paged-loads.md).
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES, typename T>
+__device__ __noinline__ void async_load_paged_rows(unsigned tile, const PagedRows<T> rows_at, int col0, int valid_rows,
+                                                   int valid_cols) {
+  if (rows_at.page_size % ROWS == 0) {
+    const long long page = key_page(rows_at.table_row, col0, rows_at.page_size, rows_at.page_count);
+    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, rows_at.head_rows + page * rows_at.page_stride,
+                                                                   rows_at.row_stride, col0 % rows_at.page_size,
+                                                                   valid_rows, valid_cols);
+  } else {
+    async_load_rows_swizzled_at<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, rows_at, col0, valid_rows, valid_cols);
   }
 }
 
 // K_j's or V_j's rows [col0, col0 + valid_rows) of one (sequence, K/V head) into a swizzled tile: `slice` from
 // Problem::key_rows, `stride` the tensor's (batch or page, head, row) strides; through sequence b's row of the
-// block table where the call passed a paged cache.
+// block table where the call passed a paged cache (async_load_paged_rows).
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
 __device__ __forceinline__ void async_load_key_rows(unsigned tile, const AttentionArgs& args, long long b, const T* slice,
                                                     const long long (&stride)[3], int col0, int valid_rows, int valid_cols) {
   if (args.block_table == nullptr) {
     async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, slice, stride[2], col0, valid_rows, valid_cols);
   } else {
-    async_load_rows_swizzled_at<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, PagedRows<T>(args, b, slice, stride), col0,
-                                                                     valid_rows, valid_cols);
+    async_load_paged_rows<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, PagedRows<T>(args, b, slice, stride), col0,
+                                                                valid_rows, valid_cols);
   }
 }
 
