@@ -202,8 +202,9 @@ struct PagedRows {
                                        const long long (&stride)[3])
       : head_rows(head_rows_), table_row(args.block_table + b * args.block_table_stride), page_stride(stride[0]),
         row_stride(stride[2]), page_count(args.page_count), page_size((int)args.page_size) {}
-  __device__ __forceinline__ const T* operator()(int r) const {
-    return head_rows + key_page(table_row, r, page_size, page_count) * page_stride + (long long)(r % page_size) * row_stride;
+  // Elements from head_rows to key row r.
+  __device__ __forceinline__ long long offset(int r) const {
+    return key_page(table_row, r, page_size, page_count) * page_stride + (long long)(r % page_size) * row_stride;
   }
 };
 

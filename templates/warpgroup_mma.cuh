@@ -121,10 +121,11 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
 // Rows [row0, row0 + ROWS) into a swizzled shared tile as above, from rows that need not be evenly spaced:
-// rows_at(r) is row r's address (fagen::PagedRows, a paged K/V cache); valid_cols whole 16-byte chunks (the host
-// refuses paged caches otherwise). As above, each thread copies one column chunk of every ROW_STEP-th row; it looks
-// up 8 rows' addresses before copying any of them, so that their block-table reads are in flight together, not
-// each copy waiting for its own (docs/decisions/0010-paged-loads.md).
+// rows_at.offset(r) is row r's place (fagen::PagedRows, a paged K/V cache); valid_cols whole 16-byte chunks (the host
+// refuses paged caches otherwise). As above, each thread copies one column chunk of every ROW_STEP-th row. Where a
+// warp's rows line up with its lanes, each lane looks up one of the warp's rows (its block-table read and page
+// arithmetic once, all in flight together) and shuffles hand the offsets to the lanes that copy that row
+// (docs/decisions/0010-paged-loads.md). All THREADS threads call it together.
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename RowsAt>
 __device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const RowsAt& rows_at, int row0, int valid_rows,
                                                             int valid_cols) {
@@ -133,30 +134,36 @@ __device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
   using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
-  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0) {
-    constexpr int N = ROWS / ROW_STEP, GROUP = N < 8 ? N : 8;
-    static_assert(N % GROUP == 0, "whole groups of rows");
-    const int c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0 &&
+                (32 % CHUNKS_PER_ROW == 0 || CHUNKS_PER_ROW % 32 == 0)) {
+    constexpr int N = ROWS / ROW_STEP;                                            // rows a thread copies
+    constexpr int WARP_ROWS_PER_STEP = CHUNKS_PER_ROW < 32 ? 32 / CHUNKS_PER_ROW : 1;
+    constexpr int LOOKUPS = (WARP_ROWS_PER_STEP * N + 31) / 32;                   // of the warp's rows, per lane
+    const int lane = threadIdx.x % 32, c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
+    const int warp_r0 = (threadIdx.x - lane) / CHUNKS_PER_ROW, local = r0 - warp_r0;
+    // The warp's k-th row is warp_r0 + k % WARP_ROWS_PER_STEP + (k / WARP_ROWS_PER_STEP) * ROW_STEP.
+    long long found[LOOKUPS];
+#pragma unroll
+    for (int s = 0; s < LOOKUPS; ++s) {
+      const int k = s * 32 + lane;
+      const int r = warp_r0 + k % WARP_ROWS_PER_STEP + (k / WARP_ROWS_PER_STEP) * ROW_STEP;
+      found[s] = k < WARP_ROWS_PER_STEP * N && r < valid_rows ? rows_at.offset(row0 + r) : 0;
+    }
     const bool cols_here = c * PER_CHUNK < valid_cols;
 #pragma unroll
-    for (int g = 0; g < N; g += GROUP) {
-      const T* src[GROUP];
-#pragma unroll
-      for (int n = 0; n < GROUP; ++n) {
-        const int r = r0 + (g + n) * ROW_STEP;
-        src[n] = r < valid_rows ? rows_at(row0 + r) : rows_at.head_rows;
-      }
-#pragma unroll
-      for (int n = 0; n < GROUP; ++n) {
-        const int r = r0 + (g + n) * ROW_STEP;
-        tc::cp_async_16(tile + Layout::offset(ROWS, r, c), src[n] + c * PER_CHUNK, r < valid_rows && cols_here);
-      }
+    for (int n = 0; n < N; ++n) {
+      const int k = local + n * WARP_ROWS_PER_STEP;   // never crosses a 32-lane slot: WARP_ROWS_PER_STEP divides 32
+      const long long offset = __shfl_sync(0xffffffffu, found[n * WARP_ROWS_PER_STEP / 32], k % 32);
+      const int r = r0 + n * ROW_STEP;
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), rows_at.head_rows + offset + c * PER_CHUNK,
+                      r < valid_rows && cols_here);
     }
   } else {
     for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
       const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
       const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
-      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), valid ? rows_at(row0 + r) + c * PER_CHUNK : rows_at.head_rows, valid);
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), rows_at.head_rows + (valid ? rows_at.offset(row0 + r) + c * PER_CHUNK : 0),
+                      valid);
     }
   }
 }
