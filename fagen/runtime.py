@@ -347,7 +347,7 @@ def problem_grid(blocks_x: int, problems: int, args) -> tuple:
 #: still has FOLD_WAVES blocks per multiprocessor (docs/decisions/0008-grid-order-and-folding.md).
 FOLD_WAVES = 3
 
-#: The forward templates that read a paged K/V cache for packed query rows (wg::PagedKeyTile: each key row's page
+#: The forward templates that read a paged K/V cache for packed query rows (fagen::PagedRows: each key row's page
 #: looked up): Hopper's warpgroup-MMA ones. Not sm_80's mma.sync forward: at its register limit, the paged loads
 #: beside the contiguous ones made ptxas spill (docs/decisions/0010-paged-loads.md).
 PAGED_FORWARD_TEMPLATES = ("forward_wgmma.cu.j2", "forward_wgmma_ws.cu.j2")

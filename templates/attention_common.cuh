@@ -70,7 +70,7 @@ struct AttentionArgs {
   // Dropout's seed in device memory, or nullptr for `seed` above: a seed drawn on the GPU each step (by
   // torch's CUDA generator), which a CUDA graph then replays as a new draw instead of a captured value.
   const unsigned long long* seed_pointer;
-  // A paged K/V cache (the decode pass, and the packed forward: wg::PagedKeyTile): k and v hold page_count pages of
+  // A paged K/V cache (the decode pass, and the packed forward: PagedRows): k and v hold page_count pages of
   // page_size rows each (strides: page, head, row), and sequence b's key j lives in page
   // block_table[b * block_table_stride + j / page_size], row j % page_size. nullptr: k and v are (batch, head,
   // row) tensors as above.
@@ -151,7 +151,7 @@ struct Problem {
     h_kv = kv_head(args, h);
     if (PACKED) {
       entry = 0;
-      // a paged cache holds each sequence's keys from its row 0 (wg::PagedKeyTile): cu_seqlens_k gives only their counts
+      // a paged cache holds each sequence's keys from its row 0 (PagedRows): cu_seqlens_k gives only their counts
       const bool paged = args.block_table != nullptr;
       const int rows_q = (int)args.seq_q, rows_k = paged ? INT_MAX : (int)args.seq_k;
       const int q_begin = min(max(args.cu_seqlens_q[b], 0), rows_q), q_end = min(max(args.cu_seqlens_q[b + 1], q_begin), rows_q);
@@ -188,6 +188,26 @@ struct Problem {
 __device__ __forceinline__ long long key_page(const int* table_row, int j, int page_size, long long page_count) {
   return min(max((long long)table_row[j / page_size], 0LL), page_count - 1);
 }
+// Where key row r of sequence b lives, for the forward kernels' loaders (wg::async_load_key_rows) in place of a
+// contiguous slice and its row stride: `head_rows` is the
+// cache plus the K/V head's offset (Problem::key_rows, whose k_row0 is 0 when paged).
+template <typename T>
+struct PagedRows {
+  using element_type = T;
+  const T* head_rows;
+  const int* table_row;
+  long long page_stride, row_stride, page_count;
+  int page_size;
+  __device__ __forceinline__ PagedRows(const AttentionArgs& args, long long b, const T* head_rows_,
+                                       const long long (&stride)[3])
+      : head_rows(head_rows_), table_row(args.block_table + b * args.block_table_stride), page_stride(stride[0]),
+        row_stride(stride[2]), page_count(args.page_count), page_size((int)args.page_size) {}
+  // Elements from head_rows to key row r.
+  __device__ __forceinline__ long long offset(int r) const {
+    return key_page(table_row, r, page_size, page_count) * page_stride + (long long)(r % page_size) * row_stride;
+  }
+};
+
 // The block's values that its main loop does not touch at every instruction -- global row pointers used once a
 // step (the backward's next Q_i, dO_i loads and dQ's atomics, the forward's next K_j, V_j loads where Q is re-read
 // from shared memory) or only after the loop (the forward's O and LSE rows, the backward's dK and dV rows) -- kept

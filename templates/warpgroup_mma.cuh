@@ -120,92 +120,83 @@ template <int N> __device__ __forceinline__ void wait() { asm volatile("wgmma.wa
 // fences after its copies land and before the barrier that publishes them.
 __device__ __forceinline__ void fence_async_proxy() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
 
-// The block-table lookups behind key tile [col0, col0 + valid_rows) of one sequence of a paged cache: made once for
-// K_j and V_j, and where the kernel can, ahead of the barrier wait that hides their latency. Where a warp's rows
-// line up with its lanes (BY_LANE: async_load_rows_swizzled's order, at most 32 rows a warp), each lane reads the
-// entry of one of its warp's rows: one table read and one division per lane and tile, all in flight together
-// (docs/decisions/0010-paged-loads.md). Otherwise each copy looks its row up as it goes.
-template <int ROWS, int HEAD_DIM, int THREADS, typename T>
-struct PagedKeyTile {
-  static constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16, ROW_STEP = THREADS / CHUNKS_PER_ROW;
-  static constexpr int WARP_ROWS_PER_STEP = CHUNKS_PER_ROW < 32 ? 32 / CHUNKS_PER_ROW : 1;
-  static constexpr bool BY_LANE = THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0 &&
-                                  (32 % CHUNKS_PER_ROW == 0 || CHUNKS_PER_ROW % 32 == 0) &&
-                                  WARP_ROWS_PER_STEP * (ROWS / ROW_STEP) <= 32;
-  const int* table_row;
-  int page_size, page_count, col0, valid_rows;
-  int page = 0, in_page = 0;   // BY_LANE: where the lane's row of its warp (warp_row) lives
-  // The warp's k-th row of the tile, of the warp whose first thread is thread `first`.
-  static __device__ __forceinline__ int warp_row(int first, int k) {
-    return first / CHUNKS_PER_ROW + k % WARP_ROWS_PER_STEP + (k / WARP_ROWS_PER_STEP) * ROW_STEP;
-  }
-  __device__ __forceinline__ PagedKeyTile(const AttentionArgs& args, long long b, int col0_, int valid_rows_)
-      : table_row(args.block_table + b * args.block_table_stride), page_size((int)args.page_size),
-        page_count((int)args.page_count), col0(col0_), valid_rows(valid_rows_) {
-    if (BY_LANE && args.block_table != nullptr) {
-      const int lane = threadIdx.x % 32, r = warp_row(threadIdx.x - lane, lane);
-      if (r < valid_rows) {
-        page = (int)key_page(table_row, col0 + r, page_size, page_count);
-        in_page = (col0 + r) % page_size;
-      }
-    }
-  }
-};
-
-// K_j's or V_j's tile into a swizzled shared tile as async_load_rows_swizzled does, from the paged cache `pages`
-// describes: `head_rows` the cache plus the K/V head's offset (Problem::key_rows, whose k_row0 is 0 when paged),
-// `stride` its (page, head, row) strides; valid_cols whole 16-byte chunks (the host refuses paged caches otherwise).
-// All THREADS threads call it together: the lanes' lookups travel by shuffle.
-template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES, typename T>
-__device__ __forceinline__ void async_load_paged_rows(unsigned tile, const PagedKeyTile<ROWS, HEAD_DIM, THREADS, T>& pages,
-                                                      const T* head_rows, const long long (&stride)[3], int valid_cols) {
-  using Pages = PagedKeyTile<ROWS, HEAD_DIM, THREADS, T>;
+// Rows [row0, row0 + ROWS) into a swizzled shared tile as above, from rows that need not be evenly spaced:
+// rows_at.offset(r) is row r's place (fagen::PagedRows, a paged K/V cache); valid_cols whole 16-byte chunks (the host
+// refuses paged caches otherwise). As above, each thread copies one column chunk of every ROW_STEP-th row. Where a
+// warp's rows line up with its lanes, each lane looks up one of the warp's rows (its block-table read and page
+// arithmetic once, all in flight together) and shuffles hand the offsets to the lanes that copy that row
+// (docs/decisions/0010-paged-loads.md). All THREADS threads call it together.
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename RowsAt>
+__device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const RowsAt& rows_at, int row0, int valid_rows,
+                                                            int valid_cols) {
+  using T = typename RowsAt::element_type;
+  constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
+  constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
   using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
-  if constexpr (Pages::BY_LANE) {
-    const int lane = threadIdx.x % 32, c = threadIdx.x % Pages::CHUNKS_PER_ROW, r0 = threadIdx.x / Pages::CHUNKS_PER_ROW;
-    const int local = r0 - (threadIdx.x - lane) / Pages::CHUNKS_PER_ROW;   // this thread's first row, of its warp's
-    const long long found = pages.page * stride[0] + pages.in_page * stride[2];
+  if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0 &&
+                (32 % CHUNKS_PER_ROW == 0 || CHUNKS_PER_ROW % 32 == 0)) {
+    constexpr int N = ROWS / ROW_STEP;                                            // rows a thread copies
+    constexpr int WARP_ROWS_PER_STEP = CHUNKS_PER_ROW < 32 ? 32 / CHUNKS_PER_ROW : 1;
+    constexpr int LOOKUPS = (WARP_ROWS_PER_STEP * N + 31) / 32;                   // of the warp's rows, per lane
+    const int lane = threadIdx.x % 32, c = threadIdx.x % CHUNKS_PER_ROW, r0 = threadIdx.x / CHUNKS_PER_ROW;
+    const int warp_r0 = (threadIdx.x - lane) / CHUNKS_PER_ROW, local = r0 - warp_r0;
+    // The warp's k-th row is warp_r0 + k % WARP_ROWS_PER_STEP + (k / WARP_ROWS_PER_STEP) * ROW_STEP.
+    long long found[LOOKUPS];
+#pragma unroll
+    for (int s = 0; s < LOOKUPS; ++s) {
+      const int k = s * 32 + lane;
+      const int r = warp_r0 + k % WARP_ROWS_PER_STEP + (k / WARP_ROWS_PER_STEP) * ROW_STEP;
+      found[s] = k < WARP_ROWS_PER_STEP * N && r < valid_rows ? rows_at.offset(row0 + r) : 0;
+    }
     const bool cols_here = c * PER_CHUNK < valid_cols;
 #pragma unroll
-    for (int n = 0; n < ROWS / Pages::ROW_STEP; ++n) {
-      const long long offset = __shfl_sync(0xffffffffu, found, local + n * Pages::WARP_ROWS_PER_STEP);
-      const int r = r0 + n * Pages::ROW_STEP;
-      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), head_rows + offset + c * PER_CHUNK, r < pages.valid_rows && cols_here);
+    for (int n = 0; n < N; ++n) {
+      const int k = local + n * WARP_ROWS_PER_STEP;   // never crosses a 32-lane slot: WARP_ROWS_PER_STEP divides 32
+      const long long offset = __shfl_sync(0xffffffffu, found[n * WARP_ROWS_PER_STEP / 32], k % 32);
+      const int r = r0 + n * ROW_STEP;
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), rows_at.head_rows + offset + c * PER_CHUNK,
+                      r < valid_rows && cols_here);
     }
-  } else if (pages.page_size % ROWS == 0) {   // tiles start at multiples of ROWS: one page holds the whole tile
-    const long long page = key_page(pages.table_row, pages.col0, pages.page_size, pages.page_count);
-    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, head_rows + page * stride[0], stride[2],
-                                                                   pages.col0 % pages.page_size, pages.valid_rows, valid_cols);
   } else {
-    for (int chunk = threadIdx.x; chunk < ROWS * Pages::CHUNKS_PER_ROW; chunk += THREADS) {
-      const int r = chunk / Pages::CHUNKS_PER_ROW, c = chunk % Pages::CHUNKS_PER_ROW, j = pages.col0 + r;
-      const bool valid = r < pages.valid_rows && c * PER_CHUNK < valid_cols;
-      const long long offset = key_page(pages.table_row, j, pages.page_size, pages.page_count) * stride[0] +
-                               (long long)(j % pages.page_size) * stride[2] + c * PER_CHUNK;
-      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), head_rows + (valid ? offset : 0), valid);
+    for (int chunk = threadIdx.x; chunk < ROWS * CHUNKS_PER_ROW; chunk += THREADS) {
+      const int r = chunk / CHUNKS_PER_ROW, c = chunk % CHUNKS_PER_ROW;
+      const bool valid = r < valid_rows && c * PER_CHUNK < valid_cols;
+      tc::cp_async_16(tile + Layout::offset(ROWS, r, c), rows_at.head_rows + (valid ? rows_at.offset(row0 + r) + c * PER_CHUNK : 0),
+                      valid);
     }
+  }
+}
+
+// A tile of keys from a paged cache (async_load_key_rows): pages of whole tiles (page_size a multiple of ROWS; tiles
+// start at multiples of ROWS) hold each tile in one page, found once, then copied as contiguous rows; smaller pages
+// row by row. A call rather than inlined: inlined beside the contiguous copies, it made ptxas spill
+// (docs/decisions/0010-paged-loads.md).
+template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES, typename T>
+__device__ __noinline__ void async_load_paged_rows(unsigned tile, const PagedRows<T> rows_at, int col0, int valid_rows,
+                                                   int valid_cols) {
+  if (rows_at.page_size % ROWS == 0) {
+    const long long page = key_page(rows_at.table_row, col0, rows_at.page_size, rows_at.page_count);
+    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, rows_at.head_rows + page * rows_at.page_stride,
+                                                                   rows_at.row_stride, col0 % rows_at.page_size,
+                                                                   valid_rows, valid_cols);
+  } else {
+    async_load_rows_swizzled_at<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, rows_at, col0, valid_rows, valid_cols);
   }
 }
 
 // K_j's or V_j's rows [col0, col0 + valid_rows) of one (sequence, K/V head) into a swizzled tile: `slice` from
-// Problem::key_rows, `stride` the tensor's (batch or page, head, row) strides; through the block table where the
-// call passed a paged cache: `pages`, looked up for this tile ahead (PagedKeyTile), or here.
-template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
-__device__ __forceinline__ void async_load_key_rows(unsigned tile, const AttentionArgs& args, const PagedKeyTile<ROWS, HEAD_DIM, THREADS, T>& pages,
-                                                    const T* slice, const long long (&stride)[3], int col0, int valid_rows,
-                                                    int valid_cols) {
-  if (args.block_table == nullptr) {
-    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, slice, stride[2], col0, valid_rows, valid_cols);
-  } else {
-    async_load_paged_rows<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, pages, slice, stride, valid_cols);
-  }
-}
+// Problem::key_rows, `stride` the tensor's (batch or page, head, row) strides; through sequence b's row of the
+// block table where the call passed a paged cache (async_load_paged_rows).
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES = Swizzle<HEAD_DIM>::ROW_BYTES, typename T>
 __device__ __forceinline__ void async_load_key_rows(unsigned tile, const AttentionArgs& args, long long b, const T* slice,
                                                     const long long (&stride)[3], int col0, int valid_rows, int valid_cols) {
-  async_load_key_rows<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(
-      tile, args, PagedKeyTile<ROWS, HEAD_DIM, THREADS, T>(args, b, col0, valid_rows), slice, stride, col0, valid_rows, valid_cols);
+  if (args.block_table == nullptr) {
+    async_load_rows_swizzled<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, slice, stride[2], col0, valid_rows, valid_cols);
+  } else {
+    async_load_paged_rows<ROWS, HEAD_DIM, THREADS, PANEL_BYTES>(tile, PagedRows<T>(args, b, slice, stride), col0,
+                                                                valid_rows, valid_cols);
+  }
 }
 
 // ---- a warp-specialized block's stages: mbarriers (8 bytes of shared memory each, by shared address) ----
