@@ -21,7 +21,7 @@ def __getattr__(name: str) -> Any:
     # this hook runs on every lookup that misses it, and torch.compile's guards look `fagen.attention` up
     # at every call of a compiled function (an import_module per call, about 3 us).
     if name == "compile":
-        value = import_module(f"{__name__}.runtime").compile
+        value = import_module(f"{__name__}.jit").compile
     elif name == "attention":
         value = import_module(f"{__name__}.torch").attention
     else:

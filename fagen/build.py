@@ -1,6 +1,12 @@
-"""Ahead-of-time build: spec -> solve -> render -> `<name>.cu`, `<name>.json` and, with nvcc, `<name>.cubin`.
+"""Stage 4's orchestrator: spec -> plan (solve) -> source (render) -> cubins -> record, for both uses.
 
-What `fagen build` does, as a library. Files are written only when their bytes change (FlashInfer's
+- **At run time** (`fagen.compile`, fagen/jit.py): `artifact(spec, target)` is the record and one cubin per pass,
+  from the disk plan cache (fagen/cache.py) or solved, rendered and compiled there, under a lock, so that one
+  process builds and the others load. The runtime (fagen/runtime.py) loads that artifact and launches; it never
+  solves, renders or compiles.
+- **Ahead of time** (`fagen build`): `build_all` writes `<name>.cu`, `<name>.json` and, with nvcc, `<name>.cubin`.
+
+Both start from `prepare` (solve, then render). Files are written only when their bytes change (FlashInfer's
 habit), so a rebuild leaves untouched files with their old mtimes and make-like tools stay quiet.
 nvcc is skipped when the `.json` beside the `.cubin` records a compile of the very same inputs
 (source, headers, arch, compiler): the cache is keyed on what went in, never on timestamps.
@@ -22,15 +28,20 @@ import subprocess
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import import_module
 from pathlib import Path
-from typing import Callable, Iterable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterable, Optional, Union
 
-from fagen import render as rendering
-from fagen import solver
+from fagen.artifact import INPUT_GRAD_BACKWARD, RECORD_FORMAT, RECORD_KEYS, Artifact
+from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
+from fagen.sources import fingerprint, folds_kv_group
 from fagen.spec import Spec
-from fagen.target import target_for
+from fagen.target import Target, target_for
+
+if TYPE_CHECKING:
+    from fagen import render as rendering
+    from fagen import solver
 
 PathLike = Union[str, Path]
 
@@ -83,12 +94,104 @@ class BuildResult:
         return (self.compile_record or {}).get("resources", {})
 
 
-def prepare(spec: Spec, arch: Optional[str] = None) -> Prepared:
-    """Solve and render one variant. Raises SpecError (InfeasibleSpec included) before any compile."""
+def solve(spec: Spec, target: Target, policy: Optional[str] = None) -> "solver.Solution":
+    """The solver's plan, with this GPU's autotune winner swapped in under the "auto" policy."""
+    from fagen import solver, tuning
+
+    solution = solver.solve(spec, target, policy)
+    if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
+        solution = tuning.apply(solution, tuning.lookup(spec, target.name))
+    return solution
+
+
+def prepare(spec: Spec, arch: Optional[str] = None, *, solution: Optional["solver.Solution"] = None) -> Prepared:
+    """Solve (or take `solution`) and render one variant. Raises SpecError (InfeasibleSpec included) before any
+    compile."""
     if arch is not None and arch != spec.arch:
         spec = spec.model_copy(update={"arch": arch})
-    solution = solver.solve(spec, target_for(spec.arch))
+    from fagen import render as rendering   # (solving and rendering import sympy and Jinja: never on a cache hit)
+    from fagen import solver
+
+    if solution is None:
+        solution = solver.solve(spec, target_for(spec.arch))
     return Prepared(spec, solution, rendering.render(spec, solution))
+
+
+# ---- run-time artifacts: a record and a cubin per pass -----------------------------------------
+def compile_prepared(item: Prepared, arch: Optional[str] = None) -> Artifact:
+    """Compile each pass for `arch` (default: the spec's) as its own unit, in parallel (a cold forward + backward
+    costs the slower nvcc run, not their sum), and the backward WITH_INPUT_GRADS where score_mod has float tensor
+    inputs."""
+    compiler = _nvcc()
+    spec, rendered = item.spec, item.rendered
+    texts = dict(rendered.pass_texts)
+    if "backward" in texts and spec.modifiers.kernel_input_grads:
+        from fagen.render import render_input_grad_backward
+
+        texts[INPUT_GRAD_BACKWARD] = render_input_grad_backward(spec, item.solution)
+    arch = arch or spec.arch
+    keys = {p: compiler.cubin_key(text, arch, rendered.include_dir) for p, text in texts.items()}
+    with ThreadPoolExecutor(max_workers=len(keys)) as pool:
+        futures = {p: pool.submit(compiler.cached_cubin, text, arch, rendered.include_dir, keys[p])
+                   for p, text in texts.items()}
+        cubins = {p: future.result() for p, future in futures.items()}
+    record = {"format": RECORD_FORMAT, "spec": spec.canonical_json(), "policy": item.solution.policy,
+              "plans": {p: plan.to_dict() for p, plan in item.solution.plans.items()},
+              "kernels": {p: list(names) for p, names in rendered.kernels.items()},
+              "cubin_keys": keys,
+              "folds_heads": {p: folds_kv_group(spec, plan) for p, plan in item.solution.plans.items()}}
+    return Artifact(record, cubins)
+
+
+def template_cubin(name: str, arch: str) -> bytes:
+    """A template that is plain CUDA (no spec in it: templates/pad_rows.cu) compiled for `arch`, cached on disk."""
+    from fagen.sources import TEMPLATE_DIR
+
+    compiler = _nvcc()
+    return compiler.cached_cubin((TEMPLATE_DIR / name).read_text(), arch, TEMPLATE_DIR)
+
+
+def _plan_key(spec: Spec, target: Target, policy: Optional[str]) -> str:
+
+    try:  # a new autotune result changes the plan: key on the autotune file's state, not its contents
+        stat = os.stat(DiskCache().root / AUTOTUNE_FILE)
+        tuned = f"{stat.st_mtime_ns}:{stat.st_size}"
+    except OSError:
+        tuned = "none"
+    return digest("plan-v1", spec.canonical_json(), policy or "", json.dumps(asdict(target), sort_keys=True),
+                  fingerprint(), tuned)
+
+
+def _cached(cache: DiskCache, key: str) -> Optional[Artifact]:
+    raw = cache.get("plan", key)
+    if raw is None:
+        return None
+    try:
+        record = json.loads(raw)
+        if record.get("format") != RECORD_FORMAT or not all(name in record for name in RECORD_KEYS):
+            raise ValueError(f"format {record.get('format')}, this fagen writes {RECORD_FORMAT}")
+    except ValueError as err:  # checksummed, so only a format change gets here: rebuild
+        import warnings
+
+        warnings.warn(f"fagen: cached plan {cache.path('plan', key)} is unreadable ({err}); rebuilding it")
+        return None
+    cubins = {p: cache.get("cubin", key) for p, key in record["cubin_keys"].items()}
+    return None if None in cubins.values() else Artifact(record, cubins)
+
+
+def artifact(spec: Spec, target: Target, policy: Optional[str] = None) -> Artifact:
+    """The cached artifact of a spec on `target`, or solved, rendered, compiled and stored under a lock, so that one
+    process builds it and the others wait and load."""
+    cache = DiskCache()
+    key = _plan_key(spec, target, policy)
+    found = _cached(cache, key)
+    if found is None:
+        with cache.lock("plan", key):
+            found = _cached(cache, key)
+            if found is None:
+                found = compile_prepared(prepare(spec, solution=solve(spec, target, policy)), target.arch)
+                cache.put("plan", key, json.dumps(found.record, sort_keys=True).encode())
+    return found
 
 
 def build_variant(spec: Spec, out_dir: PathLike, *, arch: Optional[str] = None, compile: bool = True,

@@ -6,8 +6,8 @@ copies the rows in with a strided elementwise kernel, 3-4x the time its bytes ne
 that put d = 59 at 1.4x the forward time of d = 64 (BENCHMARKS.md, "Head dims that are not multiples of 16").
 templates/pad_rows.cu writes every padded row as whole 16-byte stores, q, k and v in one launch, on the
 caller's current stream. The padded tensors are new, contiguous and owned by PyTorch's caching allocator,
-so they are safe on that stream and under CUDA graph capture. Launch stage: imports the compiler and the
-driver, never the torch adapter.
+so they are safe on that stream and under CUDA graph capture. Part of the torch adapter's layer: it builds its
+kernel through fagen/build.py and launches it through the runtime's driver.
 """
 from __future__ import annotations
 
@@ -15,10 +15,10 @@ import struct
 import threading
 import warnings
 
+from fagen import build
 from fagen import cuda_driver as driver
-from fagen.compiler import CompileError, cached_cubin
+from fagen.compiler import CompileError
 from fagen.runtime import ArgumentError, Kernel, _torch_types, device_target
-from fagen.sources import TEMPLATE_DIR
 
 #: Elements of a padded row written per thread (one 16-byte store of 2-byte elements); padded widths are
 #: multiples of it.
@@ -44,8 +44,7 @@ def _function(device: int) -> int:
         with _lock:
             function = _functions.get(device)
             if function is None:
-                source = (TEMPLATE_DIR / "pad_rows.cu").read_text()
-                cubin = cached_cubin(source, device_target(device).arch, TEMPLATE_DIR)
+                cubin = build.template_cubin("pad_rows.cu", device_target(device).arch)
                 with driver.on_device(device):
                     function = _functions[device] = driver.get_function(driver.load_module(cubin), _SYMBOL)
     return function

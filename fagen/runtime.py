@@ -15,25 +15,22 @@ synchronisation happen there:
 - **Errors.** A launch that the driver refuses raises at once, naming the kernel. Faults inside a
   kernel surface at the next synchronisation, as in PyTorch; `FAGEN_SYNC_LAUNCHES=1` (or
   `fagen.runtime.CHECK_LAUNCHES = True`) synchronises after every call and names the kernel.
-- **Loads.** `compile(spec)` looks in memory, then in the disk plan cache (fagen/cache.py): a spec
-  solved and compiled before, by any process, loads from a small JSON record and its cubin without
-  importing sympy or Jinja. Only a miss solves (sympy), renders (Jinja) and compiles (PyCUDA).
+- **Loads.** A `Kernel` is made from what the build made (fagen/artifact.py: a JSON record and a cubin per
+  pass); this module never solves, renders or compiles. `fagen.compile(spec)` (fagen/jit.py) finds that artifact
+  in the disk plan cache or builds it there (fagen/build.py), then loads it here.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
 import threading
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from fagen import cuda_driver as driver
-from fagen.cache import AUTOTUNE_FILE, DiskCache, digest
-from fagen.compiler import cached_cubin, cubin_key
-from fagen.sources import folds_kv_group
-from fagen.spec import ARCHS, Spec, spec_from_dict
+from fagen.artifact import INPUT_GRAD_BACKWARD, Artifact
+from fagen.spec import Spec
 from fagen.target import Target, from_attributes
 
 TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
@@ -507,32 +504,31 @@ class LaunchPlan:
     head_dim: int       # the d the kernels compute with (the spec's, padded up to the template's multiple):
                         # the row length of their fp32 workspaces (dq_accum, the decode splits' O)
     template: str       # which template made the kernels (their grid layout: GROUPED_TEMPLATES)
+    family: str         # the solver's family of that template (fagen/solver.py FAMILIES)
+    folds_heads: bool   # a backward built to walk a K/V head's group of query heads (Kernel._folds)
 
     @classmethod
-    def from_plan(cls, plan: dict, symbols, head_dim: int) -> "LaunchPlan":
+    def from_plan(cls, plan: dict, symbols, head_dim: int, folds_heads: bool = False) -> "LaunchPlan":
         return cls(tuple(symbols), plan["block_r"], plan["block_c"], plan["threads"], plan["smem_bytes"],
-                   plan["stages"], plan["tensor_cores"], plan.get("head_dim") or head_dim, plan["template"])
+                   plan["stages"], plan["tensor_cores"], plan.get("head_dim") or head_dim, plan["template"],
+                   plan["family"], folds_heads)
 
 
 class Kernel:
     """A compiled spec: `forward(q, k, v, ...) -> (o, lse)` and `backward(...) -> (dq, dk, dv)`.
 
-    Built from a solution (solve + render + compile, cubin cached on disk) or, by `compile`, from a
-    cached record; `.solution` and `.rendered` are then recomputed only if asked for."""
+    Loaded from an artifact (fagen/artifact.py) that the build made: `fagen.compile(spec)` gives one."""
 
-    def __init__(self, spec: Spec, target: Target, solution=None, *, record: Optional[dict] = None,
-                 cubins: Optional[dict] = None, device: Optional[int] = None):
+    def __init__(self, spec: Spec, target: Target, artifact: Artifact, *, device: Optional[int] = None):
         self.spec, self.target = spec, target
-        self._solution, self._rendered = solution, None
-        if record is None:
-            record, cubins = _build_record(spec, target, solution)
-            self._rendered = record.pop("_rendered")
+        record, cubins = artifact.record, artifact.cubins
         self.record = record
-        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p], spec.head_dim)
+        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p], spec.head_dim,
+                                              record["folds_heads"][p])
                       for p in record["plans"]}
-        self._cubins = cubins   # pass -> cubin
+        self._cubins = {p: cubins[p] for p in self.plans}   # pass -> cubin
+        self._input_grad_cubin: Optional[bytes] = cubins.get(INPUT_GRAD_BACKWARD)   # the backward WITH_INPUT_GRADS
         self._functions: dict[int, dict[str, int]] = {}   # device -> symbol -> CUfunction
-        self._input_grad_cubin: Optional[bytes] = None      # the backward built WITH_INPUT_GRADS, on first use
         self._input_grad_functions: dict[int, dict[str, int]] = {}
         self._lock = threading.Lock()
         # Rows of whole 16-byte chunks are copied by cp.async (they must start on 16-byte boundaries);
@@ -579,34 +575,17 @@ class Kernel:
         return functions
 
     def _load_input_grad_backward(self, device: int) -> dict:
-        """The backward's functions built WITH_INPUT_GRADS (fagen/render.py render_input_grad_backward):
-        rendered and compiled when first asked for (the cubin cached on disk like the others)."""
+        """The backward's functions built WITH_INPUT_GRADS (the artifact's INPUT_GRAD_BACKWARD cubin), loaded when
+        a backward first asks for input gradients."""
         with self._lock:
             functions = self._input_grad_functions.get(device)
             if functions is None:
                 if self._input_grad_cubin is None:
-                    from fagen.compiler import cached_cubin
-                    from fagen.render import TEMPLATE_DIR, render_input_grad_backward
-
-                    source = render_input_grad_backward(self.spec, self.solution)
-                    self._input_grad_cubin = cached_cubin(source, self.target.arch, TEMPLATE_DIR)
+                    raise ArgumentError(f"input_grads: {self.spec.variant_name}'s build has no backward with input "
+                                        "gradients (score_mod reads no float tensor input, or no backward pass)")
                 functions = self._module_functions(device, {"backward": self._input_grad_cubin})
                 self._input_grad_functions[device] = functions
             return functions
-
-    @property
-    def solution(self):
-        if self._solution is None:
-            self._solution = _solve(self.spec, self.target, self.record.get("policy"))
-        return self._solution
-
-    @property
-    def rendered(self):
-        if self._rendered is None:
-            from fagen.render import render
-
-            self._rendered = render(self.spec, self.solution)
-        return self._rendered
 
     def __repr__(self) -> str:
         plans = ", ".join(f"{p}: Br={x['block_r']} Bc={x['block_c']} warps={x['warps']}"
@@ -911,9 +890,10 @@ class Kernel:
 
     def _folds(self, plan: LaunchPlan, blocks: int) -> bool:
         """Whether a grouped-KV backward runs a block per (sequence, K/V head) pair and key block, walking the
-        group's query heads (its kernel built so: fagen/sources.py folds_kv_group), given the `blocks` that makes:
+        group's query heads (its kernel built so: LaunchPlan.folds_heads,
+        fagen/sources.py folds_kv_group), given the `blocks` that makes:
         only where those still fill the GPU FOLD_WAVES times over (fewer, longer blocks leave SMs idle at the end)."""
-        return (folds_kv_group(self.spec, plan) and not self.spec.deterministic
+        return (plan.folds_heads and not self.spec.deterministic
                 and blocks >= FOLD_WAVES * self.target.sm_count)   # (a deterministic _dq grid resets args.problems)
 
     def _blocks_grid(self, plan: LaunchPlan, blocks: int, problems: int, args) -> tuple:
@@ -1849,93 +1829,7 @@ class Kernel:
         return grads
 
 
-# ---- building and caching kernels ------------------------------------------------------------
-def _solve(spec: Spec, target: Target, policy: Optional[str]):
-    """The solver's plan with this GPU's autotune winner swapped in (imports sympy: cache misses only)."""
-    from fagen import solver as solver_stage
-    from fagen import tuning
-
-    solution = solver_stage.solve(spec, target, policy)
-    if (policy or spec.tile_policy) == "auto":  # the per-(GPU, spec) winner of `fagen bench --autotune`
-        solution = tuning.apply(solution, tuning.lookup(spec, target.name))
-    return solution
-
-
-def _build_record(spec: Spec, target: Target, solution) -> tuple[dict, dict]:
-    """Render and compile `solution`: the record the plan cache stores, and a cubin per pass.
-
-    Each pass is its own compilation unit, compiled in parallel: a cold forward + backward costs
-    the slower of the two nvcc runs, not their sum."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    from fagen.render import render
-
-    rendered = render(spec, solution)
-    keys = {p: cubin_key(text, target.arch, rendered.include_dir) for p, text in rendered.pass_texts.items()}
-    with ThreadPoolExecutor(max_workers=len(keys)) as pool:
-        futures = {p: pool.submit(cached_cubin, text, target.arch, rendered.include_dir, keys[p])
-                   for p, text in rendered.pass_texts.items()}
-        cubins = {p: future.result() for p, future in futures.items()}
-    record = {"format": RECORD_FORMAT, "spec": spec.canonical_json(), "policy": solution.policy,
-              "plans": {p: plan.to_dict() for p, plan in solution.plans.items()},
-              "kernels": {p: list(names) for p, names in rendered.kernels.items()},
-              "cubin_keys": keys, "_rendered": rendered}
-    return record, cubins
-
-
-RECORD_FORMAT = 2   # 2: one cubin per pass
-_RECORD_KEYS = ("format", "spec", "plans", "kernels", "cubin_keys")
-
-
-def _plan_key(spec: Spec, target: Target, policy: Optional[str]) -> str:
-    from fagen.sources import fingerprint
-
-    try:  # a new autotune result changes the plan: key on the autotune file's state, not its contents
-        stat = os.stat(DiskCache().root / AUTOTUNE_FILE)
-        tuned = f"{stat.st_mtime_ns}:{stat.st_size}"
-    except OSError:
-        tuned = "none"
-    return digest("plan-v1", spec.canonical_json(), policy or "", json.dumps(asdict(target), sort_keys=True),
-                  fingerprint(), tuned)
-
-
-def _cached(cache: DiskCache, key: str) -> Optional[tuple[dict, bytes]]:
-    raw = cache.get("plan", key)
-    if raw is None:
-        return None
-    try:
-        record = json.loads(raw)
-        if record.get("format") != RECORD_FORMAT or not all(name in record for name in _RECORD_KEYS):
-            raise ValueError(f"format {record.get('format')}, this fagen writes {RECORD_FORMAT}")
-    except ValueError as err:  # checksummed, so only a format change gets here: rebuild
-        import warnings
-
-        warnings.warn(f"fagen: cached plan {cache.path('plan', key)} is unreadable ({err}); rebuilding it")
-        return None
-    cubins = {p: cache.get("cubin", key) for p, key in record["cubin_keys"].items()}
-    return None if None in cubins.values() else (record, cubins)
-
-
-def _record_for(spec: Spec, target: Target, policy: Optional[str]) -> tuple[dict, dict]:
-    """The cached (record, cubin) of a spec, or solved, rendered, compiled and stored under a lock,
-    so that one process builds it and the others wait and load."""
-    cache = DiskCache()
-    key = _plan_key(spec, target, policy)
-    found = _cached(cache, key)
-    if found is None:
-        with cache.lock("plan", key):
-            found = _cached(cache, key)
-            if found is None:
-                record, cubins = _build_record(spec, target, _solve(spec, target, policy))
-                record.pop("_rendered")
-                cache.put("plan", key, json.dumps(record, sort_keys=True).encode())
-                found = record, cubins
-    return found
-
-
 _targets: dict[int, Target] = {}
-_kernel_cache: dict[tuple, Kernel] = {}
-_compile_lock = threading.RLock()
 
 
 def device_target(device_index: int) -> Target:
@@ -1943,39 +1837,3 @@ def device_target(device_index: int) -> Target:
     if target is None:
         target = _targets[device_index] = from_attributes(driver.device_attributes(device_index))
     return target
-
-
-def compile(spec, *, policy: Optional[str] = None, device: Optional[int] = None) -> Kernel:
-    """Solve, render and compile `spec` (a Spec or a dict) for the GPU in this process.
-
-    The target is read off the device (its arch replaces spec.arch). Kernels are cached in memory
-    for the process and on disk (FAGEN_CACHE_DIR, default ~/.cache/fagen) across processes."""
-    spec = spec if isinstance(spec, Spec) else spec_from_dict(spec)
-    device_index = _default_device() if device is None else device
-    target = device_target(device_index)
-    if target.arch in ARCHS and spec.arch != target.arch:
-        spec = spec.model_copy(update={"arch": target.arch})
-    key = (spec.canonical_json(), policy, device_index)
-    kernel = _kernel_cache.get(key)
-    if kernel is None:
-        with _compile_lock:
-            kernel = _kernel_cache.get(key)
-            if kernel is None:
-                record, cubins = _record_for(spec, target, policy)
-                kernel = _kernel_cache[key] = Kernel(spec, target, record=record, cubins=cubins, device=device_index)
-    return kernel
-
-
-def precompile(specs, jobs: int = 8) -> None:
-    """Solve, render and compile many specs into the disk cache in parallel (nvcc in threads; no
-    context needed), so that later `compile(spec)` calls only load."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    target = device_target(_default_device())
-
-    def build(spec):
-        spec = spec if isinstance(spec, Spec) else spec_from_dict(spec)
-        _record_for(spec.model_copy(update={"arch": target.arch}), target, None)
-
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        list(pool.map(build, specs))

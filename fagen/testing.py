@@ -191,11 +191,12 @@ _kernels_under_test: dict = {}
 
 
 def kernel_under_test(spec):
-    """The kernel a GPU test of `spec` runs: `runtime.compile`'s, whose plans are this GPU's, except for a spec that
+    """The kernel a GPU test of `spec` runs: `fagen.compile`'s, whose plans are this GPU's, except for a spec that
     names an older arch than this GPU's (sm_80 on an H100 / H200): its own arch's plans (sm_80's mma.sync tiles)
-    compiled for this GPU, so that the GPU tests run them somewhere. (`runtime.compile` replaces a spec's arch by
+    compiled for this GPU, so that the GPU tests run them somewhere. (`fagen.compile` replaces a spec's arch by
     the device's, as a user moving a spec to a newer GPU wants.)"""
-    from fagen.runtime import Kernel, _default_device, compile as compile_spec, device_target
+    from fagen.jit import compile as compile_spec, kernel_for
+    from fagen.runtime import _default_device, device_target
     from fagen.spec import ARCHS
 
     target = device_target(_default_device())
@@ -208,7 +209,7 @@ def kernel_under_test(spec):
         from fagen.target import target_for
 
         solution = solve(spec, target_for(spec.arch))
-        kernel = _kernels_under_test[key] = Kernel(spec.model_copy(update={"arch": target.arch}), target, solution)
+        kernel = _kernels_under_test[key] = kernel_for(spec.model_copy(update={"arch": target.arch}), target, solution)
     return kernel
 
 
@@ -337,7 +338,7 @@ def check_specs(specs, examples: int = 50, backward: Optional[bool] = None, prin
     from rich.console import Console
     from rich.table import Table
 
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(specs)
     rows, failures = [], []

@@ -44,7 +44,7 @@ except ModuleNotFoundError as err:   # the extra is not installed: say which one
     raise ModuleNotFoundError("fagen.attention and fagen's torch ops need PyTorch: pip install 'fagen[torch]'",
                               name=err.name) from None
 
-from fagen import pad_rows, runtime
+from fagen import jit, pad_rows, runtime
 from fagen.spec import Spec, SpecError, spec_from_dict
 
 SEED_LIMIT = 2**63   # the ops' int arguments are int64
@@ -145,7 +145,7 @@ def kernel_for(key: str, device: int) -> "runtime.Kernel":
             fields = json.loads(key)
         except ValueError as err:
             raise SpecError(f"fagen.attention: spec string is not JSON of spec fields ({err}): {key[:200]!r}") from None
-        kernel = _kernels[(key, device)] = runtime.compile(spec_from_dict(fields, where="fagen.attention spec"),
+        kernel = _kernels[(key, device)] = jit.compile(spec_from_dict(fields, where="fagen.attention spec"),
                                                            device=device)
     return kernel
 

@@ -10,7 +10,7 @@
                                                                       "solver_ms", "timings": [...]}}}}}}
 
 The spec key is `spec.canonical_json()` with the `name` left out (a name changes no kernel) and the
-arch the device's, as `fagen.runtime.compile` sets it. `lookup(spec, gpu_name)` reads an entry and
+arch the device's, as `fagen.compile` sets it. `lookup(spec, gpu_name)` reads an entry and
 `apply(solution, entry)` swaps its plans in (`solver.with_plan`), ignoring a plan that is no longer a
 feasible candidate (templates and footprints change; a stale entry must never break a compile).
 

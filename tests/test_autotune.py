@@ -148,7 +148,7 @@ def test_autotune_stores_nothing_when_no_candidate_ran(monkeypatch, cache_dir):
 
 
 def test_compile_tuned_swaps_the_winner_into_the_runtime_kernel(monkeypatch):
-    from fagen import runtime
+    from fagen import jit
 
     target = target_for("sm_90")
     gpu_target = type(target)(**{**target.__dict__, "name": GPU})
@@ -160,8 +160,9 @@ def test_compile_tuned_swaps_the_winner_into_the_runtime_kernel(monkeypatch):
             built.append(solution)
             self.spec, self.target, self.solution = spec, target, solution
 
-    monkeypatch.setattr(runtime, "compile", lambda spec: base)
-    monkeypatch.setattr(runtime, "Kernel", FakeKernel)
+    monkeypatch.setattr(jit, "compile", lambda spec: base)
+    monkeypatch.setattr(jit, "solution", lambda kernel: kernel.solution)
+    monkeypatch.setattr(jit, "kernel_for", FakeKernel)
     monkeypatch.setattr(autotune, "_tuned_kernels", {})
     assert autotune.compile_tuned(SPEC) is base  # nothing cached: the runtime's own kernel
     chosen = autotune.select(SOLVED, fake_measure(), top=4)

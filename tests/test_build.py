@@ -265,3 +265,96 @@ def test_build_all_reports_each_variant_as_it_starts(tmp_path, fake_nvcc):
               progress=lambda result: events.append(("done", result.name)))
     assert events == [("start", specs[0].variant_name), ("done", specs[0].variant_name),
                       ("start", specs[1].variant_name), ("done", specs[1].variant_name)]
+
+
+# ---- run-time artifacts (fagen.compile's half of the build) -------------------------------------
+def _stub_cached_cubin(monkeypatch) -> list:
+    """fagen.compiler.cached_cubin with nvcc replaced by a recorder (the 'cubin' names the arch and the source's
+    length), stored in the disk cache under its key as the real one is."""
+    from fagen.cache import DiskCache
+
+    compiled = []
+
+    def cached_cubin(source, arch, include_dir, key=None):
+        def compile_it():
+            compiled.append((arch, source))
+            return f"{arch}:{len(source)}".encode()
+        return DiskCache().get_or_build("cubin", key or nvcc_stage.cubin_key(source, arch, include_dir), compile_it)
+
+    monkeypatch.setattr(nvcc_stage, "cached_cubin", cached_cubin)
+    return compiled
+
+
+def test_an_artifact_is_built_once_then_loaded_from_the_plan_cache(cache_dir, monkeypatch):
+    """artifact(): a miss solves, renders and compiles each pass as its own unit and stores the record; the next
+    call (any process) loads record and cubins from the disk cache, compiling nothing."""
+    from fagen import build
+    from fagen.artifact import RECORD_FORMAT, RECORD_KEYS
+    from fagen.target import target_for
+
+    compiled = _stub_cached_cubin(monkeypatch)
+    spec, target = Spec(head_dim=64, dtype="bf16", mask="causal", arch="sm_90"), target_for("sm_90")
+    first = build.artifact(spec, target)
+    assert sorted(first.cubins) == ["backward", "forward"] and len(compiled) == 2
+    assert {arch for arch, _ in compiled} == {"sm_90"}
+    record = first.record
+    assert record["format"] == RECORD_FORMAT and all(key in record for key in RECORD_KEYS)
+    assert set(record["plans"]) == set(record["kernels"]) == set(record["folds_heads"]) == {"forward", "backward"}
+    assert record["kernels"]["forward"][0] in compiled[0][1] + compiled[1][1]   # the symbols are the source's
+    again = build.artifact(spec, target)
+    assert len(compiled) == 2 and again.record == json.loads(json.dumps(record)) and again.cubins == first.cubins
+
+
+def test_an_artifact_of_another_format_is_rebuilt_with_a_warning(cache_dir, monkeypatch):
+    from fagen import build
+    from fagen.cache import DiskCache
+    from fagen.target import target_for
+
+    compiled = _stub_cached_cubin(monkeypatch)
+    spec, target = SMALL.model_copy(update={"arch": "sm_80"}), target_for("sm_80")
+    first = build.artifact(spec, target)
+    key = build._plan_key(spec, target, None)
+    DiskCache().put("plan", key, json.dumps({**first.record, "format": 1}).encode())
+    with pytest.warns(UserWarning, match="format 1, this fagen writes"):
+        rebuilt = build.artifact(spec, target)
+    assert rebuilt.record == first.record and len(compiled) == 1   # (its cubin was still in the cache)
+
+
+def test_a_score_mod_with_float_tensor_inputs_carries_its_input_gradient_backward(cache_dir, monkeypatch):
+    """The backward WITH_INPUT_GRADS is part of the artifact where score_mod reads float tensors (the runtime
+    never renders it on first use), and absent where it reads none."""
+    from fagen import build
+    from fagen.artifact import INPUT_GRAD_BACKWARD
+    from fagen.target import target_for
+
+    compiled = _stub_cached_cubin(monkeypatch)
+    target = target_for("sm_90")
+    bias = Spec(head_dim=64, dtype="bf16", score_mod="score + bias[h, i - j]", inputs={"bias": "float32"}, arch="sm_90")
+    made = build.artifact(bias, target)
+    assert sorted(made.cubins) == sorted(["forward", "backward", INPUT_GRAD_BACKWARD])
+    assert len(compiled) == 3 and sum("(the build WITH_INPUT_GRADS)" in source for _, source in compiled) == 1
+    capped = Spec(head_dim=64, dtype="bf16", score_mod="cap * tanh(score / cap)", inputs={"cap": "scalar"}, arch="sm_90")
+    assert INPUT_GRAD_BACKWARD not in build.artifact(capped, target).cubins
+
+
+def test_the_runtime_kernel_loads_an_artifact_without_the_build(monkeypatch):
+    """fagen.runtime.Kernel takes what the build made: its plans from the record (family, template, folds_heads),
+    each pass's cubin loaded through the driver; the record's extra cubin is the input-gradient backward."""
+    from fagen import build, runtime
+    from fagen.artifact import INPUT_GRAD_BACKWARD, Artifact
+    from fagen.target import target_for
+
+    spec = Spec(head_dim=64, dtype="bf16", mask="causal", arch="sm_90")
+    item = build.prepare(spec)
+    record = {"format": 3, "spec": spec.canonical_json(), "policy": item.solution.policy,
+              "plans": {p: plan.to_dict() for p, plan in item.solution.plans.items()},
+              "kernels": {p: list(names) for p, names in item.rendered.kernels.items()},
+              "cubin_keys": {}, "folds_heads": {"forward": False, "backward": True}}
+    loaded = []
+    monkeypatch.setattr(runtime.Kernel, "_module_functions", lambda self, device, cubins: loaded.append(cubins) or {})
+    kernel = runtime.Kernel(spec, target_for("sm_90"), Artifact(record, {"forward": b"f", "backward": b"b",
+                                                                         INPUT_GRAD_BACKWARD: b"g"}), device=0)
+    assert loaded == [{"forward": b"f", "backward": b"b"}]
+    assert kernel.plans["backward"].folds_heads and not kernel.plans["forward"].folds_heads
+    assert kernel.plans["forward"].family == item.solution.plans["forward"].family
+    assert kernel._input_grad_cubin == b"g"

@@ -281,14 +281,14 @@ def test_import_fagen_is_light():
     assert done.returncode == 0, done.stderr
 
 
-def test_fagen_compile_is_the_runtime_entry_point(monkeypatch):
-    """`fagen.compile(spec)` is the runtime's compile (the nvcc stage module is fagen.compiler)."""
+def test_fagen_compile_is_the_jit_entry_point(monkeypatch):
+    """`fagen.compile(spec)` is fagen/jit.py's compile (the nvcc stage module is fagen.compiler)."""
     import fagen
 
     calls = []
-    runtime = types.ModuleType("fagen.runtime")
-    runtime.compile = lambda spec, **options: calls.append((spec, options)) or "kernel"
-    monkeypatch.setitem(sys.modules, "fagen.runtime", runtime)
+    jit = types.ModuleType("fagen.jit")
+    jit.compile = lambda spec, **options: calls.append((spec, options)) or "kernel"
+    monkeypatch.setitem(sys.modules, "fagen.jit", jit)
     spec = load_specs(EXAMPLES / "causal_bf16.yaml")[0]
     assert fagen.compile(spec, autotune=True) == "kernel" and calls == [(spec, {"autotune": True})]
 

@@ -94,7 +94,7 @@ def check_packed(kernel, q, k, v, do, cu, longest, before_each_call=lambda: None
 
 @pytest.fixture(scope="module")
 def kernels():
-    from fagen.runtime import compile, precompile
+    from fagen.jit import compile, precompile
 
     precompile([PADDED, PACKED])
     return compile(PADDED), compile(PACKED)

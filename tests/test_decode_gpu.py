@@ -30,7 +30,7 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", passes=["forward", "dec
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS + PAGED_SPECS)
 
@@ -57,10 +57,10 @@ def decode_cases(draw, spec: Spec) -> Case:
 
 @pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.canonical_name)
 def test_decode_matches_reference(spec, monkeypatch):
-    from fagen import runtime
+    from fagen import jit, runtime
     from fagen.testing import assert_matches_reference
 
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     taken = []
     original = runtime.Kernel._decode
 
@@ -120,10 +120,10 @@ def test_paged_cache_matches_the_reference_on_the_gathered_keys(spec, tiles_per_
     import numpy as np
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference
     from fagen.testing import TOLERANCES, _lse_error, relative_error
 
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     page_size = tiles_per_page * kernel.plans["decode"].block_c
     batch, heads, kv_heads, pages_per_sequence, seq_q = 4, 8, 2, 5, 2 if spec.dtype == "fp32" else 1
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[spec.dtype]
@@ -164,10 +164,10 @@ def test_paged_cache_matches_the_reference_on_the_gathered_keys(spec, tiles_per_
 def test_paged_cache_arguments_get_clear_errors():
     import torch
 
-    from fagen import runtime
+    from fagen import jit
     from fagen.runtime import ArgumentError
 
-    kernel = runtime.compile(PAGED_SPECS[0])
+    kernel = jit.compile(PAGED_SPECS[0])
     tile = kernel.plans["decode"].block_c
     q = torch.randn(2, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
     cache = torch.randn(6, tile, 2, 128, device="cuda", dtype=torch.bfloat16)
@@ -180,5 +180,5 @@ def test_paged_cache_arguments_get_clear_errors():
         kernel.forward(torch.randn(2, 8, 9, 128, device="cuda", dtype=torch.bfloat16), cache, cache,
                        block_table=table, kv_lengths=[1, 2])
     with pytest.raises(ArgumentError, match="decode pass"):
-        runtime.compile(Spec(head_dim=128, dtype="bf16", mask="padding")).forward(q, cache, cache, block_table=table,
+        jit.compile(Spec(head_dim=128, dtype="bf16", mask="padding")).forward(q, cache, cache, block_table=table,
                                                                                  kv_lengths=[1, 2])

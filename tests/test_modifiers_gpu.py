@@ -67,7 +67,7 @@ SPECS = LIBRARY + FAMILIES
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS)
 
@@ -135,7 +135,7 @@ def test_fast_path_reads_each_calls_inputs():
     import torch
 
     from fagen import reference
-    from fagen.runtime import compile as compile_spec
+    from fagen.jit import compile as compile_spec
 
     softcap, alibi = LIBRARY[1], compile_spec(LIBRARY[0])
     q, k, v = _qkv(seq=130)
@@ -155,7 +155,8 @@ def test_fast_path_reads_each_calls_inputs():
 def test_input_errors_name_the_input():
     import torch
 
-    from fagen.runtime import ArgumentError, compile as compile_spec
+    from fagen.jit import compile as compile_spec
+    from fagen.runtime import ArgumentError
 
     kernel = compile_spec(LIBRARY[4])   # documents: doc int32 (batch, positions)
     q, k, v = _qkv(d=64, seq=64)
@@ -176,10 +177,10 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
     full path is made to fail), with the summary launch and per-call workspaces, and use the new ids."""
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
 
     spec = LIBRARY[4].model_copy(update={"deterministic": deterministic, "name": None})
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     q, k, v = _qkv(d=64, seq=333)
     if grouped:
         k, v = k[:, :2].contiguous(), v[:, :2].contiguous()
@@ -227,7 +228,7 @@ def test_tile_walk_past_one_block_of_tiles(head_dim, mask_mod):
     import torch
     import torch.nn.functional as F
 
-    from fagen.runtime import compile as compile_spec
+    from fagen.jit import compile as compile_spec
 
     seq = 20000
     positions = torch.arange(seq, device="cuda")
@@ -247,7 +248,7 @@ def test_tile_walk_past_one_block_of_tiles(head_dim, mask_mod):
     kernel = compile_spec(spec)
     if head_dim == 128:   # documents: forward_wgmma's 64 x 64 (timed faster); otherwise the warp-specialized forward
         expected = "forward_wgmma" if mask_mod == "documents" else "forward_wgmma_ws"
-        assert kernel.solution.plans["forward"].family == expected
+        assert kernel.plans["forward"].family == expected
     q, k, v = _qkv(batch=1, heads=2, seq=seq, d=head_dim)
     do = torch.randn_like(q)
     o, lse = kernel.forward(q, k, v, inputs=inputs)

@@ -30,7 +30,7 @@ LENGTHS = {
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS)
 
@@ -49,7 +49,7 @@ def test_out_of_range_kv_lengths_act_clamped(spec, lengths):
     from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, Case, make_inputs, relative_error
 
     kernel = fagen.compile(spec)
-    templates = {name: plan.template for name, plan in kernel.solution.plans.items()}
+    templates = {name: plan.template for name, plan in kernel.plans.items()}
     case = Case(batch=BATCH, heads=HEADS, seq_q=SEQ_Q, seq_k=SEQ_K, layout="bhnd", data_seed=3, seed=0, offset=0)
     q, k, v = make_inputs(spec, case)
     (do,) = make_inputs(spec, Case(**{**case.__dict__, "data_seed": 4}), names=("do",))

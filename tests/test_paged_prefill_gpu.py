@@ -29,7 +29,7 @@ LENGTHS = ((130, 130), (77, 610), (1, 301), (5, 389), (0, 40), (3, 0))
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS)
 
@@ -72,10 +72,10 @@ def _gathered(cache, table, lengths):
 def test_paged_prefill_equals_the_contiguous_call_and_the_reference(spec, page_size):
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference
     from fagen.testing import TOLERANCES, _lse_error, relative_error
 
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     q, k_cache, v_cache, table, cu_q, cu_k, unused = _paged_batch(spec, page_size, seed=page_size)
     # outputs poisoned: every row of a sequence with queries is written, rows without keys as 0 / -inf
     o = torch.full_like(q, float("nan"))
@@ -107,10 +107,10 @@ def test_paged_prefill_offsets_on_the_gpu():
     """cu_seqlens on the GPU (the serving engines' case: no host read-back) with max_seqlen_q / _k."""
     import torch
 
-    from fagen import runtime
+    from fagen import jit
 
     spec = SPECS[0]
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     q, k_cache, v_cache, table, cu_q, cu_k, _ = _paged_batch(spec, 16, seed=3)
     on_gpu = [torch.tensor(c, dtype=torch.int32, device="cuda") for c in (cu_q, cu_k)]
     o, lse = kernel.forward(q, k_cache, v_cache, block_table=table, cu_seqlens_q=on_gpu[0], cu_seqlens_k=on_gpu[1],
@@ -122,10 +122,10 @@ def test_paged_prefill_offsets_on_the_gpu():
 def test_paged_prefill_arguments_get_clear_errors():
     import torch
 
-    from fagen import runtime
+    from fagen import jit
     from fagen.runtime import ArgumentError
 
-    kernel = runtime.compile(SPECS[0])
+    kernel = jit.compile(SPECS[0])
     q, k_cache, v_cache, table, cu_q, cu_k, _ = _paged_batch(SPECS[0], 16)
     with pytest.raises(ArgumentError, match="do not fit a row of the block table"):
         kernel.forward(q, k_cache, v_cache, block_table=table[:, :2], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
@@ -138,7 +138,7 @@ def test_paged_prefill_arguments_get_clear_errors():
     odd = torch.zeros(*k_cache.shape[:3], 129, device="cuda", dtype=k_cache.dtype)[..., :128]   # heads 258 B apart
     with pytest.raises(ArgumentError, match="16-byte boundaries"):
         kernel.forward(q, odd, odd, block_table=table, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
-    fp32 = runtime.compile(Spec(head_dim=64, dtype="fp32", mask="causal", layout="packed"))
+    fp32 = jit.compile(Spec(head_dim=64, dtype="fp32", mask="causal", layout="packed"))
     cache = torch.zeros(4, 16, 2, 64, device="cuda")
     with pytest.raises(ArgumentError, match="does not read paged"):
         fp32.forward(torch.zeros(3, 8, 64, device="cuda"), cache, cache, block_table=table[:1, :2],

@@ -174,7 +174,7 @@ def test_a_paged_cache_with_mismatched_layout_arguments_is_refused_before_anythi
     with pytest.raises(ArgumentError, match="pass cu_seqlens_q"):
         Kernel.forward(packed, None, None, None, block_table=[[0]])
     for template in ("forward_fa2_simt.cu.j2", "forward_fa1_simt.cu.j2", "forward_fa2_mma.cu.j2"):
-        plan = LaunchPlan(("f",), 64, 64, 128, 0, 2, False, 64, template)
+        plan = LaunchPlan(("f",), 64, 64, 128, 0, 2, False, 64, template, template.split(".")[0], False)
         packed = SimpleNamespace(spec=Spec(head_dim=64, dtype="fp32", mask="causal", layout="packed"),
                                  _pass=lambda name: plan)
         with pytest.raises(ArgumentError, match="does not read paged K/V caches; Hopper's warpgroup-MMA"):
@@ -216,7 +216,7 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     from types import SimpleNamespace
 
     from fagen.runtime import FOLD_WAVES, Kernel
-    from fagen.sources import FOLDING_TEMPLATES
+    from fagen.sources import FOLDING_TEMPLATES, folds_kv_group
 
     target = SimpleNamespace(sm_count=132)
     ws, ws_64_rows = (SimpleNamespace(template=FOLDING_TEMPLATES[0], block_r=rows) for rows in (128, 64))   # (d <= 64, 72-128)
@@ -228,13 +228,17 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     per_head = SimpleNamespace(spec=Spec(head_dim=128, dtype="bf16", mask_mod="i - j < window[h]",
                                          inputs={"window": "int32"}), target=target)
     enough = FOLD_WAVES * 132
-    assert Kernel._folds(foldable, ws, enough)
-    assert not Kernel._folds(foldable, ws, enough - 1)
-    assert not Kernel._folds(foldable, other, 10 * enough)
-    assert not Kernel._folds(dropout, ws, 10 * enough)
-    assert Kernel._folds(documents, ws_64_rows, enough)          # the same mask in every head of the group
-    assert Kernel._folds(documents, ws, enough)                   # 128-row blocks too (8 B spilled, still faster)
-    assert not Kernel._folds(per_head, ws_64_rows, 10 * enough)  # a mask that reads h
+
+    def folds(kernel, plan, blocks):   # the build's record of the kernel (folds_kv_group), then the runtime's rule
+        return Kernel._folds(kernel, SimpleNamespace(folds_heads=folds_kv_group(kernel.spec, plan)), blocks)
+
+    assert folds(foldable, ws, enough)
+    assert not folds(foldable, ws, enough - 1)
+    assert not folds(foldable, other, 10 * enough)
+    assert not folds(dropout, ws, 10 * enough)
+    assert folds(documents, ws_64_rows, enough)          # the same mask in every head of the group
+    assert folds(documents, ws, enough)                   # 128-row blocks too (8 B spilled, still faster)
+    assert not folds(per_head, ws_64_rows, 10 * enough)  # a mask that reads h
 
 
 def test_fills_are_queued_in_the_devices_context_and_give_the_callers_back(monkeypatch):

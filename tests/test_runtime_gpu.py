@@ -78,7 +78,7 @@ GRAD_SPECS = [s for s in SPECS if s.loop_order == "fa2"] + [
 
 @pytest.fixture(scope="session", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS + GRAD_SPECS + [spec for spec, *_ in MANY_PAIRS] + [spec for spec, _ in ROW_PASS_CASES])
 
@@ -136,12 +136,12 @@ def test_warp_specialized_backward_reuses_its_stages(spec):
     reused and both parities of every barrier wrap (the property tests' 200 rows reach 2 blocks at d = 64).
     With a mask_mod, row blocks are skipped and tiles are full or partial, as the producer's walk hands them over;
     with a score_mod, its inputs' gradients as well (assert_matches_reference)."""
-    from fagen.runtime import compile as compile_spec
+    from fagen.jit import compile as compile_spec
     from fagen.testing import Case, assert_matches_reference, input_fields
 
     kernel = compile_spec(spec)
-    if kernel.solution.plans["backward"].family != "backward_wgmma_ws":
-        pytest.skip(f"this device's plan is {kernel.solution.plans['backward'].family}")
+    if kernel.plans["backward"].family != "backward_wgmma_ws":
+        pytest.skip(f"this device's plan is {kernel.plans['backward'].family}")
     for seq_q, seq_k in ((5 * 128 + 37, 5 * 128 + 37), (700, 900)):
         assert_matches_reference(kernel, Case(batch=2, heads=3, seq_q=seq_q, seq_k=seq_k, layout="bnhd", data_seed=seq_q,
                                               seed=7, offset=11, **input_fields(spec, 2, 3, seq_q, seq_k, seq_k, ())),
@@ -156,11 +156,11 @@ def test_warp_specialized_backward_reuses_its_stages(spec):
 def test_d192_forward_on_112_key_blocks(spec):
     """forward_wgmma at d = 192 walks 112 keys a block (not a power of two): several whole blocks and a partial one,
     causal and windowed tiles that cross 112-key edges, Nq != Nk."""
-    from fagen.runtime import compile as compile_spec
+    from fagen.jit import compile as compile_spec
     from fagen.testing import Case, assert_matches_reference, input_fields
 
     kernel = compile_spec(spec)
-    plan = kernel.solution.plans["forward"]
+    plan = kernel.plans["forward"]
     if (plan.block_r, plan.block_c) != (128, 112):
         pytest.skip(f"this device's forward plan is {plan.family} {plan.block_r} x {plan.block_c}")
     for seq_q, seq_k in ((5 * 112 + 37, 5 * 112 + 37), (300, 1000)):
@@ -176,7 +176,7 @@ def test_forward_backward_at_32k_tokens_without_quadratic_memory():
     import torch
 
     from fagen import reference
-    from fagen.runtime import compile as compile_spec
+    from fagen.jit import compile as compile_spec
 
     spec = Spec(head_dim=64, dtype="fp16", mask="none")
     kernel = compile_spec(spec)

@@ -302,11 +302,11 @@ _LOAD_PROBE = r"""
 import json, sys, time, warnings
 start = time.perf_counter()
 import fagen
-from fagen import runtime
+from fagen import jit, runtime
 spec = fagen.Spec(**json.loads(sys.argv[1]))
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
-    kernel = runtime.compile(spec, device=0)
+    kernel = jit.compile(spec, device=0)
 seconds = time.perf_counter() - start
 print("PROBE " + json.dumps({"seconds": seconds, "warnings": [str(w.message) for w in caught],
                              "sympy": "sympy" in sys.modules, "jinja2": "jinja2" in sys.modules}))

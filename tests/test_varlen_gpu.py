@@ -31,7 +31,7 @@ SPECS = [Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),      
 
 @pytest.fixture(scope="module", autouse=True)
 def warm_cache():
-    from fagen.runtime import precompile
+    from fagen.jit import precompile
 
     precompile(SPECS)
 
@@ -124,9 +124,9 @@ def test_device_offsets_out_of_range_are_clamped_not_read_out_of_bounds():
     never an access outside the tensors."""
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference
 
-    kernel = runtime.compile(SPECS[0])
+    kernel = jit.compile(SPECS[0])
     q, k, v, _ = _packed_inputs([100], [100], seed=3)
     bad = torch.tensor([-5, 40, 40, 10_000], dtype=torch.int32, device="cuda")   # below 0, past the end
     o, lse = kernel.forward(q, k, v, cu_seqlens_q=bad, cu_seqlens_k=bad, max_seqlen_q=50, max_seqlen_k=50)
@@ -143,9 +143,9 @@ def test_device_offsets_out_of_range_are_clamped_not_read_out_of_bounds():
 def test_packed_arguments_get_clear_errors():
     import torch
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
-    kernel = runtime.compile(SPECS[0])
+    kernel = jit.compile(SPECS[0])
     q, k, v, (cu_q, cu_k) = _packed_inputs([10, 20], [10, 20])
     with pytest.raises(runtime.ArgumentError, match="layout packed: pass cu_seqlens_q"):
         kernel.forward(q, k, v)
@@ -159,7 +159,7 @@ def test_packed_arguments_get_clear_errors():
         kernel.forward(q, k, v, cu_seqlens_q=[0, 30], cu_seqlens_k=[0, 10, 30])
     with pytest.raises(runtime.ArgumentError, match="3 dimensions"):
         kernel.forward(q[None], k, v, cu_seqlens_q=[0, 30], cu_seqlens_k=[0, 30])
-    padded = runtime.compile(Spec(head_dim=128, dtype="bf16", mask="causal"))
+    padded = jit.compile(Spec(head_dim=128, dtype="bf16", mask="causal"))
     with pytest.raises(runtime.ArgumentError, match="layout padded"):
         padded.forward(q[None], k[None], v[None], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
     assert torch.cuda.is_available()
@@ -170,10 +170,10 @@ def test_arrays_without_torch_take_the_packed_path():
     packed views are built from the interface's strides, and fresh outputs are PyCUDA arrays."""
     import pycuda.gpuarray as gpuarray
 
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
 
     spec = Spec(head_dim=64, dtype="fp16", mask="causal", layout="packed")
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     runtime.ensure_context()
     rng = np.random.default_rng(4)
     cu_q, cu_k = [0, 70, 70, 201], [0, 90, 91, 150]
@@ -199,10 +199,10 @@ def test_outputs_given_for_a_batch_without_work_get_their_sequence_rows(arrays):
     import pycuda.gpuarray as gpuarray
     import torch
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     spec = Spec(head_dim=32, dtype="fp16", mask="causal", layout="packed")
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     runtime.ensure_context()
     rng = np.random.default_rng(7)
     q, do = (rng.standard_normal((3, 2, 32)).astype(np.float16) for _ in range(2))
@@ -236,9 +236,9 @@ def test_repeated_packed_calls_take_the_fast_path_and_read_the_new_offsets(monke
     skips the checks and launches at once; the offsets' contents are read by the kernel on every call."""
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
 
-    kernel = runtime.compile(SPECS[0])
+    kernel = jit.compile(SPECS[0])
     first, second = [100, 50, 0, 78], [10, 200, 17, 1]      # same total, same count: one signature
     q, k, v, (cu_first, _) = _packed_inputs(first, first, seed=5)
     cu_second = torch.tensor(np.concatenate([[0], np.cumsum(second)]), dtype=torch.int32, device="cuda")
@@ -268,10 +268,10 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
     strides are the full path's: a review found the fast path writing them into storage laid out like q's)."""
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
 
     monkeypatch.setattr(runtime, "FOLD_WAVES", 0 if folded else 10**9)
-    kernel = runtime.compile(SPECS[0])
+    kernel = jit.compile(SPECS[0])
     kernel._fast_backward.clear()
     # same count and maximum: one signature; the second call leaves 3 query and key rows after its last sequence
     first, second = [100, 50, 0, 78], [10, 200, 14, 1]
@@ -315,10 +315,10 @@ def test_packed_autograd_backward_is_keyed_by_its_forward(monkeypatch):
     import torch
 
     import fagen
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
 
     spec = SPECS[0]
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     kernel._fast_backward_after.clear()
     lengths = {"max_seqlen_q": 200, "max_seqlen_k": 200}
     signatures = []
@@ -399,7 +399,7 @@ def test_grouped_kv_heads_folded_in_packed_batches(spec, kv_heads, monkeypatch):
     inside sequences written, the key rows outside left as given). Against the float64 reference per sequence."""
     import torch
 
-    from fagen import reference, runtime
+    from fagen import jit, reference, runtime
     from fagen.sources import folds_kv_group
     from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
 
@@ -408,7 +408,7 @@ def test_grouped_kv_heads_folded_in_packed_batches(spec, kv_heads, monkeypatch):
     launch = runtime.Kernel._launch
     monkeypatch.setattr(runtime.Kernel, "_launch", lambda self, device, symbol, *rest: (
         launched.append(symbol), launch(self, device, symbol, *rest))[1])
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     assert folds_kv_group(spec, kernel.plans["backward"])
     lengths_q, lengths_k = [130, 0, 1, 517, 64], [200, 7, 0, 517, 33]
     heads, d, outside = 4, spec.head_dim, 5       # key rows after the last sequence

@@ -10,7 +10,7 @@ window of 1024 at batch 2, N = 8192; with AB_WIDE=1 only d = 160, 192, 256 causa
 import os, sys, statistics
 sys.path.insert(0, sys.argv[1])
 import torch
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.spec import Spec
 runtime.ensure_context()
 def t(fn, n=30):
@@ -28,7 +28,7 @@ if os.environ.get("AB_DROPOUT"): CASES+=[(d,h,mask,0.1,None,4,4096) for d,h in (
 if os.environ.get("AB_WINDOW"): CASES+=[(128,16,"sliding_window",0.0,1024,2,8192), (64,16,"sliding_window",0.0,1024,2,8192)]
 if os.environ.get("AB_WIDE"): CASES=[(d,16,"causal",0.0,None,4,4096) for d in (160,192,256)] + [(256,16,"none",0.0,None,2,3000)]
 for d,h,mask,p,window,batch,n in CASES:
-    k=runtime.compile(Spec(head_dim=d,dtype="bf16",mask=mask,dropout=p,window=window))
+    k=jit.compile(Spec(head_dim=d,dtype="bf16",mask=mask,dropout=p,window=window))
     g=torch.Generator(device="cuda").manual_seed(0)
     q,kk,v,do=(torch.randn(batch,h,n,d,device="cuda",dtype=torch.bfloat16,generator=g) for _ in range(4))
     o,lse=k.forward(q,kk,v)

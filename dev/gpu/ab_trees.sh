@@ -16,7 +16,7 @@ for tree in "${trees[@]}"; do
     continue
   fi
   (cd "$tree" && FAGEN_CACHE_DIR=$(cache_of "$tree") PYTHONPATH=$PWD:$PYTHONPATH python3 -c "
-from fagen.runtime import precompile
+from fagen.jit import precompile
 from fagen.spec import Spec
 import os
 precompile([Spec(head_dim=d, dtype='bf16', mask=m, dropout=p) for d in (64, 128) for m in ('causal', 'none')

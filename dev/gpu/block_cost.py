@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from dev.gpu.kernel_times import kernel_table
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.bench.modifiers import document_ids
 from fagen.spec import Spec
 
@@ -59,9 +59,9 @@ def main() -> None:
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v, do = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(4))
     cases = [c for c in cases if not args.only or c[0] in args.only]
-    runtime.precompile([Spec(**fields) for _, fields, _, _ in cases], jobs=12)
+    jit.precompile([Spec(**fields) for _, fields, _, _ in cases], jobs=12)
     for label, fields, inputs, allowed in cases:
-        kernel = runtime.compile(Spec(**fields))
+        kernel = jit.compile(Spec(**fields))
         plan = kernel.plans[args.pass_name]
         fargs = {"inputs": inputs} if inputs is not None else {}
         if allowed is None:

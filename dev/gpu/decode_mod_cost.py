@@ -11,7 +11,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import torch
 
-from fagen import runtime
+from fagen import jit
 from fagen.bench.timing import time_cuda, unchecked_launches
 from fagen.spec import Spec
 
@@ -27,7 +27,7 @@ VARIANTS = {
 
 def main() -> None:
     heads, kv_heads, d = 32, 8, 128
-    kernels = {name: (runtime.compile(spec), extra(heads)) for name, (spec, extra) in VARIANTS.items()}
+    kernels = {name: (jit.compile(spec), extra(heads)) for name, (spec, extra) in VARIANTS.items()}
     for batch in (1, 32):
         for seq_k in (8192, 32768):
             generator = torch.Generator(device="cuda").manual_seed(0)

@@ -15,7 +15,7 @@ case " $* " in *" bench "*|*" tests "*|*" all "*) ;; *) SKIP_PRECOMPILE=1 ;; esa
 TEST_SPECS=${TEST_SPECS:-} python3 -c "
 import os
 from fagen.bench.corners import CORNERS
-from fagen.runtime import precompile
+from fagen.jit import precompile
 specs = [c.spec for c in CORNERS]
 if os.environ['TEST_SPECS']:
     import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
@@ -43,7 +43,7 @@ for step in "$@"; do
     echo "== pytest (dropout: bit for bit against the reference, GQA, packed, modifiers, autograd)"
     python3 -c "
 import tests.test_runtime_gpu as t, tests.test_varlen_gpu as v, tests.test_modifiers_gpu as m
-from fagen.runtime import precompile
+from fagen.jit import precompile
 precompile([s for s in t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + v.SPECS + m.SPECS if s.dropout], jobs=16)" 2>&1 | grep -iv warn | tail -2
     timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_runtime_gpu.py tests/test_varlen_gpu.py \
       tests/test_modifiers_gpu.py tests/test_torch_gpu.py -k "drop or grouped or seed" 2>&1 | tail -6 || failed=1

@@ -5,7 +5,7 @@
 source dev/gpu/device_prelude.sh
 python3 -c "
 import tests.test_modifiers_gpu as m
-from fagen.runtime import precompile
+from fagen.jit import precompile
 precompile(m.SPECS, jobs=16)" 2>&1 | grep -iv warn | tail -3
 save_cache
 echo "== pytest modifiers"

@@ -22,7 +22,7 @@ import random  # noqa: E402
 
 import torch  # noqa: E402
 
-from fagen import runtime  # noqa: E402
+from fagen import jit, runtime  # noqa: E402
 from fagen.bench.model import packed_lengths  # noqa: E402
 from fagen.spec import Spec  # noqa: E402
 from kernel_times import kernel_table  # noqa: E402
@@ -77,7 +77,7 @@ if PACKED:
 
 DEFAULT_WAVES = runtime.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     g = torch.Generator(device="cuda").manual_seed(0)
     dt = torch.bfloat16 if spec.dtype == "bf16" else torch.float16
     extra = {}

@@ -7,7 +7,7 @@ show it."""
 import os, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.bench.timing import time_cuda
 from fagen.spec import Spec
 CASES = [  # (d, mask, dropout, window, B, H, N)
@@ -31,12 +31,12 @@ if os.environ.get("WIDE"):
     ]
 specs = [Spec(head_dim=d, dtype="bf16", mask=m, dropout=p, window=w, passes=("forward",)) for d, m, p, w, *_ in CASES]
 if "--compile-only" in sys.argv:
-    runtime.precompile(specs, jobs=8); sys.exit()
+    jit.precompile(specs, jobs=8); sys.exit()
 runtime.ensure_context()
 runtime.CHECK_LAUNCHES = False
 out = []
 for spec, (d, m, p, w, B, H, N) in zip(specs, CASES):
-    k = runtime.compile(spec)
+    k = jit.compile(spec)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, kk, v = (torch.randn(B, H, N, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     o, _ = k.forward(q, kk, v)

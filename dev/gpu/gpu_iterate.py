@@ -9,7 +9,7 @@ import time
 
 from hypothesis import HealthCheck, given, settings
 
-from fagen import runtime, solver
+from fagen import jit, runtime, solver
 from fagen.bench import peers, timing
 from fagen.bench.report import reason
 from fagen.spec import Spec
@@ -37,7 +37,7 @@ def main() -> int:
     target = from_device()
     specs = [s.model_copy(update={"arch": target.arch}) for s in CHECK_SPECS + TIME_SPECS]
     t0 = time.time()
-    runtime.precompile(specs, jobs=16)
+    jit.precompile(specs, jobs=16)
     from concurrent.futures import ThreadPoolExecutor
 
     from fagen.compiler import cached_cubin

@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 
 import fagen
-from fagen import runtime
+from fagen import jit
 from fagen.bench.timing import time_cuda, unchecked_launches
 from fagen.spec import load_specs
 
@@ -45,7 +45,7 @@ def main() -> None:
     args = parser.parse_args()
     specs = [s for s in load_specs("examples/modifiers.yaml") if s.modifiers.kernel_input_grads]
     for spec in specs:
-        kernel = runtime.compile(spec)
+        kernel = jit.compile(spec)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[spec.dtype]
         generator = torch.Generator(device="cuda").manual_seed(0)
         q, k, v, do = (torch.randn(args.batch, args.heads, args.seq, spec.head_dim, device="cuda", dtype=dtype,

@@ -13,7 +13,7 @@ import torch
 import yaml
 from torch.profiler import ProfilerActivity, profile
 
-from fagen import runtime
+from fagen import jit
 from fagen.bench.modifiers import make_case
 from fagen.spec import Spec
 
@@ -41,7 +41,7 @@ def main() -> None:
     parser.add_argument("--backward", action="store_true")
     args = parser.parse_args()
     spec = Spec(**yaml.safe_load(args.spec))
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     for shape in args.shapes:
         batch, heads, seq = map(int, shape.split("x"))
         case = make_case(spec, batch, heads, seq, seed=seq)

@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import numpy as np
 import torch
 
-from fagen import runtime
+from fagen import jit
 from fagen.bench.modifiers import document_ids
 from fagen.bench.timing import time_cuda, unchecked_launches
 from fagen.spec import Spec, load_specs
@@ -51,7 +51,7 @@ def main() -> None:
              "causal, no mask_mod": (plain, {})}
     with unchecked_launches():
         for name, (case_spec, extra) in cases.items():
-            kernel = runtime.compile(case_spec)
+            kernel = jit.compile(case_spec)
             o, lse = kernel.forward(q, k, v, **extra)
             forward = time_cuda(lambda: kernel.forward(q, k, v, **extra), 3, 20)
             backward = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do, **extra), 3, 20)

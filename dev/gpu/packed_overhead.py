@@ -6,12 +6,12 @@ import sys, os, time
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 import torch
 import torch.nn.functional as F
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.spec import Spec
 
 runtime.ensure_context()
-packed = runtime.compile(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"))
-padded = runtime.compile(Spec(head_dim=128, dtype="bf16", mask="causal"))
+packed = jit.compile(Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"))
+padded = jit.compile(Spec(head_dim=128, dtype="bf16", mask="causal"))
 q3 = torch.randn(256, 8, 128, device="cuda", dtype=torch.bfloat16)
 cu = torch.tensor([0, 100, 256], dtype=torch.int32, device="cuda")
 q4 = torch.randn(2, 8, 128, 128, device="cuda", dtype=torch.bfloat16)

@@ -4,7 +4,7 @@
 source dev/gpu/device_prelude.sh
 start=$(date +%s); at() { echo "  ($(( $(date +%s) - start )) s)"; }
 if [ -n "${QUICK:-}" ]; then
-  python3 -c "import tests.test_paged_prefill_gpu as g, dev.gpu.sanitize as s; from fagen.runtime import precompile
+  python3 -c "import tests.test_paged_prefill_gpu as g, dev.gpu.sanitize as s; from fagen.jit import precompile
 precompile(g.SPECS + [x for x in s.SPECS if x.layout == 'packed'], jobs=16)" 2>&1 | grep -iv warn | tail -2
 else
   precompile_suite; save_cache

@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 
 import yaml
 
-from fagen import runtime, solver
+from fagen import jit, runtime, solver
 from fagen.bench.peers import time_sdpa_backward, time_sdpa_forward
 from fagen.bench.timing import make_inputs, relative_error, time_cuda, unchecked_launches
 from fagen.compiler import CompileError
@@ -68,7 +68,7 @@ def main() -> None:
     args = parser.parse_args()
     spec = Spec(**yaml.safe_load(args.spec))
     if args.compile_only:
-        runtime.compile(spec)
+        jit.compile(spec)
         for text in args.plans:
             kernel_with(spec, *parse_plan(text))
         return
@@ -87,7 +87,7 @@ def main() -> None:
         inputs = dataclasses.replace(inputs, runtime_args={**inputs.runtime_args, "cu_seqlens_q": cu_seqlens,
                                                            "cu_seqlens_k": cu_seqlens, "max_seqlen_q": args.seq,
                                                            "max_seqlen_k": args.seq})
-    base = runtime.compile(spec)
+    base = jit.compile(spec)
     o_ref, lse_ref = base.forward(q, k, v, **inputs.runtime_args)
     grads_ref = base.backward(q, k, v, o_ref, lse_ref, do, **inputs.runtime_args) if "backward" in spec.passes else None
     print(f"{spec.variant_name} B x H = {args.batch} x {args.heads}, N = {args.seq}; solver: "

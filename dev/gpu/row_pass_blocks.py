@@ -8,13 +8,13 @@ import sys, os
 sys.path.insert(0, os.getcwd())
 import torch
 from dev.gpu.kernel_times import kernel_table
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.bench.modifiers import document_ids
 from fagen.spec import Spec
 runtime.ensure_context()
 b, h, n, d = 4, 16, 2048, 128
 spec = Spec(head_dim=d, dtype="bf16", mask="causal", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
-kernel = runtime.compile(spec)
+kernel = jit.compile(spec)
 g = torch.Generator(device="cuda").manual_seed(0)
 q, k, v, do = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda", generator=g) for _ in range(4))
 inputs = {"doc": torch.from_numpy(document_ids(b, n, seed=n)).cuda()}

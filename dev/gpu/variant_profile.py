@@ -10,7 +10,7 @@ import torch
 from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
 from dev.gpu.kernel_times import kernel_table
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.bench import modifiers as mb
 from fagen.bench.timing import time_us_after_first_call
 from fagen.spec import Spec
@@ -31,7 +31,7 @@ def main():
         # the base: every variant of the library is causal or narrower, so plain causal is its mask kind alone
         base_spec = Spec(**{**spec.model_dump(exclude_none=True), "mask_mod": None, "score_mod": None,
                             "inputs": None, "mask": "causal", "name": spec.variant_name + "_base"})
-        kernels = {"variant": runtime.compile(spec), "base": runtime.compile(base_spec)}
+        kernels = {"variant": jit.compile(spec), "base": jit.compile(base_spec)}
         for n in args.seq_lens:
             case = mb.make_case(spec, args.batch, args.heads, n, seed=n)
             mods = mb.flex_mods(spec, case.inputs)

@@ -4,7 +4,7 @@
 source dev/gpu/device_prelude.sh
 python3 -c "
 import tests.test_runtime_gpu as t, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
-from fagen.runtime import precompile
+from fagen.jit import precompile
 from fagen.bench.corners import CORNERS
 wide = lambda x: x.head_dim > 128
 precompile([x for x in t.SPECS + t.GRAD_SPECS + m.SPECS + s.SPECS + [c.spec for c in CORNERS] if wide(x)], jobs=16)" 2>&1 | grep -iv warn | tail -3

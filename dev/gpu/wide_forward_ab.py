@@ -12,7 +12,7 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.spec import Spec
 
 runtime.ensure_context()
@@ -35,7 +35,7 @@ rows = []
 for d, mask, (batch, heads, n) in [(192, "none", (8, 8, 1024)), (192, "none", (16, 16, 1024)), (160, "none", (16, 16, 1024)),
                                    (256, "none", (16, 16, 1024)), (160, "causal", (4, 16, 4096)),
                                    (192, "causal", (4, 16, 4096)), (256, "causal", (4, 16, 4096))]:
-    kernel = runtime.compile(Spec(head_dim=d, dtype="bf16", mask=mask))
+    kernel = jit.compile(Spec(head_dim=d, dtype="bf16", mask=mask))
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(batch, heads, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(3))
     fagen_ms = median_ms(lambda: kernel.forward(q, k, v))

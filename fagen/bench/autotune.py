@@ -80,21 +80,21 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
     it on, so that a bad launch raises there."""
     import torch
 
-    from fagen import runtime
+    from fagen import jit
     from fagen.bench import timing
 
-    base_kernel = runtime.compile(spec)           # the device's spec (arch) and target, as compile sees them
+    base_kernel = jit.compile(spec)           # the device's spec (arch) and target, as compile sees them
     spec, target = base_kernel.spec, base_kernel.target
     solution = solver_stage.solve(spec, target)   # untuned, whatever the cache holds
     inputs = timing.make_inputs(spec, batch, heads, seqlen, seed=7)
     q, k, v, do, args = inputs.q, inputs.k, inputs.v, inputs.do, inputs.runtime_args
     reference: dict = {}
-    kernels = {_plans_key(base_kernel.solution): base_kernel}
+    kernels = {_plans_key(jit.solution(base_kernel)): base_kernel}
 
     def kernel_for(candidate):
         key = _plans_key(candidate)
         if key not in kernels:
-            kernels[key] = runtime.Kernel(spec, target, candidate)
+            kernels[key] = jit.kernel_for(spec, target, candidate)
         return kernels[key]
 
     def expected(pass_name: str):
@@ -133,7 +133,8 @@ def open_session(spec: Spec, seqlen: int, batch: int, heads: int, warmup: int, r
         from fagen.render import render
         from fagen.sources import TEMPLATE_DIR
 
-        sources = [render(spec, c) for c in candidates if c.plans != base_kernel.solution.plans]
+        base_plans = jit.solution(base_kernel).plans
+        sources = [render(spec, c) for c in candidates if c.plans != base_plans]
         with ThreadPoolExecutor(max_workers=8) as pool:
             list(pool.map(lambda text: _quietly(cached_cubin, text, target.arch, TEMPLATE_DIR),
                           [text for r in sources for text in r.pass_texts.values()]))
@@ -185,19 +186,20 @@ def autotune(spec: Spec, top: int = 4, seqlen: int = 4096, batch: Optional[int] 
 
 
 def compile_tuned(spec: Spec):
-    """`fagen.runtime.compile(spec)` with this GPU's cached autotune winner swapped in, if there is one.
+    """`fagen.jit.compile(spec)` with this GPU's cached autotune winner swapped in, if there is one.
 
-    Idempotent with a runtime.compile that already consults the cache (apply() of the entry to an
+    Idempotent with a fagen.compile that already consults the cache (apply() of the entry to an
     already tuned solution changes nothing), so it is safe before and after that change."""
-    from fagen import runtime
+    from fagen import jit
 
-    kernel = runtime.compile(spec)
-    tuned = apply(kernel.solution, lookup(kernel.spec, kernel.target.name))
-    if tuned.plans == kernel.solution.plans:
+    kernel = jit.compile(spec)
+    solution = jit.solution(kernel)
+    tuned = apply(solution, lookup(kernel.spec, kernel.target.name))
+    if tuned.plans == solution.plans:
         return kernel
     key = (spec_key(kernel.spec), kernel.target, _plans_key(tuned))
     if key not in _tuned_kernels:
-        _tuned_kernels[key] = runtime.Kernel(kernel.spec, kernel.target, tuned)
+        _tuned_kernels[key] = jit.kernel_for(kernel.spec, kernel.target, tuned)
     return _tuned_kernels[key]
 
 

@@ -76,7 +76,7 @@ def run_corners(corners: Sequence[Corner] = CORNERS, warmup: int = 5, repeats: i
     from rich.markup import escape
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     console = make_console()
     torch.cuda.init()
@@ -141,9 +141,9 @@ def run_corners(corners: Sequence[Corner] = CORNERS, warmup: int = 5, repeats: i
 
         # ---- fagen: checked, then timed ----
         try:
-            kernel = runtime.compile(spec)
-            row["plans"] = {p: f"{x.family} Br={x.block_r} Bc={x.block_c} w={x.warps}"
-                            for p, x in kernel.solution.plans.items()}
+            kernel = jit.compile(spec)
+            row["plans"] = {p: f"{x['family']} Br={x['block_r']} Bc={x['block_c']} w={x['warps']}"
+                            for p, x in kernel.record["plans"].items()}
             o, lse = kernel.forward(q, k, v, **args)
             grads = kernel.backward(q, k, v, o, lse, do, **args)
             torch.cuda.synchronize()

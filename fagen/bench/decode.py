@@ -40,14 +40,14 @@ def run_decode(batches: Sequence[int] = (1, 32), kv_lens: Sequence[int] = (8192,
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
     meta = environment(torch)
     spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal", passes=["forward", "decode"])
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     bandwidth = copy_bandwidth()
     console.print(f"fagen bench decode on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}: "
                   f"copy bandwidth {bandwidth / 1e12:.2f} TB/s; {kernel!r}")

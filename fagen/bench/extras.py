@@ -17,19 +17,19 @@ from fagen.spec import Spec
 
 _COMPILE_PROBE = r"""
 import json, sys, time
-from fagen import runtime
+from fagen import jit, runtime
 from fagen.spec import spec_from_dict
 spec = spec_from_dict(json.loads(sys.argv[1]))
 runtime.ensure_context()  # CUDA context creation is not compile time
 start = time.perf_counter()
-kernel = runtime.compile(spec)
+kernel = jit.compile(spec)
 seconds = time.perf_counter() - start
 print("FAGEN_PROBE " + json.dumps({"seconds": seconds, "kernel": repr(kernel)}))
 """
 
 
 def _probe_compile(spec: Spec, cache: str, timeout: float) -> dict:
-    """runtime.compile(spec) in a fresh Python process with FAGEN_CACHE_DIR=cache, timed inside it."""
+    """jit.compile(spec) in a fresh Python process with FAGEN_CACHE_DIR=cache, timed inside it."""
     package_root = str(Path(__file__).resolve().parents[2])   # the folder holding the fagen package
     env = {**os.environ, "FAGEN_CACHE_DIR": cache,
            "PYTHONPATH": os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)}
@@ -51,7 +51,7 @@ def measure_compile_times(spec: Spec, timeout: float = 900.0) -> dict:
     cold: FAGEN_CACHE_DIR is a new empty folder, so the spec is solved, rendered and compiled by nvcc
     (through PyCUDA) before the module is loaded. warm: a second fresh process with the same folder,
     which only solves, renders and loads the cached module: what every later user process pays.
-    Both are timed inside the process around runtime.compile, after the CUDA context exists."""
+    Both are timed inside the process around fagen.compile, after the CUDA context exists."""
     with tempfile.TemporaryDirectory(prefix="fagen-cold-cache-") as cache:
         cold = _probe_compile(spec, cache, timeout)
         warm = _probe_compile(spec, cache, timeout)
@@ -75,12 +75,13 @@ def measure_gemm_tflops(n: int = 8192, warmup: int = 5, repeats: int = 20) -> fl
 def ptxas_report(spec: Spec) -> dict:
     """ptxas's resources for the kernels fagen runs for `spec` on this GPU (the device's plan, autotuned
     where the cache says so): {pass: {kernel: {registers, spill_stores, spill_loads, ...}}, plans}."""
+    from fagen import build, jit
     from fagen.bench import autotune as autotuner
     from fagen.compiler import compile_cubin
 
     kernel = autotuner.compile_tuned(spec)
-    compiled = compile_cubin(kernel.rendered.text, kernel.target.arch, kernel.rendered.include_dir)
-    return {"variant": spec.variant_name, "arch": kernel.target.arch,
-            "plans": {p: plan.to_dict() for p, plan in kernel.solution.plans.items()},
+    rendered = build.prepare(kernel.spec, solution=jit.solution(kernel)).rendered
+    compiled = compile_cubin(rendered.text, kernel.target.arch, rendered.include_dir)
+    return {"variant": spec.variant_name, "arch": kernel.target.arch, "plans": kernel.record["plans"],
             "kernels": {p: {name: compiled.resources.get(name, {}) for name in names}
-                        for p, names in kernel.rendered.kernels.items()}}
+                        for p, names in rendered.kernels.items()}}

@@ -24,7 +24,7 @@ BACKWARD_TOLERANCE = 5e-2
 
 
 def _plan_text(kernel: Any) -> str:
-    return ", ".join(f"{p[:3]} Br={x.block_r} Bc={x.block_c} w={x.warps}" for p, x in kernel.solution.plans.items())
+    return ", ".join(f"{p[:3]} Br={x['block_r']} Bc={x['block_c']} w={x['warps']}" for p, x in kernel.record["plans"].items())
 
 
 def _bench_config(kernel: Any, spec: Spec, seq_len: int, batch: int, heads: int, passes: Sequence[str],
@@ -136,7 +136,7 @@ def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16
     import torch
 
     from fagen.bench import autotune as autotuner
-    from fagen import runtime
+    from fagen import jit, runtime
 
     if not torch.cuda.is_available():
         raise RuntimeError("fagen bench needs a CUDA GPU visible to PyTorch")
@@ -153,7 +153,7 @@ def run_bench(specs: Sequence[Spec], *, seqlens: Sequence[int] = (1024, 4096, 16
     console.print(escape(f"fagen bench on {meta.get('gpu')}  torch {meta.get('torch')}  cuDNN {meta.get('cudnn')}  "
                          f"{meta['date']}"), style="bold")
     with contextlib.suppress(Exception):  # nvcc in parallel threads; a failure resurfaces, per spec, below
-        runtime.precompile(specs)
+        jit.precompile(specs)
     for spec in specs:
         wanted = [p for p in (passes or spec.passes) if p in spec.passes]
         if not wanted:

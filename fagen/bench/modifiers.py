@@ -243,7 +243,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
     from rich.markup import escape
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     if first_call and head_dim is not None:
         raise SystemExit("--first-call times the spec file's variants as they are: leave out --head-dim")
@@ -268,7 +268,7 @@ def run_modifiers(seq_lens: Sequence[int] = (2048, 8192), batch: int = 4, heads:
         labelled = [("fagen", spec)] + ([("fagen_nodrop", _no_dropout(spec))] if spec.dropout else [])
         for label, variant_spec in labelled:
             try:
-                kernel: Any = runtime.compile(variant_spec)
+                kernel: Any = jit.compile(variant_spec)
             except Exception as err:
                 kernel = err
             fagen_runs.append((label, variant_spec, kernel, not variant_spec.dropout))
@@ -410,7 +410,7 @@ def first_call_seconds(which: str, variant: str, seq_len: int, batch: int, heads
 
 def _first_call_child(which: str, variant: str, seq_len: int = FIRST_CALL_SEQ_LEN, batch: int = 4,
                       heads: int = 16, spec_file=SPEC_FILE) -> None:
-    """In a fresh process: the first call of fagen ("fagen": runtime.compile + one forward + one
+    """In a fresh process: the first call of fagen ("fagen": fagen.compile + one forward + one
     backward) or of Flex ("flex": torch.compile + create_block_mask + one forward + one backward),
     synchronised; the seconds printed as `FAGEN_FIRST_CALL {"seconds": ...}`. The imports, the CUDA
     context and the inputs come before the clock starts."""
@@ -421,12 +421,12 @@ def _first_call_child(which: str, variant: str, seq_len: int = FIRST_CALL_SEQ_LE
     case = make_case(spec, batch, heads, seq_len, seed=seq_len)
     torch.cuda.synchronize()
     if which == "fagen":
-        from fagen import runtime
+        from fagen import jit, runtime
 
         runtime.ensure_context()
         args = _fagen_args(spec, case)
         start = time.perf_counter()
-        kernel = runtime.compile(spec)
+        kernel = jit.compile(spec)
         o, lse = kernel.forward(case.q, case.k, case.v, **args)
         kernel.backward(case.q, case.k, case.v, o, lse, case.do, **args)
         torch.cuda.synchronize()

@@ -37,13 +37,13 @@ def run_paged(batches=BATCHES, page_sizes=PAGE_SIZES, heads: int = 32, kv_heads:
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
     meta = environment(torch)
-    kernel = runtime.compile(Spec(head_dim=head_dim, dtype="bf16", mask="causal", layout="packed"))
+    kernel = jit.compile(Spec(head_dim=head_dim, dtype="bf16", mask="causal", layout="packed"))
     console.print(f"fagen bench paged on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}: {kernel!r}")
     rows = []
     for label, lengths_q, lengths_k in batches:

@@ -35,14 +35,14 @@ def run_varlen(batches=BATCHES, heads: int = 32, kv_heads: int = 8, head_dim: in
     import torch.nn.functional as F
     from torch.nn.attention import sdpa_kernel
 
-    from fagen import runtime
+    from fagen import jit, runtime
 
     console = make_console()
     torch.cuda.init()
     runtime.ensure_context()
     meta = environment(torch)
     spec = Spec(head_dim=head_dim, dtype="bf16", mask="causal" if causal else "none", layout="packed")
-    kernel = runtime.compile(spec)
+    kernel = jit.compile(spec)
     console.print(f"fagen bench varlen on {meta.get('gpu')}, torch {meta.get('torch')}, {meta['date']}: {kernel!r}")
     rows = []
     for label, count, shortest, longest in batches:
