@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from fagen.build import prepare
 from fagen.compiler import compile_cubin
-from fagen.runtime import _HELPER_KERNELS
+from fagen.runtime.grids import _HELPER_KERNELS
 from fagen.spec import Spec
 
 

@@ -1,6 +1,6 @@
 """What the build makes and the runtime loads: one kernel's artifact.
 
-fagen/build.py writes it (solve, render, compile, under the disk plan cache), fagen/runtime.py's `Kernel` loads
+fagen/build.py writes it (solve, render, compile, under the disk plan cache), fagen/runtime/'s `Kernel` loads
 it and launches; this module is the contract between the two, so that neither imports the other.
 """
 from __future__ import annotations

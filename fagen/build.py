@@ -2,7 +2,7 @@
 
 - **At run time** (`fagen.compile`, fagen/jit.py): `artifact(spec, target)` is the record and one cubin per pass,
   from the disk plan cache (fagen/cache.py) or solved, rendered and compiled there, under a lock, so that one
-  process builds and the others load. The runtime (fagen/runtime.py) loads that artifact and launches; it never
+  process builds and the others load. The runtime (fagen/runtime/) loads that artifact and launches; it never
   solves, renders or compiles.
 - **Ahead of time** (`fagen build`): `build_all` writes `<name>.cu`, `<name>.json` and, with nvcc, `<name>.cubin`.
 

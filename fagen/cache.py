@@ -66,7 +66,7 @@ LIVE_HOLDER_CAP_S = 180.0
 #: holder costs one timeout, not one per lock it holds.
 STUCK_WAIT_S, STUCK_WINDOW_S = 5.0, 600.0
 _gave_up_at: Optional[float] = None
-KINDS = ("cubin", "plan")         # the entry folders under the cache folder (compiler.py, runtime.py)
+KINDS = ("cubin", "plan")         # the entry folders under the cache folder (compiler.py, build.py)
 FOLDER_MODE = 0o700
 ENTRY_MODE = 0o600
 _ENTRY_TAG = b"fagen-cache-entry-v2\0"

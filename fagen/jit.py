@@ -1,7 +1,7 @@
 """`fagen.compile(spec)`: a variant built for the GPU in this process, at run time, and loaded.
 
 The two stages, joined: fagen/build.py makes the artifact (from the disk plan cache, or solved, rendered and
-compiled into it), fagen/runtime.py loads it into a `Kernel` and launches. The target is read off the device, and
+compiled into it), fagen/runtime/ loads it into a `Kernel` and launches. The target is read off the device, and
 its arch replaces the spec's. Kernels are kept in memory for the process, artifacts on disk (FAGEN_CACHE_DIR,
 default ~/.cache/fagen) across processes: a spec built before, by any process, loads from its JSON record and
 cubins without importing sympy or Jinja.

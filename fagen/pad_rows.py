@@ -18,7 +18,8 @@ import warnings
 from fagen import build
 from fagen import cuda_driver as driver
 from fagen.compiler import CompileError
-from fagen.runtime import ArgumentError, Kernel, _torch_types, device_target
+from fagen.runtime import ArgumentError, Kernel, device_target
+from fagen.runtime.device import _torch_types
 
 #: Elements of a padded row written per thread (one 16-byte store of 2-byte elements); padded widths are
 #: multiples of it.

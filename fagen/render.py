@@ -252,7 +252,7 @@ def _pass_body(spec: Spec, solution: Solution, pass_name: str, input_grads: bool
 def render_input_grad_backward(spec: Spec, solution: Solution) -> str:
     """The backward pass built WITH_INPUT_GRADS: the same kernels (same symbols) that also add the gradients of
     score_mod's float tensor inputs (Modifiers.kernel_input_grads) into args.mod_grad. A module of its own,
-    compiled when a backward first asks for input gradients, so that the usual build carries none of it."""
+    compiled beside the usual one (fagen/build.py compile_prepared), so that the usual one carries none of it."""
     return (_header(spec, solution, ["backward"], " (the build WITH_INPUT_GRADS)")
             + _pass_body(spec, solution, "backward", input_grads=True))
 

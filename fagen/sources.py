@@ -1,7 +1,7 @@
 """Where fagen's kernel sources live, which of them fold grouped KV heads, and the fingerprint of everything that
 shapes a kernel.
 
-The run-time plan cache (fagen/runtime.py) stores a solved, rendered and compiled spec under a key
+The run-time plan cache (fagen/build.py artifact) stores a solved, rendered and compiled spec under a key
 that includes this fingerprint: change a template, the solver or the renderer and every cached plan
 is solved again, without anyone having to clear a cache by hand.
 """

@@ -266,7 +266,7 @@ _library.impl("attention_backward_plain", _plain_backward_cuda, "CUDA")
 @torch.library.register_fake("fagen::attention_forward")
 def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
-    # Allocated as the kernels' path allocates them (fagen/runtime.py `_allocate`): o keeps q's layout;
+    # Allocated as the kernels' path allocates them (fagen/runtime/device.py `_allocate`): o keeps q's layout;
     # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
     if cu_seqlens_q is not None:
         return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)

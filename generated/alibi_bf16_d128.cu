@@ -238,7 +238,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime/grids.py grouped_grid
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // where the last row blocks see the most keys, they are issued first (no long tail at the end)
@@ -642,8 +642,8 @@ constexpr bool FOLDS_HEADS = false;
 using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_mod99cc2996::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d128_bf16_causal_fa2_sm90_mod99cc2996::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
-// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
+// makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
@@ -729,7 +729,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
-  // the grid: fagen/runtime.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
+  // the grid: fagen/runtime/grids.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
   exit_if_spare_grouped(args);
   const Problem<PACKED> problem(args, FOLDS_HEADS ? folded_problem(args) : (long long)grouped_problem());
   const long long bh = problem.bh;

@@ -134,7 +134,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime/grids.py grouped_grid
   const long long bh = problem.bh;
   const int seq_q = problem.seq_q, seq_k = problem.seq_k;
   // where the last row blocks see the most keys, they are issued first (no long tail at the end)

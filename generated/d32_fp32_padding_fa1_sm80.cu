@@ -178,8 +178,8 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
-// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
+// makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;

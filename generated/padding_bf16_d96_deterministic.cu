@@ -85,7 +85,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime/grids.py grouped_grid
   const long long bh = problem.bh;
   // dropout's Philox key, once per block: the seed argument, or read from memory where it lives there
   const uint2 philox_key = HAS_DROPOUT ? dropout_key(args) : make_uint2(0u, 0u);
@@ -375,8 +375,8 @@ constexpr bool PACKED = false;                 // layout packed: sequences back 
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
-// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
+// makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;

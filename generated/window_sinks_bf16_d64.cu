@@ -161,7 +161,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4;
   exit_if_spare_grouped(args);
-  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime.py grouped_grid
+  const Problem<PACKED> problem(args, grouped_problem());   // the grid: fagen/runtime/grids.py grouped_grid
   const long long bh = problem.bh;
   // dropout's Philox key, once per block: the seed argument, or read from memory where it lives there
   const uint2 philox_key = HAS_DROPOUT ? dropout_key(args) : make_uint2(0u, 0u);
@@ -499,8 +499,8 @@ constexpr bool FOLDS_HEADS = true;
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own, compiled
-// when a backward first asks for them (fagen/runtime.py), so that this one carries none of that code.
+// The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
+// makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
@@ -586,7 +586,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
   const int warpgroup = warp / 4, warp_in_group = warp % 4;
   // ---- one K_j, V_j block: made by templates/backward_wgmma_key_block.cu.j2 ----
-  // the grid: fagen/runtime.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
+  // the grid: fagen/runtime/grids.py grouped_grid; where FOLDS_HEADS and args.fold_heads > 1, the group's first query head
   exit_if_spare_grouped(args);
   const Problem<PACKED> problem(args, FOLDS_HEADS ? folded_problem(args) : (long long)grouped_problem());
   const long long bh = problem.bh;

@@ -10,7 +10,7 @@ namespace fagen {
 
 // ---- the launch arguments ------------------------------------------------------------------
 // One struct for every kernel, passed by value. Every field is 8 bytes so that the host side
-// (numpy structured dtype in fagen/runtime.py) and this layout agree without padding rules.
+// (fagen/runtime/arguments.py) and this layout agree without padding rules.
 struct AttentionArgs {
   const void* q;
   const void* k;
@@ -65,7 +65,7 @@ struct AttentionArgs {
   // its min and max per SUMMARY_GRAIN positions along the dimension the tile's positions index,
   // written by summarise_input before the attention kernels run; nullptr for the others.
   void* mod_summary[4];
-  // The (sequence, head) pairs the grid covers (fagen/runtime.py: problem_grid): grid_problem() below.
+  // The (sequence, head) pairs the grid covers (fagen/runtime/grids.py: problem_grid): grid_problem() below.
   long long problems;
   // Dropout's seed in device memory, or nullptr for `seed` above: a seed drawn on the GPU each step (by
   // torch's CUDA generator), which a CUDA graph then replays as a new draw instead of a captured value.
@@ -108,7 +108,7 @@ __device__ __forceinline__ void exit_if_spare(const AttentionArgs& args) {
   if (grid_problem() >= args.problems) asm volatile("exit;");
 }
 
-// The Hopper kernels' grids (fagen/runtime.py: grouped_grid) run their blocks in groups of problems:
+// The Hopper kernels' grids (fagen/runtime/grids.py: grouped_grid) run their blocks in groups of problems:
 // x = a problem of the group, y = the block's index (key block, or row block in dispatch order), z = the
 // group, so that every block of a group with index 0 is dispatched before any with index 1. Where a
 // block's work falls with its index (causal: those kernels order their blocks heaviest first) that is

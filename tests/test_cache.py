@@ -383,7 +383,7 @@ def test_a_stuck_lock_holder_is_given_up_on_with_a_warning(tmp_path, monkeypatch
         assert len(messages) == 1 and "may be stuck" in messages[0] and "FAGEN_LOCK_TIMEOUT" in messages[0]
         assert cache.get("plan", key) == b"built anyway", "stored even without the lock (writes are atomic)"
         with pytest.warns(UserWarning, match="may be stuck"):
-            with cache.lock("plan", key) as lock:   # the runtime's form (fagen/runtime.py _record_for) never raises
+            with cache.lock("plan", key) as lock:   # the runtime's form (fagen/build.py artifact) never raises
                 assert not lock.held
     finally:
         holder.kill()

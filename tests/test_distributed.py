@@ -320,7 +320,7 @@ def test_fagen_kernel_calls_fit_the_ops_on_fake_cuda_tensors(mask, layout):
     forward_op, backward_op = kernel.forward_op, kernel.backward_op
 
     def forward(q, k, v, key):
-        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1   # what the kernels take (fagen/runtime.py)
+        assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1   # what the kernels take (fagen/runtime/)
         calls.append(json.loads(key)["mask"])
         return forward_op(q, k, v, key)
 

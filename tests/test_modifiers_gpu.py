@@ -210,7 +210,7 @@ def test_fast_path_with_run_time_summaries_reads_each_calls_documents(grouped, d
     # its first launch, writes the summaries itself
     for table, first in ((kernel._fast_forward, "_summary"), (kernel._fast_backward, "_delta")):
         for call in table.values():
-            assert runtime._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 6, 2),)
+            assert runtime.arguments._SLOT["mod_summary0"][0] in call.slots and call.workspaces == ((2 * 6, 2),)
             assert call.launches[0][4].endswith(first)
             assert not any(launch[4].endswith("_summary") for launch in call.launches[1:])
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from fagen import render as rendering
 from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbols, render, template_context
-from fagen.runtime import GROUPED_TEMPLATES
+from fagen.runtime.grids import GROUPED_TEMPLATES
 from fagen.solver import FAMILIES, InfeasibleSpec, Plan, family_plans, solve
 from fagen.target import target_for
 from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec, load_specs

@@ -1,11 +1,11 @@
-"""CPU tests of fagen/runtime.py's host-side decisions (the GPU paths: tests/test_runtime_gpu.py,
+"""CPU tests of fagen/runtime/'s host-side decisions (the GPU paths: tests/test_runtime_gpu.py,
 tests/test_torch_gpu.py, tests/test_decode_gpu.py)."""
 import math
 
 import pytest
 
-from fagen.runtime import (ALL_PROBLEMS, GRID_YZ_LIMIT, GROUPED_TEMPLATES, ArgumentError, LaunchPlan, block_group, decode_splits,
-                           grouped_grid, problem_grid)
+from fagen.runtime import ArgumentError, LaunchPlan, decode_splits
+from fagen.runtime.grids import ALL_PROBLEMS, GRID_YZ_LIMIT, GROUPED_TEMPLATES, block_group, grouped_grid, problem_grid
 from fagen.solver import solve
 from fagen.spec import Spec
 
@@ -32,12 +32,12 @@ def test_decode_splits_prefer_fewer_splits_and_respect_the_key_tiles():
 
 # ---- the launch struct's layout ----------------------------------------------------------------
 def test_args_struct_matches_attention_args(tmp_path):
-    """fagen/runtime.py packs AttentionArgs by hand: every field's offset and the total size must be
+    """fagen/runtime/arguments.py packs AttentionArgs by hand: every field's offset and the total size must be
     what the C++ compiler lays out (a host program built by nvcc prints them; no GPU needed)."""
     import subprocess
 
     from fagen.compiler import nvcc_path
-    from fagen.runtime import ARGS_STRUCT, _FIELDS, _SLOT
+    from fagen.runtime.arguments import ARGS_STRUCT, _FIELDS, _SLOT
     from fagen.sources import TEMPLATE_DIR
 
     nvcc = nvcc_path()
@@ -61,7 +61,7 @@ def test_args_struct_matches_attention_args(tmp_path):
 def test_launch_args_pack_scalars_as_doubles():
     import struct
 
-    from fagen.runtime import ARGS_STRUCT, LaunchArgs, _SLOT
+    from fagen.runtime.arguments import ARGS_STRUCT, _SLOT, LaunchArgs
 
     args = LaunchArgs()
     args["mod_scalar"] = [30.0, -0.5, 1e-3, 2]
@@ -215,7 +215,8 @@ def test_grouped_backward_folds_only_foldable_specs_on_folding_templates_with_en
     the rule reads the plan, spec and target."""
     from types import SimpleNamespace
 
-    from fagen.runtime import FOLD_WAVES, Kernel
+    from fagen.runtime import Kernel
+    from fagen.runtime.grids import FOLD_WAVES
     from fagen.sources import FOLDING_TEMPLATES, folds_kv_group
 
     target = SimpleNamespace(sm_count=132)
@@ -246,7 +247,7 @@ def test_fills_are_queued_in_the_devices_context_and_give_the_callers_back(monke
     knows the memory's device (torch tensors), gives the caller's context back when the memset fails too, and
     leaves the context alone for PyCUDA arrays (device None, memory of the current context). No GPU: stand-ins."""
     from fagen import cuda_driver as driver
-    from fagen import runtime
+    from fagen.runtime import device as runtime
 
     calls = []
 
@@ -284,7 +285,7 @@ def test_fills_of_torch_tensors_run_on_the_given_stream_or_torchs_current_one(mo
     from types import SimpleNamespace
 
     from fagen import cuda_driver as driver
-    from fagen import runtime
+    from fagen.runtime import device as runtime
 
     calls = []
     monkeypatch.setattr(driver, "memset_d8", lambda pointer, value, nbytes, stream: calls.append((pointer, nbytes, stream)))
@@ -327,7 +328,8 @@ def test_kernel_functions_are_looked_up_in_the_devices_context(monkeypatch):
 def test_device_target_reads_the_driver_once_per_device(monkeypatch):
     """runtime.device_target: the driver's attributes (fagen.cuda_driver) made into a Target by fagen.target,
     which never touches the driver itself; remembered per device."""
-    from fagen import cuda_driver, runtime
+    from fagen import cuda_driver
+    from fagen.runtime import device as runtime
 
     calls = []
     attributes = {"cc_major": 9, "cc_minor": 0, "smem_per_block": 232448, "smem_per_sm": 233472,

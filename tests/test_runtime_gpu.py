@@ -337,7 +337,7 @@ FOLD_CASES = [(Spec(head_dim=64, dtype="bf16", mask="causal"), 2, 333, 333),
                          ids=lambda x: x.canonical_name if isinstance(x, Spec) else str(x))
 def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_q, seq_k, monkeypatch):
     """Grouped KV heads on backward_wgmma_ws with every block walking its K/V head's whole group of query heads
-    (runtime.FOLD_WAVES at 0: folded at any size, where by default only grids of FOLD_WAVES blocks per SM are):
+    (runtime.kernel.FOLD_WAVES at 0: folded at any size, where by default only grids of FOLD_WAVES blocks per SM are):
     dK, dV summed in registers and written by the kernel into the caller's poisoned tensors, no workspace and no
     _kv_group_sum. MQA and GQA, Nq != Nk, lengths off the tiles, a padding mask's per-sequence key lengths, mask_mods
     that do not read h (documents, prefix-LM, window + sinks: the producer walks the first head's tiles once per
@@ -351,7 +351,7 @@ def test_grouped_kv_heads_folded_into_one_block_per_kv_head(spec, kv_heads, seq_
     from fagen.sources import folds_kv_group
     from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
 
-    monkeypatch.setattr(runtime, "FOLD_WAVES", 0)
+    monkeypatch.setattr(runtime.kernel, "FOLD_WAVES", 0)
     kernel = fagen.compile(spec)
     assert folds_kv_group(spec, kernel.plans["backward"])
     generator = torch.Generator(device="cuda").manual_seed(5)

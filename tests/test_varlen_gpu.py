@@ -270,7 +270,7 @@ def test_repeated_packed_backwards_take_the_fast_path_and_read_the_new_offsets(f
 
     from fagen import jit, reference, runtime
 
-    monkeypatch.setattr(runtime, "FOLD_WAVES", 0 if folded else 10**9)
+    monkeypatch.setattr(runtime.kernel, "FOLD_WAVES", 0 if folded else 10**9)
     kernel = jit.compile(SPECS[0])
     kernel._fast_backward.clear()
     # same count and maximum: one signature; the second call leaves 3 query and key rows after its last sequence
@@ -392,7 +392,7 @@ PACKED_FOLD_CASES = [(Spec(head_dim=128, dtype="bf16", mask="causal", layout="pa
 @pytest.mark.parametrize("spec, kv_heads", PACKED_FOLD_CASES, ids=lambda x: x.canonical_name if isinstance(x, Spec) else str(x))
 def test_grouped_kv_heads_folded_in_packed_batches(spec, kv_heads, monkeypatch):
     """Packed batches with grouped KV heads on backward_wgmma_ws, every block walking its K/V head's group of query
-    heads for its sequence (runtime.FOLD_WAVES at 0: folded at any size): no per-query-head dK, dV workspace and no
+    heads for its sequence (runtime.kernel.FOLD_WAVES at 0: folded at any size): no per-query-head dK, dV workspace and no
     _kv_group_sum launched. A query head's LSE, D and dQ accumulator rows are a whole (heads, total_q) row apart
     there, not a sequence's. Sequences of other query and key lengths, empty and of one row, keys after the last
     sequence; offsets on the GPU (outputs zeroed) and from the host into the caller's poisoned outputs (the rows
@@ -403,7 +403,7 @@ def test_grouped_kv_heads_folded_in_packed_batches(spec, kv_heads, monkeypatch):
     from fagen.sources import folds_kv_group
     from fagen.testing import CANCELLATION_FLOOR, TOLERANCES, relative_error
 
-    monkeypatch.setattr(runtime, "FOLD_WAVES", 0)
+    monkeypatch.setattr(runtime.kernel, "FOLD_WAVES", 0)
     launched = []
     launch = runtime.Kernel._launch
     monkeypatch.setattr(runtime.Kernel, "_launch", lambda self, device, symbol, *rest: (

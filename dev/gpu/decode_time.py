@@ -31,7 +31,7 @@ if os.environ.get("DECODE_PLAN"):   # before any compile: a plan cached on disk 
                                         "warps": warps, "stages": getattr(solver, "DECODE_STAGES", 2)}}})
 kernel = fagen.compile(spec)
 plan = kernel.plans["decode"]
-default_splits = runtime.decode_splits
+default_splits = runtime.kernel.decode_splits
 SPLIT_FACTORS = [int(x) for x in os.environ.get("SPLIT_FACTORS", "1").split(",")]
 print(f"{label}: fagen from {os.path.dirname(fagen.__file__)}, decode plan Bc={plan.block_c} warps={plan.threads // 32} "
       f"stages={plan.stages} smem={plan.smem_bytes}", flush=True)
@@ -49,7 +49,7 @@ for batch, kv_len in ((32, 8192), (32, 32768), (8, 16384), (4, 4096), (1, 32768)
             chosen.append(max(1, min(factor * default_splits(*args, **kwargs), args[1])))
             return chosen[-1]
 
-        runtime.decode_splits = splits
+        runtime.kernel.decode_splits = splits
         kernel._fast_forward.clear()   # a remembered call keeps the split count it was made with
         o = kernel.forward(q, k, v)[0]
         error = ((o.double() - want).norm() / want.norm()).item()
@@ -57,7 +57,7 @@ for batch, kv_len in ((32, 8192), (32, 32768), (8, 16384), (4, 4096), (1, 32768)
         us = time_cuda(lambda: kernel.forward(q, k, v), 10, 50) * 1e3
         base_us = base_us or us   # the peers are compared with the first factor's time
         line.append(f"fagen ({chosen[0]} splits) {us:.1f} us {kv_bytes / us / 1e6:.2f} TB/s (err {error:.1e});")
-    runtime.decode_splits = default_splits
+    runtime.kernel.decode_splits = default_splits
     kernel._fast_forward.clear()
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION):
         with torch.no_grad(), sdpa_kernel(backend):

@@ -1,5 +1,5 @@
 """Grouped KV heads in the backward, A/B in one process: folded (a block per K/V head and key block walking the
-group's query heads) against a block per query head + _kv_group_sum, toggled by runtime.FOLD_WAVES on the same
+group's query heads) against a block per query head + _kv_group_sum, toggled by runtime.kernel.FOLD_WAVES on the same
 compiled kernel (fast-path tables cleared between modes), two rounds alternating; device time (torch.profiler) and
 CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
 
@@ -75,7 +75,7 @@ if PACKED:
              ("d128 causal MHA (control)", Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"), 8, 32, 32, 2048)]
 
 
-DEFAULT_WAVES = runtime.FOLD_WAVES
+DEFAULT_WAVES = runtime.kernel.FOLD_WAVES
 for label, spec, b, h, hkv, n in CASES:
     kernel = jit.compile(spec)
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -97,7 +97,7 @@ for label, spec, b, h, hkv, n in CASES:
     res = {}
     grads = {}
     for mode, waves in (("per-head", 10**9), ("folded", 0), ("per-head", 10**9), ("folded", 0)):
-        runtime.FOLD_WAVES = waves
+        runtime.kernel.FOLD_WAVES = waves
         kernel._fast_backward.clear(); kernel._fast_backward_after.clear()
         fn = lambda: kernel.backward(q, k, v, o, lse, do, **extra)
         grads[mode] = fn()
@@ -108,7 +108,7 @@ for label, spec, b, h, hkv, n in CASES:
     same = [float((x.float() - y.float()).abs().max()) for x, y in zip(grads["per-head"], grads["folded"])]
     print(f"{label} B{b} H{h}/{hkv} N{n}: " + "; ".join(f"{m} device {min(r[0] for r in rs):.1f} us, events {min(r[1] for r in rs):.1f} us (folded={rs[0][2]})" for m, rs in res.items())
           + f"; max |diff| dq dk dv {same[0]:.2e} {same[1]:.2e} {same[2]:.2e}", flush=True)
-    runtime.FOLD_WAVES = DEFAULT_WAVES
+    runtime.kernel.FOLD_WAVES = DEFAULT_WAVES
     kernel._fast_backward.clear()
     blocks = (len(lengths) * hkv * -(-max(lengths) // kernel.plans['backward'].block_c) if PACKED
               else b * hkv * -(-n // kernel.plans['backward'].block_c))

@@ -85,7 +85,7 @@ def pieces(q, k, v, grad) -> None:
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "torch.empty(n) fp32": lambda: torch.empty(4096, dtype=torch.float32, device=q.device),
         "torch.zeros(n) fp32": lambda: torch.zeros(4096, dtype=torch.float32, device=q.device),
-        "current stream": lambda: runtime._TORCH["stream"](0),
+        "current stream": lambda: runtime.device._TORCH["stream"](0),
         "driver.launch (fwd kernel)": lambda: driver.launch(function, grid, threads, smem, stream, call, symbol),
         "cuLaunchKernel, ctypes values": lambda: lib.cuLaunchKernel(*pre),
         "cuLaunchKernel, no argtypes": lambda: raw(*pre),

@@ -1,4 +1,4 @@
-"""The backward's row passes (_delta, _dq_convert) at other grid sizes (fagen/runtime.py ROW_PASS_BLOCKS, set here
+"""The backward's row passes (_delta, _dq_convert) at other grid sizes (fagen/runtime/grids.py ROW_PASS_BLOCKS, set here
 in-process): each kernel's device time (torch.profiler) for the d = 128 documents backward of the modifier
 benchmark (4 x 16 x 2048). 2026-11-26, H200: 34-38 and 27-29 us at every size from 528 to 16384 blocks.
 
@@ -20,7 +20,7 @@ q, k, v, do = (torch.randn(b, h, n, d, dtype=torch.bfloat16, device="cuda", gene
 inputs = {"doc": torch.from_numpy(document_ids(b, n, seed=n)).cuda()}
 o, lse = kernel.forward(q, k, v, inputs=inputs)
 for blocks in (4096, 1056, 2112, 8192, 16384, 528):
-    runtime.ROW_PASS_BLOCKS = blocks
+    runtime.grids.ROW_PASS_BLOCKS = blocks
     kernel._fast_backward.clear()
     rows = kernel_table(lambda: kernel.backward(q, k, v, o, lse, do, inputs=inputs), reps=30)
     print(blocks, " ".join(f"{key[-12:]}={t:.1f}" for key, (t, c) in rows))

@@ -97,11 +97,11 @@ def main():
             errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
             print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
                   flush=True)
-    # grouped KV heads folded: every backward block walks its K/V head's group (runtime.FOLD_WAVES at 0: at any
+    # grouped KV heads folded: every backward block walks its K/V head's group (runtime.kernel.FOLD_WAVES at 0: at any
     # size; a shape of its own, so that no call remembered unfolded above is taken)
     from fagen import runtime
 
-    runtime.FOLD_WAVES = 0
+    runtime.kernel.FOLD_WAVES = 0
     for spec in (Spec(head_dim=64, dtype="bf16", mask="causal"),
                  Spec(head_dim=128, dtype="fp16", mask="sliding_window", window=40),
                  # a mask_mod that does not read h: the producer walks the first head's tiles again for each head

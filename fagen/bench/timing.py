@@ -65,7 +65,7 @@ def time_cuda(fn: Callable[[], Any], warmup: int = 10, repeats: int = 50,
     """Median milliseconds of `repeats` calls of fn, each between two CUDA events, after `warmup` calls.
 
     The events are recorded on PyTorch's current stream, and fagen launches its kernels on that same
-    stream (fagen/runtime.py), so fagen and its peers are timed alike. Calls are
+    stream (fagen/runtime/), so fagen and its peers are timed alike. Calls are
     queued back to back and synchronised once at the end. With max_seconds, a slow fn gets fewer
     timed runs (never fewer than MIN_REPEATS, nor more than asked) so that one measurement stays
     near that long; the first warm-up call is the estimate."""
