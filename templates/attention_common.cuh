@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <limits.h>
 
+#include "shared_constants.cuh"   // PHILOX_ROUNDS, SUMMARY_GRAIN, MaskKind: written from fagen's Python
+
 namespace fagen {
 
 // ---- the launch arguments ------------------------------------------------------------------
@@ -221,8 +223,6 @@ __device__ __forceinline__ const T& block_values_in_shared(T& slot, const T& val
   return slot;
 }
 
-enum MaskKind { MASK_NONE = 0, MASK_CAUSAL = 1, MASK_SLIDING_WINDOW = 2, MASK_PADDING = 3, MASK_BLOCK_SPARSE = 4 };
-
 // ---- element conversion --------------------------------------------------------------------
 __device__ __forceinline__ float to_float(float x) { return x; }
 __device__ __forceinline__ float to_float(__half x) { return __half2float(x); }
@@ -254,9 +254,7 @@ __device__ __forceinline__ float safe_max(float m) { return m == -INFINITY ? 0.f
 // ---- dropout: counter-based Philox4x32-7 -----------------------------------------------------
 // The mask of element (b, h, row, col) depends only on (seed, offset) and those indices, never on
 // the tiling or the loop order, so the backward regenerates it and fagen/reference.py matches it.
-// 7 rounds, as FlashAttention-2 draws its dropout: Random123 reports 7 as the fewest that pass BigCrush
-// (10 is its default, a safety margin), and a dropout kernel spends most of its time in these calls.
-constexpr int PHILOX_ROUNDS = 7;
+// PHILOX_ROUNDS rounds (shared_constants.cuh; fagen/dropout.py says why 7).
 __device__ __forceinline__ uint4 philox4x32(uint4 counter, uint2 key) {
 #pragma unroll
   for (int round = 0; round < PHILOX_ROUNDS; ++round) {
@@ -433,7 +431,7 @@ enum TileClass { TILE_EMPTY = 0, TILE_PARTIAL = 1, TILE_FULL = 2 };
 // the entries its positions cover. LANES threads per entry (a warp; 1 in the host build of the tests), a
 // grid-stride loop: they read the entry's SUMMARY_GRAIN positions side by side (coalesced where the
 // positions are contiguous, as document ids are), then combine (docs/decisions/0011-kernel-techniques.md).
-constexpr int SUMMARY_GRAIN = 64;   // the tiles' own grain: a tile's bounds read 1-2 entries per axis
+// (SUMMARY_GRAIN: the tiles' own grain, so that a tile's bounds read 1-2 entries per axis.)
 
 // A NaN among a float input's values widens its entry to (-inf, inf): fminf / fmaxf would skip it, and a
 // tile whose bounds hid it could be called FULL while visible() is false at the NaN.

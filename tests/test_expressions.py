@@ -476,11 +476,14 @@ using fagen::threadIdx;   // (CUDA's is global)
 
 
 def _summarise_input_source() -> str:
-    """templates/attention_common.cuh's SUMMARY_GRAIN and summarise_input, for the host build."""
+    """templates/shared_constants.cuh's SUMMARY_GRAIN and attention_common.cuh's summarise_input, for the host
+    build."""
+    shared = (TEMPLATES / "shared_constants.cuh").read_text()
+    grain = next(line for line in shared.splitlines() if line.startswith("constexpr int SUMMARY_GRAIN"))
     text = (TEMPLATES / "attention_common.cuh").read_text()
-    start = text.index("constexpr int SUMMARY_GRAIN")
+    start = text.index("// (SUMMARY_GRAIN: the tiles' own grain")
     end = text.index("\n}\n", text.index("__device__ void summarise_input")) + 3
-    return "namespace fagen {\n" + text[start:end] + "}\n"
+    return "namespace fagen {\n" + grain + "\n" + text[start:end] + "}\n"
 
 HOST_SETS = COMPILE_SETS + [
     ("(i - 7) // 3 == (j - 7) // -2", "score * ((i - j) % -3) + (j - i) % 4", None),

@@ -87,9 +87,10 @@ def test_philox_known_answers(rounds, counter, key, expected):
 
 
 def test_dropout_draws_with_seven_rounds():
-    """The kernels' round count (templates/attention_common.cuh) is the reference's default."""
+    """The kernels' round count (templates/shared_constants.cuh, written from fagen/dropout.py) is the reference's
+    default."""
     assert PHILOX_ROUNDS == 7
-    source = (TEMPLATE_DIR / "attention_common.cuh").read_text()
+    source = (TEMPLATE_DIR / "shared_constants.cuh").read_text()
     assert f"constexpr int PHILOX_ROUNDS = {PHILOX_ROUNDS};" in source
     counter, key = np.array(PHILOX_KAT[0][1], dtype=np.uint32), np.array(PHILOX_KAT[0][2], dtype=np.uint32)
     assert philox4x32(counter, key).tolist() == list(PHILOX_KAT[0][3])

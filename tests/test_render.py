@@ -50,6 +50,16 @@ def test_generated_source_is_reproduced_byte_for_byte(path, spec):
         f"{committed.relative_to(ROOT)} differs from a fresh render of {path.name}: {REGENERATE}"
 
 
+def test_the_shared_constants_header_is_written_from_python():
+    """templates/shared_constants.cuh holds what Python and the kernels share (Philox rounds, summary grain, mask
+    kinds), written from their Python copies: changing one there without regenerating fails here."""
+    from fagen.render import SHARED_HEADER, shared_constants_header
+    from fagen.sources import TEMPLATE_DIR
+
+    assert (TEMPLATE_DIR / SHARED_HEADER).read_text() == shared_constants_header(), REGENERATE
+    assert f'#include "{SHARED_HEADER}"' in (TEMPLATE_DIR / "attention_common.cuh").read_text()
+
+
 def test_generated_holds_only_the_examples():
     expected = {render(spec, solve(spec)).filename for _, spec in VARIANTS}
     present = {p.name for p in GENERATED.glob("*")}

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Re-render `generated/<variant>.cu` for every variant of `examples/*.yaml`.
+"""Re-render `generated/<variant>.cu` for every variant of `examples/*.yaml`, and templates/shared_constants.cuh.
 
     python tools/regenerate.py           # rewrite what changed, delete what no example produces
     python tools/regenerate.py --check   # write nothing; exit 1 if generated/ is out of date
@@ -18,7 +18,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a checkout without `pip install -e .`
 
 from fagen.build import write_if_changed  # noqa: E402
-from fagen.render import render  # noqa: E402
+from fagen.render import SHARED_HEADER, render, shared_constants_header  # noqa: E402
 from fagen.solver import solve  # noqa: E402
 from fagen.spec import load_specs  # noqa: E402
 
@@ -46,6 +46,12 @@ def main(argv: list[str] | None = None) -> int:
     sources = expected_sources()
     stale = sorted(p for p in GENERATED.glob("*.cu") if p.name not in sources) if GENERATED.is_dir() else []
     changed = []
+    header, header_data = ROOT / "templates" / SHARED_HEADER, shared_constants_header().encode()
+    if args.check:
+        if not header.is_file() or header.read_bytes() != header_data:
+            changed.append(header)
+    elif write_if_changed(header, header_data):
+        changed.append(header)
     for name, data in sources.items():
         path = GENERATED / name
         if args.check:
