@@ -11,15 +11,13 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d128_fp16_blocksparse128_drop0p1_fa1_sm90_br64_bc128_w8_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 128;
-constexpr int BLOCK_R = 64;
-constexpr int BLOCK_C = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
+constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int WARPS = THREADS / 32;
-constexpr int K_PITCH = 130;
-constexpr int O_PER_THREAD = 32;
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
-constexpr float SCALE = 8.838834765e-02f;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
@@ -27,7 +25,10 @@ constexpr int GRAIN = 128;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111099808e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int WARPS = THREADS / 32;
+constexpr int K_PITCH = 130;
+constexpr int O_PER_THREAD = 32;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d128_fp16_blocksparse128_drop0p1_fa1_sm90_br64_bc128_w8_config
@@ -171,11 +172,22 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp16_blockspars
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d128_fp16_blocksparse128_drop0p1_fa1_sm90_br64_bc128_w8_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 64;              // Br query rows per step
-constexpr int BLOCK_C = 128;              // Bc = 64 keys per warpgroup
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 128;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = true;
+constexpr unsigned DROPOUT_THRESHOLD = 6553u;
+constexpr float KEEP_SCALE = 1.111099808e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc = 64 keys per warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int LOADERS = THREADS;                   // every thread issues its share of the copies
 constexpr int GROUPS = WARPS / 4;
@@ -207,24 +219,14 @@ constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 d
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
 constexpr int DS_BYTES = BLOCK_C * BLOCK_R * 2;     // dS^T, one row per key
-constexpr float SCALE = 8.838834765e-02f;
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
-constexpr int MASK = fagen::MASK_BLOCK_SPARSE;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 // Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; fagen/sources.py
 // folds_kv_group)
 constexpr bool FOLDS_HEADS = false;
-using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 128;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = true;
-constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111099808e+00f;
 // Two overlaps (docs/decisions/0011-kernel-techniques.md): P^T's exponentials while dP^T is still
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off

@@ -50,11 +50,22 @@ struct KindMask {
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d256_bf16_causal_fa2_sm90_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 256;
+constexpr int HEAD_DIM = 256;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 256;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br = 64 rows per warpgroup
-constexpr int BLOCK_C = 64;              // Bc
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
+constexpr float SCALE = 6.250000000e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 9.016844006e-02f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_CAUSAL;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen_mods_d256_bf16_causal_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_R: Br = 64 rows per warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
@@ -62,17 +73,7 @@ constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S p
 constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
-constexpr float SCALE_LOG2 = 9.016844006e-02f;
-constexpr float SCALE = 6.250000000e-02f;
-constexpr int MASK = fagen::MASK_CAUSAL;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-using Kind = fagen_mods_d256_bf16_causal_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
 // mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
@@ -407,11 +408,22 @@ extern "C" __global__ void __launch_bounds__(256, 1) fagen_fwd_d256_bf16_causal_
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d256_bf16_causal_fa2_sm90_br64_bc64_w8_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 256;
+constexpr int HEAD_DIM = 256;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 256;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 64;              // Br query rows per step
-constexpr int BLOCK_C = 64;              // Bc = 64 keys: one m64 slab, shared by every warpgroup
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
+constexpr float SCALE = 6.250000000e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 9.016844006e-02f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_CAUSAL;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen_mods_d256_bf16_causal_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc = 64 keys: one m64 slab, shared by every warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int LOADERS = THREADS;                   // every thread issues its share of the copies
 constexpr int GROUPS = WARPS / 4;
@@ -427,22 +439,12 @@ constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
 constexpr int PT_BYTES = BLOCK_C * BLOCK_R * 2;     // one of P_drop^T, dS^T: one row per key
 static_assert(WARPS * fagen::tc::StagedTile<D_TILES>::BYTES <= 4 * QB_BYTES, "every warp's dK / dV tile in the Q, dO stages");
-constexpr float SCALE = 6.250000000e-02f;
-constexpr float SCALE_LOG2 = 9.016844006e-02f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
-constexpr int MASK = fagen::MASK_CAUSAL;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool FOLDS_HEADS = false;    // (false: one query head per block)
-using Kind = fagen_mods_d256_bf16_causal_fa2_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // P^T's exponentials while dP^T is still on the tensor cores, where dropout's Philox state and a score_mod do not
 // also need the registers (as in backward_wgmma)
 constexpr bool P_DURING_DP = !HAS_DROPOUT && !Mods::HAS_SCORE;

@@ -46,15 +46,13 @@ struct KindMask {
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d128_fp32_causal_fa1_sm90_br64_bc128_w8_config {
 using elem_t = float;
-constexpr int HEAD_DIM = 128;
-constexpr int BLOCK_R = 64;
-constexpr int BLOCK_C = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
+constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int WARPS = THREADS / 32;
-constexpr int K_PITCH = 129;
-constexpr int O_PER_THREAD = 32;
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
-constexpr float SCALE = 8.838834765e-02f;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen_mods_d128_fp32_causal_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
@@ -62,7 +60,10 @@ constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int WARPS = THREADS / 32;
+constexpr int K_PITCH = 129;
+constexpr int O_PER_THREAD = 32;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d128_fp32_causal_fa1_sm90_br64_bc128_w8_config
@@ -198,27 +199,27 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
 //   dK_j += tau dS^T Q_i,   dQ_i += tau dS K_j   (fp32 atomics, or a second pass when deterministic).
 namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config {
 using elem_t = float;
-constexpr int HEAD_DIM = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 64;
-constexpr int BLOCK_C = 64;
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int PITCH = 129;                 // K, V rows padded: conflict-free row dot products
-constexpr int KV_PER_THREAD = 32;   // ceil(Bc * d / THREADS) dK and dV accumulators
-constexpr int Q_PER_THREAD = 32;     // ceil(Br * d / THREADS) dQ accumulators (deterministic pass)
-constexpr float SCALE = 8.838834765e-02f;
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen_mods_d128_fp32_causal_fa1_sm90::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int PITCH = 129;                 // K, V rows padded: conflict-free row dot products
+constexpr int KV_PER_THREAD = 32;   // ceil(Bc * d / THREADS) dK and dV accumulators
+constexpr int Q_PER_THREAD = 32;     // ceil(Br * d / THREADS) dQ accumulators (deterministic pass)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 constexpr bool DETERMINISTIC = false;
 static_assert(KV_PER_THREAD * THREADS >= BLOCK_C * HEAD_DIM, "every dK, dV element has an owner");
 static_assert(Q_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every dQ element has an owner");

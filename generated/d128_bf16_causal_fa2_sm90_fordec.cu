@@ -56,11 +56,22 @@ struct KindMask {
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br = 64 rows per consumer warpgroup
-constexpr int BLOCK_C = 128;              // Bc
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_CAUSAL;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_R: Br = 64 rows per consumer warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int CONSUMERS = WARPS / 4 - 1;            // warpgroups 1 .. CONSUMERS compute; warpgroup 0 loads
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
@@ -71,17 +82,7 @@ constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S p
 constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
-constexpr float SCALE = 8.838834765e-02f;
-constexpr int MASK = fagen::MASK_CAUSAL;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // The producer's and the consumers' registers per thread: 128 x 56 + 256 x 224 <= the 64 K of a multiprocessor
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per consumer warpgroup, two taking turns");
@@ -478,26 +479,31 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 #include "tensor_core.cuh"
 namespace fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 128;
+constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int MAX_ROWS = 16;             // Br = 16: one MMA row slab
-constexpr int BLOCK_C = 64;              // Bc: keys per tile
+constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
+constexpr float SCALE = 8.838834765e-02f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.275174308e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_CAUSAL;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc: keys per tile
+// Mods: the spec's score_mod (fagen::NoMods without; no mask_mod here)
+constexpr int MAX_ROWS = BLOCK_R;             // Br = 16: one MMA row slab
 constexpr int WARPS = THREADS / 32;
 constexpr int WARP_KEYS = BLOCK_C / WARPS;          // each warp's keys of a tile
 constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
 constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d for S = Q K^T
 constexpr int S_TILES = WARP_KEYS / 8;              // n-tiles of S (8 keys each)
 constexpr int O_TILES = HEAD_DIM / 8;               // n-tiles of O (8 dims each)
-constexpr float SCALE_LOG2 = 1.275174308e-01f;
-constexpr int MASK = fagen::MASK_CAUSAL;
-using Mods = fagen::NoMods;                  // the spec's score_mod (fagen::NoMods without; no mask_mod here)
 static_assert(!Mods::HAS_MASK, "the decode pass takes no mask_mod");
-using Kind = fagen_mods_d128_bf16_causal_fa2_sm90_fordec::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(MAX_ROWS == 16, "one 16-row MMA slab");
 static_assert(WARP_KEYS % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");

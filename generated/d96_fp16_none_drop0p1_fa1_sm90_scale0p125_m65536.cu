@@ -11,15 +11,13 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_w8_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 96;
-constexpr int BLOCK_R = 16;
-constexpr int BLOCK_C = 128;
+constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
+constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int WARPS = THREADS / 32;
-constexpr int K_PITCH = 98;
-constexpr int O_PER_THREAD = 6;
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
-constexpr float SCALE = 1.250000000e-01f;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
@@ -27,7 +25,10 @@ constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = true;
 constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111099808e+00f;
+constexpr float KEEP_SCALE = 1.111099808e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int WARPS = THREADS / 32;
+constexpr int K_PITCH = 98;
+constexpr int O_PER_THREAD = 6;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_w8_config
@@ -167,11 +168,22 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d96_fp16_none_drop0p
 #include "tensor_core.cuh"
 namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 96;
+constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 32;              // Br query rows per step
-constexpr int BLOCK_C = 64;              // Bc = 16 keys per warp
+constexpr int BLOCK_R = 32;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_NONE;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = true;
+constexpr unsigned DROPOUT_THRESHOLD = 6553u;
+constexpr float KEEP_SCALE = 1.111099808e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc = 16 keys per warp
 constexpr int WARPS = THREADS / 32;
 constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
 constexpr int DS_PITCH = BLOCK_R + 8;
@@ -184,21 +196,11 @@ constexpr int D_TILES = HEAD_DIM / 8;               // n-tiles of dK, dV, dQ (8 
 constexpr int Q_SLABS = BLOCK_R / 16;
 constexpr int DQ_M = Q_SLABS > WARPS ? Q_SLABS / WARPS : 1;
 constexpr int DQ_N = D_TILES / (WARPS > Q_SLABS ? WARPS / Q_SLABS : 1);
-constexpr float SCALE = 1.250000000e-01f;
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
-constexpr int MASK = fagen::MASK_NONE;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = true;
-constexpr unsigned DROPOUT_THRESHOLD = 6553u;
-constexpr float KEEP_SCALE = 1.111099808e+00f;
 static_assert(BLOCK_C == 16 * WARPS, "16 keys per warp");
 static_assert(BLOCK_R % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(DQ_M * DQ_N * WARPS * 16 * 8 == BLOCK_R * HEAD_DIM && DQ_N % 2 == 0, "dQ tiles split evenly over warps");

@@ -134,21 +134,13 @@ struct SpecMods {
 #include "tensor_core.cuh"
 namespace fagen_fwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br128_bc64_w4_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 64;
+constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br = 16 * M_TILES rows per warp
-constexpr int M_TILES = 2;              // 16-row MMA slabs per warp
-constexpr bool Q_IN_REGISTERS = true;  // else Q_w is re-read from shared memory per k-step
-constexpr int Q_REG_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q_w held in registers
-constexpr int BLOCK_C = 64;              // Bc
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
-constexpr int WARPS = THREADS / 32;
-constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
-constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d for S = Q K^T
-constexpr int S_TILES = BLOCK_C / 8;                // n-tiles of S (8 keys each)
-constexpr int O_TILES = HEAD_DIM / 8;               // n-tiles of O (8 dims each)
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
-constexpr float SCALE = 1.250000000e-01f;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_CAUSAL;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
@@ -156,7 +148,16 @@ constexpr int GRAIN = 1;
 using Mods = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_R: Br = 16 * M_TILES rows per warp
+constexpr int M_TILES = 2;              // 16-row MMA slabs per warp
+constexpr bool Q_IN_REGISTERS = true;  // else Q_w is re-read from shared memory per k-step
+constexpr int Q_REG_STEPS = Q_IN_REGISTERS ? HEAD_DIM / 16 : 1;  // k-steps of Q_w held in registers
+constexpr int WARPS = THREADS / 32;
+constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
+constexpr int K_STEPS = HEAD_DIM / 16;              // mma k-steps over d for S = Q K^T
+constexpr int S_TILES = BLOCK_C / 8;                // n-tiles of S (8 keys each)
+constexpr int O_TILES = HEAD_DIM / 8;               // n-tiles of O (8 dims each)
 static_assert(BLOCK_R == 16 * M_TILES * WARPS, "M_TILES 16-row MMA slabs per warp");
 static_assert(BLOCK_C % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
@@ -408,11 +409,22 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
 #include "tensor_core.cuh"
 namespace fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 64;
+constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 64;              // Br query rows per step
-constexpr int BLOCK_C = 128;              // Bc = 16 keys per warp
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_CAUSAL;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc = 16 keys per warp
 constexpr int WARPS = THREADS / 32;
 constexpr int PITCH = HEAD_DIM + 8;                 // +16 bytes per row: ldmatrix rows hit distinct banks
 constexpr int DS_PITCH = BLOCK_R + 8;
@@ -425,21 +437,11 @@ constexpr int D_TILES = HEAD_DIM / 8;               // n-tiles of dK, dV, dQ (8 
 constexpr int Q_SLABS = BLOCK_R / 16;
 constexpr int DQ_M = Q_SLABS > WARPS ? Q_SLABS / WARPS : 1;
 constexpr int DQ_N = D_TILES / (WARPS > Q_SLABS ? WARPS / Q_SLABS : 1);
-constexpr float SCALE = 1.250000000e-01f;
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
-constexpr int MASK = fagen::MASK_CAUSAL;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
-using Kind = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::KindMask;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen_mods_d64_fp16_causal_fa2_sm80_modb65a7c19::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 static_assert(BLOCK_C == 16 * WARPS, "16 keys per warp");
 static_assert(BLOCK_R % 16 == 0 && HEAD_DIM % 16 == 0, "tensor-core tile multiples");
 static_assert(DQ_M * DQ_N * WARPS * 16 * 8 == BLOCK_R * HEAD_DIM && DQ_N % 2 == 0, "dQ tiles split evenly over warps");

@@ -15,11 +15,22 @@
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 96;
+constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br = 64 rows per warpgroup
-constexpr int BLOCK_C = 64;              // Bc
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
+constexpr float SCALE = 1.020620726e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.472444460e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_PADDING;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_R: Br = 64 rows per warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
@@ -27,17 +38,7 @@ constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S p
 constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
-constexpr float SCALE_LOG2 = 1.472444460e-01f;
-constexpr float SCALE = 1.020620726e-01f;
-constexpr int MASK = fagen::MASK_PADDING;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = false;   // later rows see more keys (Spec.keys_grow_with_rows)
-using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
 // mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
@@ -360,27 +361,27 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_padding_
 //   dK_j += tau dS^T Q_i,   dQ_i += tau dS K_j   (fp32 atomics, or a second pass when deterministic).
 namespace fagen_bwd_d96_bf16_padding_fa2_sm90_det_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 96;
+constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;
-constexpr int BLOCK_C = 64;
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int PITCH = 98;                 // K, V rows padded: conflict-free row dot products
-constexpr int KV_PER_THREAD = 24;   // ceil(Bc * d / THREADS) dK and dV accumulators
-constexpr int Q_PER_THREAD = 48;     // ceil(Br * d / THREADS) dQ accumulators (deterministic pass)
-constexpr float SCALE = 1.020620726e-01f;
-constexpr float SCALE_LOG2 = 1.472444460e-01f;
+constexpr float SCALE = 1.020620726e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.472444460e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_PADDING;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
 constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int PITCH = 98;                 // K, V rows padded: conflict-free row dot products
+constexpr int KV_PER_THREAD = 24;   // ceil(Bc * d / THREADS) dK and dV accumulators
+constexpr int Q_PER_THREAD = 48;     // ceil(Br * d / THREADS) dQ accumulators (deterministic pass)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 constexpr bool DETERMINISTIC = true;
 static_assert(KV_PER_THREAD * THREADS >= BLOCK_C * HEAD_DIM, "every dK, dV element has an owner");
 static_assert(Q_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every dQ element has an owner");

@@ -10,15 +10,13 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d64_fp16_none_fa1_sm90_m49152_paper_for_br64_bc96_w8_config {
 using elem_t = __half;
-constexpr int HEAD_DIM = 64;
-constexpr int BLOCK_R = 64;
-constexpr int BLOCK_C = 96;
+constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
+constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 96;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
-constexpr int WARPS = THREADS / 32;
-constexpr int K_PITCH = 66;
-constexpr int O_PER_THREAD = 16;
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
-constexpr float SCALE = 1.250000000e-01f;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
 constexpr int MASK = fagen::MASK_NONE;
 constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
@@ -26,7 +24,10 @@ constexpr int GRAIN = 1;
 using Mods = fagen::NoMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 constexpr bool HAS_DROPOUT = false;
 constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+constexpr int WARPS = THREADS / 32;
+constexpr int K_PITCH = 66;
+constexpr int O_PER_THREAD = 16;
 static_assert(O_PER_THREAD * THREADS >= BLOCK_R * HEAD_DIM, "every O element has an owner");
 static_assert(THREADS % 32 == 0, "whole warps");
 }  // namespace fagen_fwd_d64_fp16_none_fa1_sm90_m49152_paper_for_br64_bc96_w8_config

@@ -91,11 +91,22 @@ struct SpecMods {
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br64_bc128_w4_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 64;
+constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 64;              // Br = 64 rows per warpgroup
-constexpr int BLOCK_C = 128;              // Bc
+constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_NONE;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_R: Br = 64 rows per warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
@@ -103,17 +114,7 @@ constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S p
 constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
-constexpr float SCALE = 1.250000000e-01f;
-constexpr int MASK = fagen::MASK_NONE;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
-using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
 // mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
@@ -447,11 +448,22 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d64_bf16_none_fa2_sm90_modf9fdd6c6_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
-constexpr int HEAD_DIM = 64;
+constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int BLOCK_R = 128;              // Br query rows per step
-constexpr int BLOCK_C = 128;              // Bc = 64 keys per consumer warpgroup
+constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
+constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
+constexpr float SCALE = 1.250000000e-01f;                // tau (a score_mod sees tau * q.k)
+constexpr float SCALE_LOG2 = 1.803368801e-01f;      // tau * log2(e): softmax in base 2
+constexpr int MASK = fagen::MASK_NONE;
+constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
+using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
+constexpr int GRAIN = 1;
+using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
+constexpr bool HAS_DROPOUT = false;
+constexpr unsigned DROPOUT_THRESHOLD = 0u;
+constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
+// BLOCK_C: Bc = 64 keys per consumer warpgroup
 constexpr int WARPS = THREADS / 32;
 constexpr int LOADERS = 128;                        // warpgroup 0 issues every copy
 constexpr int GROUPS = WARPS / 4 - 1;               // consumer warpgroups 1 .. GROUPS
@@ -487,24 +499,14 @@ constexpr int DQ_ROW_CHUNKS = DQ_TILES * 2;               // 16-byte chunks (4 d
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
 constexpr int DS_BYTES = BLOCK_C * BLOCK_R * 2;     // dS^T, one row per key
-constexpr float SCALE = 1.250000000e-01f;
-constexpr float SCALE_LOG2 = 1.803368801e-01f;
 constexpr float LOG2E = 1.4426950408889634f;
 constexpr float FLT_MAX = 3.402823466e38f;
-constexpr int MASK = fagen::MASK_NONE;
-constexpr bool PACKED = false;                 // layout packed: sequences back to back (Problem)
 // Grouped KV heads: a block may walk every query head of its K/V head's group (args.fold_heads; fagen/sources.py
 // folds_kv_group)
 constexpr bool FOLDS_HEADS = true;
-using Kind = fagen::NoMods;                  // causal / sliding_window as their expression (fagen::NoMods without)
-constexpr int GRAIN = 1;
-using Mods = fagen_mods_d64_bf16_none_fa2_sm90_modf9fdd6c6::SpecMods;                  // the spec's mask_mod / score_mod (fagen::NoMods without)
 // The build that also adds score_mod's input gradients (Mods::add_input_grads): a module of its own (fagen/build.py
 // makes it beside this one where score_mod reads float tensors), so that this one carries none of that code.
 constexpr bool WITH_INPUT_GRADS = false;
-constexpr bool HAS_DROPOUT = false;
-constexpr unsigned DROPOUT_THRESHOLD = 0u;
-constexpr float KEEP_SCALE = 1.000000000e+00f;
 // Two overlaps (docs/decisions/0011-kernel-techniques.md): P^T's exponentials while dP^T is still
 // on the tensor cores, and dQ_i's atomics while the next row block's S^T and dP^T are. Each holds registers
 // through work that dropout's Philox state and a score_mod also need: where ptxas then spilled, they are off
