@@ -1,6 +1,6 @@
 """ptxas's registers and spills for the default plans over a grid of head dims and masks, on this machine's nvcc
 (no GPU needed): `python -m dev.ptxas_survey sm_80 --head-dims 32,64,128 --masks none,causal [--dropout 0.1]`.
-Prints the main kernels (not the row passes), spilling ones marked; what BENCHMARKS.md's sm_80 spill survey ran."""
+Prints the main kernels (not the row passes), spilling ones marked; what docs/benchmarks-journal.md's sm_80 spill survey ran."""
 import argparse
 import itertools
 from concurrent.futures import ThreadPoolExecutor

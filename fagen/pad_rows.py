@@ -3,7 +3,7 @@ not multiples of 8 (fagen/torch.py padded_spec_key).
 
 Why a kernel of fagen's own: torch's `F.pad` of a (B, H, N, 59) bf16 tensor fills the padded tensor and then
 copies the rows in with a strided elementwise kernel, 3-4x the time its bytes need; through `fagen.attention`
-that put d = 59 at 1.4x the forward time of d = 64 (BENCHMARKS.md, "Head dims that are not multiples of 16").
+that put d = 59 at 1.4x the forward time of d = 64 (docs/benchmarks-journal.md, "Head dims that are not multiples of 16").
 templates/pad_rows.cu writes every padded row as whole 16-byte stores, q, k and v in one launch, on the
 caller's current stream. The padded tensors are new, contiguous and owned by PyTorch's caching allocator,
 so they are safe on that stream and under CUDA graph capture. Part of the torch adapter's layer: it builds its

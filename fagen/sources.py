@@ -29,7 +29,7 @@ def folds_kv_group(spec, plan) -> bool:
     query head through its rows alone (Spec.kv_group_foldable). With a mask_mod on 128-row blocks (d <= 64) the
     consumers' head loop costs a few spilled bytes (ptxas, sm_90a, d = 64: documents 8 B, dilated 4 B, prefix-LM and
     window + sinks none), and the folded backward is still 10-26% faster at 32/8 and 16/4 heads, the same kernel
-    unfolded (MHA, or grids too small to fold) 0-1.5% slower (BENCHMARKS.md "Grouped KV heads folded with a mask_mod
+    unfolded (MHA, or grids too small to fold) 0-1.5% slower (docs/benchmarks-journal.md "Grouped KV heads folded with a mask_mod
     at d = 64")."""
     return plan.template in FOLDING_TEMPLATES and spec.kv_group_foldable
 

@@ -101,7 +101,7 @@ except (AttributeError, ValueError):   # older torch, or registered already (a m
 
 
 # Head dims that are not multiples of 8 (fp16 / bf16): the rows of q, k, v are then not whole 16-byte copies,
-# which the kernels load 4 bytes or 2 bytes at a time (1.3-6x slower than the next multiple of 16, BENCHMARKS.md
+# which the kernels load 4 bytes or 2 bytes at a time (1.3-6x slower than the next multiple of 16, docs/benchmarks-journal.md
 # "Head dims that are not multiples of 16"). Through torch, the tensors are padded with zero columns to the next
 # multiple of 8 instead (one copy of q, k, v per call, as FlashAttention-2's own interface does), computed
 # under the same spec at that head dim with the spec's softmax scale, and o is returned as the view of its

@@ -384,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   // O and l are rescaled only when some row of the warp outgrows that; softmax = e^(tau (S - m)) / l and LSE =
   // tau m + log l hold for any such m. What it saves, after the first tiles, is almost every tile's
   // O *= e^(tau (m_old - m_new)): HEAD_DIM / 2 multiplies per thread for BLOCK_C / 2 scores, 1.7 a score at
-  // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (BENCHMARKS.md).
+  // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (docs/benchmarks-journal.md).
   constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack

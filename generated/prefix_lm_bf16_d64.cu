@@ -130,7 +130,7 @@ constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
 // mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
 // dropout it was 3% faster, left so), and up to 8% slower at d <= 128, where other resident blocks fill the tensor
-// cores while these copies issue (BENCHMARKS.md, "The forward's copies issued behind the scores' wgmma")
+// cores while these copies issue (docs/benchmarks-journal.md, "The forward's copies issued behind the scores' wgmma")
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
@@ -252,7 +252,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // softmax, has a thread hold its 32 keys' values beside S's accumulators and the in-flight P~ and O. Where that
   // costs the third resident block (d = 64), it is tested ahead of the tile instead, before S_j's wgmma is issued,
   // into a bit per score (accumulator_visibility): more instructions (a ballot per row and 32 keys), timed 4-8%
-  // slower than the per-score test at two blocks per SM and 6-9% faster for the third block (BENCHMARKS.md).
+  // slower than the per-score test at two blocks per SM and 6-9% faster for the third block (docs/benchmarks-journal.md).
   constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS && 3 >= 3;
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
@@ -262,7 +262,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // O and l are rescaled only when some row of the warp outgrows that; softmax = e^(tau (S - m)) / l and LSE =
   // tau m + log l hold for any such m. What it saves, after the first tiles, is almost every tile's
   // O *= e^(tau (m_old - m_new)): HEAD_DIM / 2 multiplies per thread for BLOCK_C / 2 scores, 1.7 a score at
-  // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (BENCHMARKS.md).
+  // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (docs/benchmarks-journal.md).
   constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack

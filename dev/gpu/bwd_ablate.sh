@@ -1,6 +1,6 @@
 # What the backward's dQ atomics and dK, dV stores cost (main kernel, dev/gpu/block_cost.py): the device copy's
 # templates edited so that they never run (a run-time test that never holds keeps the work that feeds them).
-# Written against the templates of 8a39f16 (dK, dV straight from the fragments); BENCHMARKS.md, 2026-11-26.
+# Written against the templates of 8a39f16 (dK, dV straight from the fragments); docs/benchmarks-journal.md, 2026-11-26.
 source dev/gpu/device_prelude.sh >/dev/null 2>&1
 cp -r templates /tmp/templates.orig
 R=templates/backward_wgmma_rows.cu.j2; K=templates/backward_wgmma_key_grads.cu.j2

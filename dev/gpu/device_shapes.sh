@@ -1,7 +1,7 @@
 # Device call for issue 11 (the shapes models use): the GPU tests of grouped heads, packed batches, odd head
 # dims (the padding kernel, through torch) and decoding; then, per argument, `headdim` (odd d through torch
 # against the next multiple of 16 and SDPA-flash, four shapes), `gqa`, `decode`, `varlen` (the benchmark rows
-# of BENCHMARKS.md), `all` (the whole GPU suite and the sanitizers). Output in $OUT.
+# of docs/benchmarks-journal.md), `all` (the whole GPU suite and the sanitizers). Output in $OUT.
 source dev/gpu/device_prelude.sh
 echo "== pytest (shapes)"
 timeout 300 python3 -m pytest -m gpu -q -p no:cacheprovider -n 8 -W ignore tests/test_pad_rows_gpu.py tests/test_torch_gpu.py \

@@ -1,7 +1,7 @@
 """Grouped KV heads in the backward, A/B in one process: folded (a block per K/V head and key block walking the
 group's query heads) against a block per query head + _kv_group_sum, toggled by runtime.kernel.FOLD_WAVES on the same
 compiled kernel (fast-path tables cleared between modes), two rounds alternating; device time (torch.profiler) and
-CUDA events per call. BENCHMARKS.md "Grouped KV heads folded".
+CUDA events per call. docs/benchmarks-journal.md "Grouped KV heads folded".
 
     python3 dev/gpu/fold_ab.py
     MASK_MODS=1 python3 dev/gpu/fold_ab.py          # the library's mask_mods that do not read h, at d = 128

@@ -1,7 +1,7 @@
 # A/B of the d = 128 forward across fagen trees (`bash dev/gpu/forward_d128_ab.sh .ab_prev`, the other tree with
 # dev/gpu/kernel_times.py copied in): device time per call (dev/gpu/kernel_times.py) on short and long shapes and
 # masks, each tree in its own process and kernel cache, twice, alternating. (Used for the persistent warp-specialized
-# forward tried on 2026-11-25, BENCHMARKS.md.)
+# forward tried on 2026-11-25, docs/benchmarks-journal.md.)
 source dev/gpu/device_prelude.sh >/dev/null 2>&1
 old=$1
 for tree in . "$old" . "$old"; do

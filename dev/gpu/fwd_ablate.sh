@@ -1,5 +1,5 @@
 # What the forward's O and LSE stores cost (main kernel, dev/gpu/block_cost.py --pass forward): the device
-# copy's epilogue edited so that they never run. Written against the templates of 8a39f16; BENCHMARKS.md, 2026-11-26.
+# copy's epilogue edited so that they never run. Written against the templates of 8a39f16; docs/benchmarks-journal.md, 2026-11-26.
 source dev/gpu/device_prelude.sh >/dev/null 2>&1
 E=templates/forward_wgmma_epilogue.cu.j2; cp $E /tmp/epi.orig
 if grep -q store_tile_staged $E; then   # the edits below match only the stores from the fragments
