@@ -570,27 +570,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
     const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: K_w
     const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: V_w
     const unsigned b_pair = tc::b_pair_lane_offset(s_lane, PITCH) * E;
-#pragma unroll
-    for (int n = 0; n < R_TILES; ++n)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s_acc[n][e] = dp_acc[n][e] = 0.f;
-#pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) {
-      unsigned k_frag[4], v_frag[4];
-      tc::ldmatrix_x4(k_frag, k_warp + kk * 16 * E);
-      tc::ldmatrix_x4(v_frag, v_warp + kk * 16 * E);
-#pragma unroll
-      for (int pair = 0; pair < R_TILES / 2; ++pair) {
-        const unsigned b_offset = b_pair + (pair * 16 * PITCH + kk * 16) * E;
-        unsigned qf[4], dof[4];
-        tc::ldmatrix_x4(qf, q_tile + b_offset);
-        tc::mma_16x8x16<elem_t>(s_acc[2 * pair], k_frag, qf[0], qf[1]);
-        tc::mma_16x8x16<elem_t>(s_acc[2 * pair + 1], k_frag, qf[2], qf[3]);
-        tc::ldmatrix_x4(dof, do_tile + b_offset);
-        tc::mma_16x8x16<elem_t>(dp_acc[2 * pair], v_frag, dof[0], dof[1]);
-        tc::mma_16x8x16<elem_t>(dp_acc[2 * pair + 1], v_frag, dof[2], dof[3]);
-      }
-    }
+    tc::transposed_score_products<elem_t, K_STEPS, R_TILES, PITCH>(s_acc, dp_acc, k_warp, v_warp, q_tile, do_tile, b_pair);
 
     // ---- from S^T to P^T: made by templates/backward_transposed_scores.cu.j2 ----
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query
