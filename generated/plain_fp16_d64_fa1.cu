@@ -97,18 +97,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
       // l_new = e^(m_i - m_new) l_i + e^(m~ - m_new) l~; write l_new, m_new to HBM.
       for (int r = warp; r < BLOCK_R; r += WARPS) {
         float* s_row = s_tile + r * BLOCK_C;
-        float tile_max = -INFINITY;
-        for (int c = lane; c < BLOCK_C; c += 32) tile_max = fmaxf(tile_max, s_row[c]);
-        tile_max = warp_max(tile_max);
-        const float m_use = safe_max(tile_max);
-        float tile_sum = 0.f;
-        for (int c = lane; c < BLOCK_C; c += 32) {
-          float p = exp2f(s_row[c] - m_use);
-          tile_sum += p;
-          if (HAS_DROPOUT) p = dropout_keep(args, bh, row0 + r, col0 + c, DROPOUT_THRESHOLD) ? p * KEEP_SCALE : 0.f;
-          s_row[c] = p;
-        }
-        tile_sum = warp_sum(tile_sum);
+        const float tile_max = row_max_in_warp<BLOCK_C>(s_row, lane);
+        const float tile_sum = exponentiate_row_in_warp<BLOCK_C, HAS_DROPOUT>(s_row, safe_max(tile_max), lane, args, bh, row0 + r,
+                                                                           col0, DROPOUT_THRESHOLD, KEEP_SCALE);
         if (lane == 0 && r < rows_here) {
           const float m_i = m_hbm[row0 + r], l_i = l_hbm[row0 + r];
           const float m_new = fmaxf(m_i, tile_max), m_new_use = safe_max(m_new);

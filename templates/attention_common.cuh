@@ -906,4 +906,26 @@ __device__ __forceinline__ void masked_scores(float* s_tile, const T* q_tile, co
   }
 }
 
+// The CUDA-core forwards' softmax on one row of S in shared memory, a warp per row: the row's max, then
+// P~ = exp2(S - m) written back (dropped entries 0, kept ones scaled after the sum) and rowsum(P~) before dropout.
+template <int BLOCK_C>
+__device__ __forceinline__ float row_max_in_warp(const float* s_row, int lane) {
+  float tile_max = -INFINITY;
+  for (int c = lane; c < BLOCK_C; c += 32) tile_max = fmaxf(tile_max, s_row[c]);
+  return warp_max(tile_max);
+}
+template <int BLOCK_C, bool HAS_DROPOUT>
+__device__ __forceinline__ float exponentiate_row_in_warp(float* s_row, float m_use, int lane, const AttentionArgs& args,
+                                                          long long bh, int row, int col0, unsigned threshold,
+                                                          float keep_scale) {
+  float tile_sum = 0.f;
+  for (int c = lane; c < BLOCK_C; c += 32) {
+    float p = exp2f(s_row[c] - m_use);
+    tile_sum += p;
+    if (HAS_DROPOUT) p = dropout_keep(args, bh, row, col0 + c, threshold) ? p * keep_scale : 0.f;
+    s_row[c] = p;
+  }
+  return warp_sum(tile_sum);
+}
+
 }  // namespace fagen
