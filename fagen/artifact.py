@@ -19,9 +19,9 @@ INPUT_GRAD_BACKWARD = "backward_input_grads"
 @dataclass
 class Artifact:
     """record: plain JSON (the spec, the plan policy, each pass's plan as the solver's Plan.to_dict, its kernel
-    symbols, main kernel first, the cubins' cache keys, and
-    whether each pass's kernel walks a K/V head's group of query heads: fagen/sources.py folds_kv_group); cubins: bytes by pass, plus INPUT_GRAD_BACKWARD where
-    the spec has one."""
+    symbols, main kernel first, the cubins' cache keys, and whether each pass's kernel walks a K/V head's group of
+    query heads: fagen/sources.py folds_kv_group); cubins: bytes by pass, plus INPUT_GRAD_BACKWARD where the spec
+    has one."""
 
     record: dict
     cubins: dict[str, bytes]

@@ -152,7 +152,6 @@ def template_cubin(name: str, arch: str) -> bytes:
 
 
 def _plan_key(spec: Spec, target: Target, policy: Optional[str]) -> str:
-
     try:  # a new autotune result changes the plan: key on the autotune file's state, not its contents
         stat = os.stat(DiskCache().root / AUTOTUNE_FILE)
         tuned = f"{stat.st_mtime_ns}:{stat.st_size}"

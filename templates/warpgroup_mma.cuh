@@ -170,8 +170,8 @@ __device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const
 
 // A tile of keys from a paged cache (async_load_key_rows): pages of whole tiles (page_size a multiple of ROWS; tiles
 // start at multiples of ROWS) hold each tile in one page, found once, then copied as contiguous rows; smaller pages
-// row by row. A call rather than inlined: inlined beside the contiguous copies, it made ptxas spill
-// (docs/decisions/0010-paged-loads.md).
+// through async_load_rows_swizzled_at's lookups. A call rather than inlined: inlined beside the contiguous copies, it
+// made ptxas spill (docs/decisions/0010-paged-loads.md).
 template <int ROWS, int HEAD_DIM, int THREADS, int PANEL_BYTES, typename T>
 __device__ __noinline__ void async_load_paged_rows(unsigned tile, const PagedRows<T> rows_at, int col0, int valid_rows,
                                                    int valid_cols) {

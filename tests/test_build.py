@@ -337,19 +337,17 @@ def test_a_score_mod_with_float_tensor_inputs_carries_its_input_gradient_backwar
     assert INPUT_GRAD_BACKWARD not in build.artifact(capped, target).cubins
 
 
-def test_the_runtime_kernel_loads_an_artifact_without_the_build(monkeypatch):
+def test_the_runtime_kernel_loads_an_artifact_without_the_build(cache_dir, monkeypatch):
     """fagen.runtime.Kernel takes what the build made: its plans from the record (family, template, folds_heads),
     each pass's cubin loaded through the driver; the record's extra cubin is the input-gradient backward."""
     from fagen import build, runtime
     from fagen.artifact import INPUT_GRAD_BACKWARD, Artifact
     from fagen.target import target_for
 
+    _stub_cached_cubin(monkeypatch)
     spec = Spec(head_dim=64, dtype="bf16", mask="causal", arch="sm_90")
     item = build.prepare(spec)
-    record = {"format": 3, "spec": spec.canonical_json(), "policy": item.solution.policy,
-              "plans": {p: plan.to_dict() for p, plan in item.solution.plans.items()},
-              "kernels": {p: list(names) for p, names in item.rendered.kernels.items()},
-              "cubin_keys": {}, "folds_heads": {"forward": False, "backward": True}}
+    record = build.compile_prepared(item).record   # (the cubins below stand in for the compiled ones)
     loaded = []
     monkeypatch.setattr(runtime.Kernel, "_module_functions", lambda self, device, cubins: loaded.append(cubins) or {})
     kernel = runtime.Kernel(spec, target_for("sm_90"), Artifact(record, {"forward": b"f", "backward": b"b",

@@ -122,7 +122,7 @@ def test_launch_plans_know_their_template(spec_fields, grouped):
     """The runtime picks each launch's grid layout by the plan's template (a record the solver wrote)."""
     solution = solve(Spec(**spec_fields))
     for name, plan in solution.plans.items():
-        launch = LaunchPlan.from_plan(plan.to_dict(), ("kernel",), 64)
+        launch = LaunchPlan.from_plan(plan.to_dict(), ("kernel",), 64, False)
         assert launch.template == plan.template
         assert (launch.template in GROUPED_TEMPLATES) == grouped
 

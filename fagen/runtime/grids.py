@@ -129,7 +129,7 @@ class LaunchPlan:
     folds_heads: bool   # a backward built to walk a K/V head's group of query heads (Kernel._folds)
 
     @classmethod
-    def from_plan(cls, plan: dict, symbols, head_dim: int, folds_heads: bool = False) -> "LaunchPlan":
+    def from_plan(cls, plan: dict, symbols, head_dim: int, folds_heads: bool) -> "LaunchPlan":
         return cls(tuple(symbols), plan["block_r"], plan["block_c"], plan["threads"], plan["smem_bytes"],
                    plan["stages"], plan["tensor_cores"], plan.get("head_dim") or head_dim, plan["template"],
                    plan["family"], folds_heads)
