@@ -284,7 +284,7 @@ def why_first(spec: Spec, solution: Any, pass_name: str) -> str:
     least = min(plan.hbm_bytes for plan in ranked)
     rival = ranked[1] if top.hbm_bytes == least else next(p for p in ranked if p.hbm_bytes == least)
     rank = ranked.index(rival) + 1
-    reason = _reason(_deciding_field(top, rival, spec.head_dim), top, rival, spec)
+    reason = _reason(_deciding_field(top, rival, spec.compute_dim), top, rival, spec)
     if top.hbm_bytes == least:
         if rival.hbm_bytes > least:
             return f"the least HBM traffic ({top.hbm_bytes:,} bytes at N = 4096)"
@@ -295,7 +295,7 @@ def why_first(spec: Spec, solution: Any, pass_name: str) -> str:
 
 def _reason(field: Optional[str], top: Any, other: Any, spec: Spec) -> str:
     if field == "padding":
-        weighed = [float(plan.rank_key(spec.head_dim)[0]) for plan in (top, other)]
+        weighed = [float(plan.rank_key(spec.compute_dim)[0]) for plan in (top, other)]
         return (f"{top.family} computes d = {spec.head_dim} at {top.head_dim}, weighed as {weighed[0]:g}, against "
                 f"{other.family} at {other.head_dim}, weighed as {weighed[1]:g} (head-dim padding ranks first; a Hopper "
                 "warpgroup-MMA family's counts for 3/4 of it: solver.PREFERRED_PADDING)")

@@ -270,9 +270,9 @@ def _prepare(q, k, v, spec: "Spec"):
     if k.shape[0] != B or H % max(k.shape[1], 1) or v.shape[:3] != k.shape[:3]:
         raise ValueError(f"q, k, v disagree on B, k's heads do not divide q's, or k, v disagree on (H_kv, Nk): "
                          f"{q.shape}, {k.shape}, {v.shape}")
-    if not (d == k.shape[3] == v.shape[3] == spec.head_dim):
-        raise ValueError(f"head_dim of q, k, v ({d}, {k.shape[3]}, {v.shape[3]}) must equal "
-                         f"spec.head_dim = {spec.head_dim}")
+    if not (d == k.shape[3] == spec.head_dim and v.shape[3] == spec.value_dim):
+        raise ValueError(f"head_dim of q, k, v ({d}, {k.shape[3]}, {v.shape[3]}) must equal spec.head_dim = "
+                         f"{spec.head_dim} (q, k) and spec.value_dim = {spec.value_dim} (v)")
     if Nq < 1 or k.shape[2] < 1:
         raise ValueError(f"sequence lengths must be at least 1, got Nq={Nq}, Nk={k.shape[2]}")
     group = H // k.shape[1]

@@ -167,8 +167,9 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "kernel_name": name,
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],
-        "head_dim": plan.head_dim or spec.head_dim,   # padded up to the template's multiple
+        "head_dim": plan.head_dim or spec.compute_dim,   # padded up to the template's multiple
         "data_dim": spec.head_dim,
+        "value_dim": spec.value_dim,
         "block_r": plan.block_r,
         "block_c": plan.block_c,
         "threads": threads,

@@ -246,13 +246,13 @@ FAMILIES: tuple[Family, ...] = (
                        ("a mask_mod whose tiles are decided by run-time summaries (document ids) only at d = 64 or 128 "
                         "on padded batches (spill-free there since the summaries' bounds count in int; d = 40: 44 B, "
                         "d = 96: 28-32 B, packed d = 64: 4-180 B)",
-                        lambda spec: not spec.modifiers.summaries or (spec.layout == "padded" and spec.head_dim in (64, 128))),
+                        lambda spec: not spec.modifiers.summaries or (spec.layout == "padded" and spec.compute_dim in (64, 128))),
                        ("no mask_mod with dropout above d = 96 (12 B at d = 128)",
-                        lambda spec: not (spec.mask_mod and spec.dropout and spec.head_dim > 96)),
+                        lambda spec: not (spec.mask_mod and spec.dropout and spec.compute_dim > 96)),
                        ("no block-sparse mask (the producer's walk spilled 4-40 B, with dropout 24 B more)",
                         lambda spec: spec.mask != "block_sparse"),
                        ("no dropout on a head dim padded up (d = 99-127 with dropout, packed or padding: 4 B)",
-                        lambda spec: not (spec.dropout and spec.head_dim % 32))),
+                        lambda spec: not (spec.dropout and spec.compute_dim % 32))),
            rules=(("64 keys per consumer warpgroup", lambda r, c, hd, w: c == 64 * (w // 4 - 1)),
                   ("dQ splits over the consumers: Br = 64 per consumer, or Br = 64 and d = 64 per consumer (the "
                    "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * (w - 4) or
@@ -280,7 +280,7 @@ FAMILIES: tuple[Family, ...] = (
            # (The user's d, where the tile rule it replaced read the padded one: no d <= 128 reaches 192 or 256 here.)
            spec_rules=(("head dims above 128, or above 96 with a block-sparse mask of 64-key blocks (where "
                         "backward_wgmma holds dK, dV in one warpgroup and its key blocks divide the mask's)",
-                        lambda spec: spec.head_dim > 128 or (spec.mask == "block_sparse" and spec.head_dim > 96
+                        lambda spec: spec.compute_dim > 128 or (spec.mask == "block_sparse" and spec.compute_dim > 96
                                                              and spec.block_size < 128)),),
            rules=(("Br = 64: 32 queries of S^T per warpgroup", lambda r, c, hd, w: r == 64),)),
     # Tensor cores, K_j/V_j outer: 16 keys per warp, S^T, dP^T, dS^T and the warp's dK, dV accumulators
@@ -522,7 +522,7 @@ def paper_report(head_dim: int, m_elements: int, block_r: int, block_c: int) -> 
 # ---- traffic models -------------------------------------------------------------------------
 def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = RANKING_SEQ_LEN) -> int:
     """Bytes the loop order moves through HBM for one (batch, head) at Nq = Nk = n (design.md)."""
-    e, hd = spec.element_bytes, spec.head_dim
+    e, hd = spec.element_bytes, spec.compute_dim
     row_blocks, col_blocks = math.ceil(n / block_r), math.ceil(n / block_c)
     if pass_name == "decode":
         # K and V read once per K/V head group, Q read and O, LSE written once (the split partials are small).
@@ -584,7 +584,8 @@ def families_for(spec: Spec, pass_name: str, policy: str = "auto") -> list[Famil
     integers, so that policy needs a family that takes any tile."""
     return [f for f in FAMILIES
             if pass_name in f.passes and spec.dtype in f.dtypes and spec.loop_order in f.loop_orders
-            and padded_head_dim(f, spec.head_dim) and (policy == "auto" or f.any_tile)
+            and padded_head_dim(f, spec.compute_dim) and (policy == "auto" or f.any_tile)
+            and (f.tensor_cores or spec.value_head_dim is None)   # the CUDA-core templates take one head dim
             and (f.deterministic or not spec.deterministic)]
 
 
@@ -606,7 +607,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     """The plan for these tiles and the list of constraints it breaks (empty: feasible); computed at
     `head_dim` (one of `padded_head_dims`), by default the least padded."""
     compiled = _compiled(family)
-    head_dim = head_dim or padded_head_dim(family, spec.head_dim) or spec.head_dim
+    head_dim = head_dim or padded_head_dim(family, spec.compute_dim) or spec.compute_dim
     smem, registers, dropout_regs, reads, modifier_regs, packed_regs, light_regs, key_regs = compiled.footprint(
         block_r, block_c, head_dim, warps, spec.element_bytes)
     smem = _exact_int(smem)
@@ -674,7 +675,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
         raise SpecError(f"policy {policy!r} is not allowed: paper or auto")
     budget = _budget(spec, target)
     m_elements = (spec.sram_budget or target.smem_per_block) // spec.element_bytes
-    paper_r, paper_c = paper_tiles(spec.head_dim, m_elements)
+    paper_r, paper_c = paper_tiles(spec.compute_dim, m_elements)
     plans, candidates = {}, {}
     tiles = [(paper_r, paper_c)] if policy == "paper" else None
     limit = target.smem_per_block if policy == "paper" else budget   # the paper's tiles must still fit the hardware
@@ -686,7 +687,7 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
         # its least padded head dim; the next multiples only where no family of the tier fits there
         for tier in dict.fromkeys(f.tensor_cores for f in families):
             members = [f for f in families if f.tensor_cores == tier]
-            dims = {f.name: padded_head_dims(f, spec.head_dim) for f in members}
+            dims = {f.name: padded_head_dims(f, spec.compute_dim) for f in members}
             for step in range(max(len(d) for d in dims.values())):
                 for family in (f for f in members if step < len(dims[f.name])):
                     for plan, broken in family_plans(family, spec, target, pass_name, tiles, dims[family.name][step]):
@@ -702,10 +703,10 @@ def solve(spec: Spec, target: Optional[Target] = None, policy: Optional[str] = N
                 break
         if not ranked:
             raise InfeasibleSpec(_infeasible_message(spec, target, pass_name, policy, budget, failures))
-        ranked.sort(key=lambda plan: plan.rank_key(spec.head_dim))
+        ranked.sort(key=lambda plan: plan.rank_key(spec.compute_dim))
         plans[pass_name] = ranked[0]
         candidates[pass_name] = tuple(ranked)
-    paper = paper_report(spec.head_dim, m_elements, paper_r, paper_c)
+    paper = paper_report(spec.compute_dim, m_elements, paper_r, paper_c)
     return Solution(spec, policy, target, budget, plans, candidates, paper)
 
 

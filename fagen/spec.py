@@ -16,7 +16,7 @@ import reprlib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, field_validator,
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, ValidationInfo, field_validator,
                       model_validator)
 
 DTYPES = ("fp16", "bf16", "fp32")
@@ -78,6 +78,10 @@ class Spec(BaseModel):
     name: Optional[str] = Field(None, strict=True, description="Variant name; default derived from every other field.")
     head_dim: int = Field(..., strict=True, description="Head dimension d: any from 1 to 256.",
                           json_schema_extra={"minimum": 1, "maximum": 256})
+    value_head_dim: Optional[int] = Field(
+        None, strict=True, description="Head dimension of v and o when it differs from q's and k's (DeepSeek's MLA: "
+        "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2.",
+        json_schema_extra={"minimum": 8, "maximum": 256})
     dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
     mask: Literal["none", "causal", "sliding_window", "padding", "block_sparse"] = Field(
         "none", description="Which (query, key) pairs are visible.")
@@ -128,6 +132,15 @@ class Spec(BaseModel):
         if isinstance(value, bool) or not (1 <= value <= 256):
             raise ValueError(f"{_short(value)} is not allowed: head_dim must be from 1 to 256")
         return value
+
+    @field_validator("value_head_dim")
+    @classmethod
+    def _value_head_dim(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
+        if value is None:
+            return None
+        if isinstance(value, bool) or not (1 <= value <= 256):
+            raise ValueError(f"{_short(value)} is not allowed: value_head_dim must be from 8 to 256 (a multiple of 8)")
+        return None if value == info.data.get("head_dim") else value   # the same d: the same spec as without it
 
     @field_validator("dropout")
     @classmethod
@@ -274,6 +287,14 @@ class Spec(BaseModel):
                 _modifiers(self.mask_mod, self.score_mod, self.inputs).cuda_struct("SpecMods", self.scale)
             except ExpressionError as err:
                 raise ValueError(str(err)) from None
+        if self.value_head_dim is not None:
+            dims = f"head_dim {self.head_dim}, value_head_dim {self.value_head_dim}"
+            if self.head_dim % 8 or self.value_head_dim % 8:
+                raise ValueError(f"{dims}: a value_head_dim unlike head_dim takes multiples of 8 for both")
+            if self.dtype == "fp32" or self.loop_order == "fa1" or self.tile_policy == "paper":
+                raise ValueError(f"{dims}: a value_head_dim unlike head_dim runs on the tensor-core templates: dtype "
+                                 f"fp16 or bf16, loop_order fa2, tile_policy auto (got {self.dtype}, "
+                                 f"{self.loop_order}, {self.tile_policy})")
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self
@@ -282,6 +303,16 @@ class Spec(BaseModel):
     @property
     def scale(self) -> float:
         return self.softmax_scale if self.softmax_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    @property
+    def value_dim(self) -> int:
+        """The head dim of v, o, dO and dV: value_head_dim, or head_dim without one."""
+        return self.value_head_dim or self.head_dim
+
+    @property
+    def compute_dim(self) -> int:
+        """The widest of q's and v's head dims: the tiles' width (the narrower one's columns past its d are zeros)."""
+        return max(self.head_dim, self.value_dim)
 
     @property
     def modifiers(self):
@@ -319,7 +350,7 @@ class Spec(BaseModel):
     @property
     def canonical_name(self) -> str:
         """A readable identifier that is a pure function of every field except `name`."""
-        parts = [f"d{self.head_dim}", self.dtype, self.mask.replace("_", "")]
+        parts = [f"d{self.head_dim}" + (f"v{self.value_head_dim}" if self.value_head_dim else ""), self.dtype, self.mask.replace("_", "")]
         if self.window is not None:
             parts[-1] += f"{self.window}"
         if self.block_size is not None:
@@ -353,7 +384,7 @@ class Spec(BaseModel):
         """Every field, defaults included, JSON-ready."""
         data = self.model_dump(mode="json")
         data["passes"] = list(self.passes)
-        for field in ("mask_mod", "score_mod", "inputs"):   # a spec without expressions reads as before them
+        for field in ("mask_mod", "score_mod", "inputs", "value_head_dim"):   # a spec without them reads as before them
             if data[field] is None:
                 del data[field]
         if self.inputs:

@@ -136,6 +136,11 @@ def input_fields(spec: Spec, batch: int, heads: int, seq_q: int, seq_k: int, see
             "input_shapes": tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors)}
 
 
+def _dim_of(spec: Spec, name: str) -> int:
+    """The head dim of tensor `name`: q's and k's head_dim; v's, o's and dO's value_dim."""
+    return spec.head_dim if name in ("q", "k") else spec.value_dim
+
+
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
     """Fresh random torch tensors (never zeros) in the spec's dtype and the case's layout."""
     import torch
@@ -148,13 +153,13 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
             queries = name in ("q", "do", "o")
             rows = sum(case.q_lengths if queries else case.k_lengths) + case.spare_rows
             heads = case.heads if queries else (case.kv_heads or case.heads)
-            data = rng.standard_normal((heads, rows, spec.head_dim)).astype(np.float32)
+            data = rng.standard_normal((heads, rows, _dim_of(spec, name))).astype(np.float32)
             tensor = torch.from_numpy(data).to(device=device, dtype=dtype).permute(1, 0, 2)
             tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)
         return tensors
     for name in names:
         rows, heads = (case.seq_q, case.heads) if name in ("q", "do", "o") else (case.seq_k, case.kv_heads or case.heads)
-        data = rng.standard_normal((case.batch, rows, heads, spec.head_dim)).astype(np.float32)
+        data = rng.standard_normal((case.batch, rows, heads, _dim_of(spec, name))).astype(np.float32)
         tensor = torch.from_numpy(data).to(device=device, dtype=dtype)      # (b, n, h, d) in memory
         tensor = tensor.permute(0, 2, 1, 3)                                    # strided (b, h, n, d) view
         tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)
@@ -227,7 +232,7 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
         return _assert_packed_matches_reference(kernel, case, backward)
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
-    o = torch.full_like(q.contiguous(), float("nan"))
+    o = q.new_full((*q.shape[:-1], spec.value_dim), float("nan"))   # o has v's head dim
     lse = torch.full((case.batch, case.heads, case.seq_q), float("nan"), device=q.device)
     kernel.forward(q, k, v, out=(o, lse), **runtime)
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
@@ -287,7 +292,7 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     spec = kernel.spec
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
-    o = torch.full_like(q.contiguous(), float("nan"))
+    o = q.new_full((*q.shape[:-1], spec.value_dim), float("nan"))   # o has v's head dim
     lse = torch.full((case.heads, q.shape[0]), float("nan"), device=q.device)
     kernel.forward(q, k, v, out=(o, lse), **runtime)
     cu_q, cu_k = runtime.pop("cu_seqlens_q"), runtime.pop("cu_seqlens_k")

@@ -45,6 +45,7 @@ except ModuleNotFoundError as err:   # the extra is not installed: say which one
                               name=err.name) from None
 
 from fagen import jit, pad_rows, runtime
+from fagen.runtime.device import empty_in_layout
 from fagen.spec import Spec, SpecError, spec_from_dict
 
 SEED_LIMIT = 2**63   # the ops' int arguments are int64
@@ -267,10 +268,12 @@ _library.impl("attention_backward_plain", _plain_backward_cuda, "CUDA")
 def _forward_fake(q, k, v, spec, kv_lengths=None, block_mask=None, seed=0, offset=0, seed_tensor=None,
                   cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=-1, max_seqlen_k=-1, *mods):
     # Allocated as the kernels' path allocates them (fagen/runtime/device.py `_allocate`): o keeps q's layout;
-    # packed: o (total_q, heads, d) contiguous, lse (heads, total_q).
+    # packed: o (total_q, heads, d_v) contiguous, lse (heads, total_q). o has v's head dim (a value_head_dim).
+    o_shape = (*q.shape[:-1], v.shape[-1])
     if cu_seqlens_q is not None:
-        return q.new_empty(q.shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
-    return torch.empty_like(q), q.new_empty(q.shape[:3], dtype=torch.float32)
+        return q.new_empty(o_shape), q.new_empty((q.shape[1], q.shape[0]), dtype=torch.float32)
+    o = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else empty_in_layout(q, o_shape)
+    return o, q.new_empty(q.shape[:3], dtype=torch.float32)
 
 
 @torch.library.register_fake("fagen::attention_backward")

@@ -51,7 +51,8 @@ struct KindMask {
 namespace fagen_fwd_d96_bf16_causal_fa2_sm90_br128_bc64_w8_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -145,15 +146,15 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
   auto k_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES; };
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
-  auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j) {
+  auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j, int dims) {
     const int col0 = j * BLOCK_C;
     wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
-                                                        DATA_DIM);
+                                                        dims);
   };
   // K_{j+1} and V_j into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s)
   auto issue_copies = [&](int i, int j, int j_next) {
-    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride, j_next);
-    load_rows(v_stage(i), v, args.v_stride, j);
+    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride, j_next, DATA_DIM);
+    load_rows(v_stage(i), v, args.v_stride, j, VALUE_DIM);
     tc::cp_async_commit();
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
@@ -318,7 +319,7 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
   // Q_i and the first visible K_j load together.
   wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
-  if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride, j);
+  if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride, j, DATA_DIM);
   tc::cp_async_commit();
   float rescale[2];
   int i = 0;
@@ -372,8 +373,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
     o_stage_free();
-    tc::store_tile_staged<elem_t, O_TILES, DATA_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
-                                                     min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
+    tc::store_tile_staged<elem_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+                                                      min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -382,8 +383,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
       elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t)
-        tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
-                                         o_acc[t][2 * half + 1] * inv_l[half]);
+        tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+                                          o_acc[t][2 * half + 1] * inv_l[half]);
     }
   }
 }
@@ -408,7 +409,8 @@ extern "C" __global__ void __launch_bounds__(256, 2) fagen_fwd_d96_bf16_causal_f
 namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -594,7 +596,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d96_bf16_causal_f
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
     // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
@@ -609,7 +611,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d96_bf16_causal_f
 
   auto load_key_block = [&] {
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
@@ -984,8 +986,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d96_bf16_causal_f
   if (keys_here > 0) {
     tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
                                                      keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
-    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
-                                                     keys_here, key_grads_stage, dv_acc, 1.f, DATA_DIM - dim0);
+    tc::store_tile_staged<elem_t, D_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
+                                                      keys_here, key_grads_stage, dv_acc, 1.f, VALUE_DIM - dim0);
   }
 }
 
@@ -998,7 +1000,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d96_bf16_causal_f
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -1010,5 +1012,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

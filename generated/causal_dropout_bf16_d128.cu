@@ -57,7 +57,8 @@ struct KindMask {
 namespace fagen_fwd_d128_bf16_causal_drop0p2_fa2_sm90_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -171,10 +172,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
     const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
     const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j) {
+    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j, int dims) {
       const int col0 = j * BLOCK_C;
       wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
-                                                      DATA_DIM);
+                                                      dims);
     };
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
     // K_j, V_j into stage i % STAGES; after_k(s) runs while K_j's copies fly, before their arrival
@@ -182,11 +183,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       const int s = i % STAGES;
       const unsigned parity = ((i / STAGES) & 1) ^ 1;
       wg::barrier_wait(k_empty(s), parity);
-      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j);
+      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j, DATA_DIM);
       after_k(s);
       wg::barrier_arrive_when_copied(k_full(s));
       wg::barrier_wait(v_empty(s), parity);
-      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j);
+      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j, VALUE_DIM);
       wg::barrier_arrive_when_copied(v_full(s));
     };
     if constexpr (Mods::HAS_MASK) {
@@ -452,8 +453,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
     o_stage_free();
-    tc::store_tile_staged<elem_t, O_TILES, DATA_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
-                                                     min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
+    tc::store_tile_staged<elem_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+                                                      min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -462,8 +463,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t)
-        tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
-                                         o_acc[t][2 * half + 1] * inv_l[half]);
+        tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+                                          o_acc[t][2 * half + 1] * inv_l[half]);
     }
   }
 }
@@ -488,7 +489,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 namespace fagen_bwd_d128_bf16_causal_drop0p2_fa2_sm90_br64_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -674,7 +676,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
     // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
@@ -689,7 +691,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
 
   auto load_key_block = [&] {
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
@@ -1064,8 +1066,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
   if (keys_here > 0) {
     tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
                                                      keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
-    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
-                                                     keys_here, key_grads_stage, dv_acc, 1.f, DATA_DIM - dim0);
+    tc::store_tile_staged<elem_t, D_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
+                                                      keys_here, key_grads_stage, dv_acc, 1.f, VALUE_DIM - dim0);
   }
 }
 
@@ -1078,7 +1080,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_drop0p2_fa2_sm90_br64_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_drop0p2_fa2_sm90_br64_bc128_w12_ws_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -1090,5 +1092,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_dro
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_drop0p2_fa2_sm90_br64_bc128_w12_ws_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_bf16_causal_drop0p2_fa2_sm90_br64_bc128_w12_ws_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

@@ -47,7 +47,8 @@ struct KindMask {
 namespace fagen_fwd_d128_fp32_causal_fa1_sm90_br64_bc128_w8_config {
 using elem_t = float;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -191,7 +192,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
 namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config {
 using elem_t = float;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -425,7 +427,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -437,5 +439,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

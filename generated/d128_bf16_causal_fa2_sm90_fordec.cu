@@ -57,7 +57,8 @@ struct KindMask {
 namespace fagen_fwd_d128_bf16_causal_fa2_sm90_fordec_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -171,10 +172,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
     const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
     const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j) {
+    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j, int dims) {
       const int col0 = j * BLOCK_C;
       wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
-                                                      DATA_DIM);
+                                                      dims);
     };
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
     // K_j, V_j into stage i % STAGES; after_k(s) runs while K_j's copies fly, before their arrival
@@ -182,11 +183,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       const int s = i % STAGES;
       const unsigned parity = ((i / STAGES) & 1) ^ 1;
       wg::barrier_wait(k_empty(s), parity);
-      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j);
+      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j, DATA_DIM);
       after_k(s);
       wg::barrier_arrive_when_copied(k_full(s));
       wg::barrier_wait(v_empty(s), parity);
-      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j);
+      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j, VALUE_DIM);
       wg::barrier_arrive_when_copied(v_full(s));
     };
     if constexpr (Mods::HAS_MASK) {
@@ -452,8 +453,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
     o_stage_free();
-    tc::store_tile_staged<elem_t, O_TILES, DATA_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
-                                                     min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
+    tc::store_tile_staged<elem_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+                                                      min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -462,8 +463,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       elem_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t)
-        tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
-                                         o_acc[t][2 * half + 1] * inv_l[half]);
+        tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+                                          o_acc[t][2 * half + 1] * inv_l[half]);
     }
   }
 }
@@ -480,7 +481,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 namespace fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_config {
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 128;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
@@ -593,7 +595,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   total = warp_sum(total);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + i * args.o_stride[2];
-  for (int e = threadIdx.x; e < DATA_DIM; e += blockDim.x) {   // the partials' rows are HEAD_DIM long
+  for (int e = threadIdx.x; e < VALUE_DIM; e += blockDim.x) {   // the partials' rows are HEAD_DIM long
     float acc = 0.f;
 #pragma unroll 8
     for (int s = 0; s < splits; ++s) acc = fmaf(__expf(lse_parts[s] - m), o_parts[s * HEAD_DIM + e], acc);
@@ -646,7 +648,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
     const elem_t* k = kv_tile_rows<elem_t>(args, args.k, args.k_stride, b, h_kv, col0, row0);
     const elem_t* v = kv_tile_rows<elem_t>(args, args.v, args.v_stride, b, h_kv, col0, row0);
     tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, k, args.k_stride[2], row0, key_end - col0, DATA_DIM);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], row0, key_end - col0, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, v, args.v_stride[2], row0, key_end - col0, VALUE_DIM);
     tc::cp_async_commit();
   };
 

@@ -12,7 +12,8 @@
 namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -160,7 +161,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d96_fp16_none_drop0p
 namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 96;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 32;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
@@ -265,7 +267,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, rows_of.q, args.q_stride[2], row0, rows, DATA_DIM);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, VALUE_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
@@ -276,7 +278,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
   tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-  tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
@@ -514,8 +516,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
       const int dim = n * 8 + quad * 2;
       tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
                                        dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
+      tc::store_pair<elem_t, VALUE_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+                                        dv_acc[n][2 * half + 1]);
     }
   }
 }
@@ -529,7 +531,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -541,5 +543,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_fp16_none_drop0p
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

@@ -135,7 +135,8 @@ struct SpecMods {
 namespace fagen_fwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br128_bc64_w4_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
@@ -204,7 +205,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     elem_t* k_tile = kv_tiles + stage * 2 * BLOCK_C * PITCH;
     const int col0 = j * BLOCK_C, cols = min(BLOCK_C, seq_k - col0);
     tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile, key_rows_of.k, args.k_stride[2], col0, cols, DATA_DIM);
-    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, key_rows_of.v, args.v_stride[2], col0, cols, DATA_DIM);
+    tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(k_tile + BLOCK_C * PITCH, key_rows_of.v, args.v_stride[2], col0, cols, VALUE_DIM);
   };
 
   // Q_i and the first visible K_j, V_j in flight together.
@@ -391,7 +392,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     elem_t* o_row = rows_in_shared.o + (long long)row * args.o_stride[2];
 #pragma unroll
     for (int t = 0; t < O_TILES; ++t) {
-      tc::store_pair<elem_t, DATA_DIM>(o_row, t * 8 + quad * 2, o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
+      tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[m][t][2 * half] * inv_l, o_acc[m][t][2 * half + 1] * inv_l);
     }
     if (quad == 0) rows_in_shared.lse[row] = l > 0.f ? row_max[m][half] * SCALE + logf(l) : -INFINITY;
   }
@@ -410,7 +411,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
 namespace fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -515,7 +517,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.q + stage * BLOCK_R * PITCH, rows_of.q, args.q_stride[2], row0, rows, DATA_DIM);
-    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    tc::async_load_rows<BLOCK_R, HEAD_DIM, PITCH, THREADS>(t.d_o + stage * BLOCK_R * PITCH, rows_of.d_o, args.do_stride[2], row0, rows, VALUE_DIM);
     for (int r = tid; r < 2 * BLOCK_R; r += THREADS) {
       const int row = r % BLOCK_R;
       const bool valid = row < rows;
@@ -526,7 +528,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 
   // K_j, V_j and the first visible Q_i, dO_i in flight together.
   tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.k, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-  tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+  tc::async_load_rows<BLOCK_C, HEAD_DIM, PITCH, THREADS>(t.v, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   int i = next_visible(0);
   if (i < row_blocks) load_q_block(i, 0);
   tc::cp_async_commit();
@@ -764,8 +766,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
       const int dim = n * 8 + quad * 2;
       tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dk + (long long)key * args.dk_stride[2], dim, dk_acc[n][2 * half] * SCALE,
                                        dk_acc[n][2 * half + 1] * SCALE);
-      tc::store_pair<elem_t, DATA_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
-                                       dv_acc[n][2 * half + 1]);
+      tc::store_pair<elem_t, VALUE_DIM>(rows_in_shared.dv + (long long)key * args.dv_stride[2], dim, dv_acc[n][2 * half],
+                                        dv_acc[n][2 * half + 1]);
     }
   }
 }
@@ -779,7 +781,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -791,5 +793,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

@@ -11,7 +11,8 @@
 namespace fagen_fwd_d64_fp16_none_fa1_sm90_m49152_paper_for_br64_bc96_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 96;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;

@@ -12,7 +12,8 @@
 namespace fagen_fwd_d64_fp16_none_fa1_sm90_br16_bc128_w8_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -167,7 +168,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
 namespace fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_config {
 using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
-constexpr int DATA_DIM = 64;              // the user's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
+constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -353,7 +355,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
   auto load_q_block = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
     wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
     // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
@@ -368,7 +370,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
 
   auto load_key_block = [&] {
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
@@ -743,8 +745,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
   if (keys_here > 0) {
     tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
                                                      keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
-    tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
-                                                     keys_here, key_grads_stage, dv_acc, 1.f, DATA_DIM - dim0);
+    tc::store_tile_staged<elem_t, D_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
+                                                      keys_here, key_grads_stage, dv_acc, 1.f, VALUE_DIM - dim0);
   }
 }
 
@@ -757,7 +759,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_fp16_none_fa1
 // bounds (fagen::summarise_input), which the main kernel launched after this one reads: one launch fewer.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_delta(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_config;
-  fagen::delta_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::delta_rows<VALUE_DIM, HEAD_DIM, elem_t>(args);
 }
 
 // dQ from the fp32 atomics buffer into the caller's dtype and strides.
@@ -769,5 +771,5 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm
 // Grouped KV heads: each KV head's dK, dV summed over its group of query heads.
 extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_kv_group_sum(const fagen::AttentionArgs args) {
   using namespace fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_config;
-  fagen::kv_group_sum_rows<DATA_DIM, HEAD_DIM, elem_t>(args);
+  fagen::kv_group_sum_rows<DATA_DIM, VALUE_DIM, HEAD_DIM, elem_t>(args);
 }

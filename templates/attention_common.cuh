@@ -699,11 +699,11 @@ struct TileWalk {
 // the sizes allow (64-bit division by a run-time value costs tens of instructions).
 template <typename T, int N> struct alignas(sizeof(T) * N) Pack { T e[N]; };
 
-// The widest vector (at most 16 bytes of T) whose width divides both d's (the user's and the padded).
-template <typename T, int DATA_DIM, int HEAD_DIM>
+// The widest vector (at most 16 bytes of T) whose width divides every d given (the user's and the padded).
+template <typename T, int DATA_DIM, int HEAD_DIM, int OTHER_DIM = HEAD_DIM>
 __host__ __device__ constexpr int row_vector() {
   int vec = 16 / (int)sizeof(T);
-  while (vec > 1 && (DATA_DIM % vec != 0 || HEAD_DIM % vec != 0)) vec /= 2;
+  while (vec > 1 && (DATA_DIM % vec != 0 || HEAD_DIM % vec != 0 || OTHER_DIM % vec != 0)) vec /= 2;
   return vec;
 }
 
@@ -814,19 +814,23 @@ __device__ __forceinline__ void dq_convert_rows_at_width(const AttentionArgs& ar
 
 // Grouped KV heads: dK, dV of one KV head are the sums of its group's per-query-head gradients, which the
 // main kernel wrote into the dk/dv workspace (query head h of KV head g is g * kv_group + i). Added in fp32.
-template <int VEC, int DATA_DIM, typename T>
+// dK's rows are DATA_DIM long, dV's VALUE_DIM: a chunk past one of them is the other's alone.
+template <int VEC, int DATA_DIM, int VALUE_DIM, typename T>
 __device__ __forceinline__ void kv_group_sum_rows_at_width(const AttentionArgs& args) {
   const long long kv_heads = args.heads / args.kv_group, rows = args.batch * kv_heads * args.seq_k;
-  for_row_chunks<DATA_DIM / VEC>(
+  constexpr int WIDEST = DATA_DIM > VALUE_DIM ? DATA_DIM : VALUE_DIM;
+  for_row_chunks<WIDEST / VEC>(
       rows,
       [&](long long row, int c) {
+        // (true at compile time for the widest: equal d's compile as before there were two; the other reads zeros)
+        const bool in_dk = DATA_DIM == WIDEST || c < DATA_DIM / VEC, in_dv = VALUE_DIM == WIDEST || c < VALUE_DIM / VEC;
         // row (b, g, n) of KV head g sums rows (b, g * kv_group + i, n) of the per-query-head workspace
         const RowIndex kv = row_index(row, kv_heads, args.seq_k, rows);
         float dk_total[VEC] = {}, dv_total[VEC] = {};
         for (long long i = 0; i < args.kv_group; ++i) {
           const RowIndex member{kv.b, kv.h * args.kv_group + i, kv.n};
-          const Pack<T, VEC> dk = *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dk) + member.start(args.dk_stride) + c * VEC);
-          const Pack<T, VEC> dv = *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dv) + member.start(args.dv_stride) + c * VEC);
+          const Pack<T, VEC> dk = in_dk ? *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dk) + member.start(args.dk_stride) + c * VEC) : Pack<T, VEC>{};
+          const Pack<T, VEC> dv = in_dv ? *reinterpret_cast<const Pack<T, VEC>*>(static_cast<const T*>(args.dv) + member.start(args.dv_stride) + c * VEC) : Pack<T, VEC>{};
 #pragma unroll
           for (int e = 0; e < VEC; ++e) {
             dk_total[e] += to_float(dk.e[e]);
@@ -839,8 +843,8 @@ __device__ __forceinline__ void kv_group_sum_rows_at_width(const AttentionArgs& 
           dk_sum.e[e] = from_float<T>(dk_total[e]);
           dv_sum.e[e] = from_float<T>(dv_total[e]);
         }
-        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dk_sum) + kv.start(args.dk_sum_stride) + c * VEC) = dk_sum;
-        *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) + kv.start(args.dv_sum_stride) + c * VEC) = dv_sum;
+        if (in_dk) *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dk_sum) + kv.start(args.dk_sum_stride) + c * VEC) = dk_sum;
+        if (in_dv) *reinterpret_cast<Pack<T, VEC>*>(static_cast<T*>(args.dv_sum) + kv.start(args.dv_sum_stride) + c * VEC) = dv_sum;
       },
       [](long long, bool) {});
 }
@@ -865,14 +869,14 @@ __device__ __forceinline__ void dq_convert_rows(const AttentionArgs& args) {
     dq_convert_rows_at_width<1, DATA_DIM, HEAD_DIM, T>(args);
 }
 
-template <int DATA_DIM, int HEAD_DIM, typename T>
+template <int DATA_DIM, int VALUE_DIM, int HEAD_DIM, typename T>
 __device__ __forceinline__ void kv_group_sum_rows(const AttentionArgs& args) {
-  constexpr int VEC = row_vector<T, DATA_DIM, HEAD_DIM>();
+  constexpr int VEC = row_vector<T, DATA_DIM, HEAD_DIM, VALUE_DIM>();
   if (rows_aligned<VEC, T>(args.dk, args.dk_stride) && rows_aligned<VEC, T>(args.dv, args.dv_stride) &&
       rows_aligned<VEC, T>(args.dk_sum, args.dk_sum_stride) && rows_aligned<VEC, T>(args.dv_sum, args.dv_sum_stride))
-    kv_group_sum_rows_at_width<VEC, DATA_DIM, T>(args);
+    kv_group_sum_rows_at_width<VEC, DATA_DIM, VALUE_DIM, T>(args);
   else
-    kv_group_sum_rows_at_width<1, DATA_DIM, T>(args);
+    kv_group_sum_rows_at_width<1, DATA_DIM, VALUE_DIM, T>(args);
 }
 
 // ---- tile movement -------------------------------------------------------------------------

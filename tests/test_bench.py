@@ -448,3 +448,16 @@ def test_paged_bench_counts_bottom_right_causal_pairs_and_scatters_keys_into_pag
         for cache, original in ((k_cache, k), (v_cache, v)):
             assert torch.equal(cache[table[b].long()].flatten(0, 1)[:n], original[start:start + n])
         start += n
+
+
+def test_mla_flops_count_each_product_at_its_head_dim():
+    """Equal head dims give the usual counts (forward 4 N^2 d, backward 2.5x); 192 / 128 counts each product."""
+    from fagen.bench.mla import mla_flops
+    from fagen.bench.timing import attention_flops
+
+    for causal, mask in ((False, "none"), (True, "causal")):
+        for pass_name in ("forward", "backward"):
+            assert mla_flops(2, 3, 256, 64, 64, causal, pass_name) == attention_flops(2, 3, 256, 256, 64, mask=mask,
+                                                                                      pass_name=pass_name)
+    assert mla_flops(1, 1, 10, 192, 128, False, "forward") == 100 * 2 * (192 + 128)
+    assert mla_flops(1, 1, 10, 192, 128, True, "backward") == 50 * 2 * (3 * 192 + 2 * 128)

@@ -435,7 +435,7 @@ def _plan(family: str, block_r: int, block_c: int, warps: int, head_dim: int, hb
 
 
 def _solution(plans: list) -> types.SimpleNamespace:
-    spec = types.SimpleNamespace(head_dim=plans[0].head_dim)
+    spec = types.SimpleNamespace(head_dim=plans[0].head_dim, compute_dim=plans[0].head_dim)
     ranked = sorted(plans, key=lambda plan: plan.rank_key(spec.head_dim))
     return spec, types.SimpleNamespace(plans={"forward": ranked[0]}, candidates={"forward": tuple(ranked)})
 

@@ -836,3 +836,46 @@ def test_a_whole_compiled_model_decodes_from_a_static_cache_on_fagen(monkeypatch
     assert CACHE_OP_MASKS == [fagen_hf.CACHE_MASK] * 2 + ["padding"] * 6
     assert not fagen_hf.fallback_reasons()
     fagen_hf.reset_fallbacks()
+
+
+def _deepseek_v3(**overrides):
+    config_class = getattr(transformers, "DeepseekV3Config", None)
+    if config_class is None:
+        pytest.skip(f"transformers {transformers.__version__} has no DeepseekV3Config")
+    fields = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
+                  num_hidden_layers=2, first_k_dense_replace=2, num_attention_heads=4, num_key_value_heads=4,
+                  q_lora_rank=None, kv_lora_rank=32, qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32,
+                  max_position_embeddings=256, pad_token_id=None, bos_token_id=None, eos_token_id=None)
+    fields.update(overrides)
+    return config_class(**fields)
+
+
+def test_deepseek_v3_mla_runs_on_fagen_with_its_value_head_dim(calls):
+    """MLA's q, k of 48 dims (32 + 16 rope dims) and v of 32 go to fagen as they are, with value_head_dim in the
+    spec: bf16 logits and a training step's gradients as eager's (to bf16's rounding), no fallback."""
+    torch.manual_seed(0)
+    config = _deepseek_v3()
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
+                                             dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen",
+                                            dtype=torch.bfloat16).eval()
+    ours.load_state_dict(eager.state_dict())
+    x = tokens(seq=20)
+    expected, got = eager(x, labels=x), ours(x, labels=x)
+    scale = expected.logits.float().abs().max().item()
+    assert max_error(got.logits.float(), expected.logits.float()) < 3e-2 * scale
+    got.loss.backward()
+    assert all(p.grad is None or torch.isfinite(p.grad).all() for p in ours.parameters())
+    assert len(calls) == 2 and not fagen_hf.fallback_reasons()
+    for call in calls:
+        assert call["spec"]["head_dim"] == 48 and call["spec"]["value_head_dim"] == 32
+        assert call["q"] == (2, 4, 20, 48) and call["v"] == (2, 4, 20, 32)
+
+
+def test_deepseek_v3_in_float32_falls_back_naming_the_value_head_dim(calls):
+    """fp32 runs on the CUDA-core templates, which take one head dim: the fallback says so, once."""
+    eager, ours = model_pair(_deepseek_v3())
+    with pytest.warns(UserWarning, match="a value head dim unlike the query's"):
+        got = ours(tokens(seq=12)).logits
+    assert max_error(got, eager(tokens(seq=12)).logits) < TOLERANCE
+    assert not calls

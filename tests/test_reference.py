@@ -833,3 +833,49 @@ def test_mask_mod_is_anded_with_the_mask_and_indexed_per_batch_entry():
     # a packed batch's sequence b is a batch of one at first_batch = b: it reads doc[b]
     assert np.array_equal(np.broadcast_to(visible_mask(spec, 1, 1, 5, 5, inputs={"doc": doc}, first_batch=1),
                                           (1, 1, 5, 5)), want[1:2])
+
+
+# ---- a value head dim unlike the query's (MLA) ---------------------------------------------------
+@pytest.mark.parametrize("d, dv", [(16, 8), (8, 24)])
+@pytest.mark.parametrize("mask", ["none", "causal"])
+def test_value_head_dim_forward_is_the_formula(d, dv, mask):
+    """softmax(tau Q K^T) V with V (and so O) of dv columns, tau = 1/sqrt(d) from q's head dim."""
+    spec = Spec(head_dim=d, value_head_dim=dv, dtype="bf16", mask=mask)
+    rng = np.random.default_rng(d * 100 + dv)
+    q, k = rng.standard_normal((2, 3, 5, d)), rng.standard_normal((2, 3, 7, d))
+    v = rng.standard_normal((2, 3, 7, dv))
+    o, lse = attention_forward(q, k, v, spec)
+    scores = np.einsum("bhid,bhjd->bhij", q, k) / math.sqrt(d)
+    if mask == "causal":
+        scores = np.where(np.arange(5)[:, None] + 2 >= np.arange(7)[None, :], scores, -np.inf)
+    weights = np.exp(scores - scores.max(-1, keepdims=True))
+    weights /= weights.sum(-1, keepdims=True)
+    assert o.shape == (2, 3, 5, dv)
+    np.testing.assert_allclose(o, weights @ v, rtol=1e-12, atol=1e-12)
+    with pytest.raises(ValueError, match="value_dim = "):
+        attention_forward(q, k, k, spec)   # v of q's head dim
+
+
+def test_value_head_dim_backward_matches_finite_differences():
+    """dq, dk of q's head dim and dv of v's, grouped KV heads and dropout included."""
+    spec = Spec(head_dim=8, value_head_dim=16, dtype="bf16", mask="causal", dropout=0.25)
+    kw = {"seed": 5, "offset": 1}
+    rng = np.random.default_rng(7)
+    q, k = rng.standard_normal((1, 4, 3, 8)), rng.standard_normal((1, 2, 4, 8))
+    v = rng.standard_normal((1, 2, 4, 16))
+    do = rng.standard_normal((1, 4, 3, 16))
+    grads = attention_backward(q, k, v, do, spec, **kw)
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+
+    def loss(q_, k_, v_):
+        return float((attention_forward(q_, k_, v_, spec, **kw)[0] * do).sum())
+
+    eps, inputs = 1e-6, [q, k, v]
+    for which, grad in enumerate(grads):
+        numeric = np.zeros_like(grad)
+        for index in np.ndindex(grad.shape):
+            plus, minus = [x.copy() for x in inputs], [x.copy() for x in inputs]
+            plus[which][index] += eps
+            minus[which][index] -= eps
+            numeric[index] = (loss(*plus) - loss(*minus)) / (2 * eps)
+        np.testing.assert_allclose(grad, numeric, rtol=1e-6, atol=1e-7, err_msg="dq dk dv".split()[which])

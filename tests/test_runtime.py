@@ -339,3 +339,14 @@ def test_device_target_reads_the_driver_once_per_device(monkeypatch):
     target = runtime.device_target(7)
     assert (target.arch, target.sm_count, target.smem_per_block, target.name) == ("sm_90", 132, 232448, "a GPU")
     assert runtime.device_target(7) is target and calls == [7]
+
+
+def test_outputs_of_a_narrower_value_head_dim_keep_qs_memory_order():
+    """o of (batch, heads, seq, dv) for q viewed from (batch, seq, heads, d) activations: transposing back is free."""
+    torch = pytest.importorskip("torch")
+    from fagen.runtime.device import empty_in_layout
+
+    q = torch.randn(2, 100, 8, 192).transpose(1, 2)
+    o = empty_in_layout(q, (2, 8, 100, 128))
+    assert o.shape == (2, 8, 100, 128) and o.transpose(1, 2).is_contiguous()
+    assert empty_in_layout(torch.randn(2, 8, 10, 64), (2, 8, 10, 32)).is_contiguous()

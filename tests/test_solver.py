@@ -646,3 +646,17 @@ def test_d192_forward_takes_112_key_blocks():
     documents = Spec(head_dim=192, dtype="bf16", mask_mod="doc[b, i] == doc[b, j]", inputs={"doc": "int32"})
     broken = evaluate(family_named("forward_wgmma"), documents, target, "forward", 128, 112, 8)[1]
     assert any("Bc = 112" in b for b in broken)
+
+
+# ---- value_head_dim ---------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+@pytest.mark.parametrize("d, dv", [(192, 128), (64, 128), (96, 64)])
+def test_a_value_head_dim_runs_on_tensor_cores_at_the_wider_d(arch, d, dv):
+    """The tiles are as wide as the wider of the two head dims (the narrower's columns past its d are zeros);
+    only the tensor-core templates take two head dims."""
+    spec = Spec(head_dim=d, value_head_dim=dv, dtype="bf16", mask="causal", arch=arch)
+    solution = solve(spec)
+    for pass_name, plan in solution.plans.items():
+        assert plan.tensor_cores and plan.head_dim == max(d, dv), (pass_name, plan)
+    assert all(family.tensor_cores for family in solver.families_for(spec, "backward"))
+    assert not any(family.tensor_cores for family in solver.families_for(Spec(head_dim=d, dtype="fp32"), "forward"))

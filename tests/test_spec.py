@@ -601,3 +601,38 @@ def test_the_json_schema_has_the_specs_ranges(fields):
         _jsonschema().validate(fields, json_schema())
     with pytest.raises(SpecError):
         Spec(**fields)
+
+
+# ---- value_head_dim ---------------------------------------------------------------------------
+def test_value_head_dim_names_the_spec_and_defaults_to_head_dim():
+    mla = Spec(head_dim=192, value_head_dim=128, dtype="bf16")
+    assert (mla.value_dim, mla.compute_dim) == (128, 192)
+    assert mla.canonical_name.startswith("d192v128_bf16")
+    assert json.loads(mla.canonical_json())["value_head_dim"] == 128
+    plain = Spec(head_dim=64)
+    assert (plain.value_dim, plain.compute_dim) == (64, 64) and "value_head_dim" not in plain.to_dict()
+    # the same d written out is the same spec (the same name, cache key and kernels)
+    assert Spec(head_dim=64, value_head_dim=64).canonical_json() == plain.canonical_json()
+    assert Spec(head_dim=64, value_head_dim=128).compute_dim == 128
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(head_dim=60, value_head_dim=64), "multiples of 8 for both"),
+    (dict(head_dim=64, value_head_dim=100), "multiples of 8 for both"),
+    (dict(head_dim=64, value_head_dim=300), "value_head_dim must be from 8 to 256"),
+    (dict(head_dim=64, value_head_dim=0), "value_head_dim must be from 8 to 256"),
+    (dict(head_dim=64, value_head_dim="128"), "value_head_dim"),
+    (dict(head_dim=64, value_head_dim=128, dtype="fp32"), "tensor-core templates: dtype fp16 or bf16"),
+    (dict(head_dim=64, value_head_dim=128, loop_order="fa1"), "loop_order fa2"),
+    (dict(head_dim=64, value_head_dim=128, tile_policy="paper"), "tile_policy auto"),
+])
+def test_value_head_dim_refusals_say_what_is_allowed(fields, message):
+    with pytest.raises(SpecError, match=message):
+        Spec(**fields)
+
+
+def test_value_head_dim_loads_from_yaml(tmp_path):
+    path = tmp_path / "mla.yaml"
+    path.write_text("head_dim: 192\nvalue_head_dim: 128\ndtype: bf16\nmask: causal\n")
+    (spec,) = load_specs(path)
+    assert spec.value_dim == 128 and spec.head_dim == 192

@@ -67,6 +67,13 @@ SPECS = [
     Spec(head_dim=64, dtype="fp16", mask_mod="rows[b, 0] <= j < rows[b, 1] and j <= i + rows[b, 2] - Nq",
          inputs={"rows": "int32"}),
     Spec(head_dim=64, dtype="bf16", mask="causal", mask_mod="keys[b, j] != 0", inputs={"keys": "int32"}),
+    # a value head dim unlike the query's (MLA): V, O, dO, dV of value_head_dim columns, zeros past them in the tiles;
+    # the wide backward's dims split between warpgroups (192 / 128), v wider than q (64 / 128), the decode kernel
+    Spec(head_dim=192, value_head_dim=128, dtype="bf16", mask="causal"),
+    Spec(head_dim=96, value_head_dim=64, dtype="fp16", dropout=0.1),
+    Spec(head_dim=64, value_head_dim=128, dtype="bf16", mask="causal"),
+    Spec(head_dim=128, value_head_dim=64, dtype="bf16", mask="padding", passes=["forward", "backward", "decode"]),
+    Spec(head_dim=192, value_head_dim=128, dtype="fp16", mask="causal", arch="sm_80"),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums

@@ -4,6 +4,7 @@
 `decode` (one query against a long KV cache, against SDPA and FlexAttention, as bandwidth),
 `varlen` (packed variable-length batches against SDPA on the padded batch),
 `paged` (packed query rows against a paged K/V cache, against the contiguous call and SDPA),
+`mla` (a value head dim unlike the query's, DeepSeek's 192 / 128, against cuDNN, SDPA-flash and Flex),
 `modifiers` (the mask_mod / score_mod variants of examples/modifiers.yaml against FlexAttention),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
@@ -60,6 +61,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     paged.add_argument("--kv-heads", type=int, default=8)
     paged.add_argument("--head-dim", type=int, default=128)
     paged.add_argument("--json", dest="json_path")
+    mla = sub.add_parser("mla", help="GPU: a value head dim unlike the query's (MLA, 192 / 128), forward and "
+                         "backward, against SDPA's cuDNN, flash and default dispatch and FlexAttention")
+    mla.add_argument("--seqlens", default="512,2048,8192,16384")
+    mla.add_argument("--tokens", type=int, default=16384)
+    mla.add_argument("--head-dim", type=int, default=192)
+    mla.add_argument("--value-dim", type=int, default=128)
+    mla.add_argument("--json", dest="json_path")
     modifiers = sub.add_parser("modifiers", help="GPU: the mask_mod / score_mod variants of examples/modifiers.yaml "
                                "against FlexAttention, forward and backward")
     modifiers.add_argument("--seq-lens", default="2048,8192", help="comma-separated N (q and k alike)")
@@ -102,6 +110,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_paged(BATCHES, [int(x) for x in args.page_sizes.split(",")], args.heads, args.kv_heads, args.head_dim,
                   json=args.json_path)
+        return 0
+    if args.command == "mla":
+        from fagen.bench.mla import run_mla
+
+        run_mla([int(x) for x in args.seqlens.split(",")], args.tokens, head_dim=args.head_dim,
+                value_dim=args.value_dim, json=args.json_path)
         return 0
     if args.command == "modifiers":
         from fagen.bench import modifiers as modifiers_bench

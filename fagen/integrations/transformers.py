@@ -183,6 +183,8 @@ def attention_forward(module, query, key, value, attention_mask, dropout=0.0, sc
         # decode kernel, which the runtime takes for calls this small; prefill keeps the plain spec
         extra += ', "passes": ["forward", "backward", "decode"]'
     kv_lengths = ends if ends is not None and seq_q == 1 else None   # (the padding mask's row ends)
+    if value.shape[3] != head_dim:   # DeepSeek's MLA: v and o narrower than q and k
+        extra += f', "value_head_dim": {value.shape[3]}'
     spec = f'{{"head_dim": {head_dim}, "dtype": "{DTYPES[query.dtype]}", "mask": {mask}{extra}}}'
     if sinks is None:
         out = fagen_torch.attention(query, key, value, spec, seed=seed, offset=0, inputs=inputs, kv_lengths=kv_lengths)
@@ -253,9 +255,12 @@ def _unsupported(query, key, value, attention_mask, dropout, kwargs):
     if query.dtype not in DTYPES or key.dtype != query.dtype or value.dtype != query.dtype:
         return (f"dtypes q {query.dtype}, k {key.dtype}, v {value.dtype} "
                 f"(fagen needs one of {', '.join(str(d) for d in DTYPES)} for all three)")
-    head_dim = query.shape[-1]
-    if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value.shape[-1] != head_dim:
-        return f"head dims q {head_dim}, k {key.shape[-1]}, v {value.shape[-1]} (fagen: one d from 1 to 256)"
+    head_dim, value_dim = query.shape[-1], value.shape[-1]
+    if head_dim not in HEAD_DIMS or key.shape[-1] != head_dim or value_dim not in HEAD_DIMS:
+        return f"head dims q {head_dim}, k {key.shape[-1]}, v {value_dim} (fagen: q's and k's d from 1 to 256)"
+    if value_dim != head_dim and (head_dim % 8 or value_dim % 8 or query.dtype == torch.float32):
+        return (f"head dims q {head_dim}, v {value_dim} in {query.dtype} (fagen: a value head dim unlike the query's "
+                "takes multiples of 8 in fp16 / bf16)")
     if query.shape[1] % key.shape[1]:
         return f"{query.shape[1]} query heads over {key.shape[1]} KV heads (not a multiple)"
     if not (dropout == 0.0 or MIN_DROPOUT <= dropout < 1.0):

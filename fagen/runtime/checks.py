@@ -10,8 +10,16 @@ from fagen.runtime.device import _allocate, ensure_context
 from fagen.runtime.layouts import Sequences
 from fagen.runtime.tensors import ELEMENT_BYTES, ArgumentError, DeviceTensor, _is_device_array, as_device_tensor
 
+#: how a message names the spec's head dim of v, o and dO: value_head_dim where the spec sets one
+VALUE_FIELD = {True: "head_dim", False: "value_head_dim"}
+
+
 class ArgumentChecks:
     """Kernel's argument checks and the argument struct they fill."""
+
+    def _output_shape(self, q_shape: tuple) -> tuple:
+        """o's shape (and dO's) for q of `q_shape`: q's, with v's head dim last."""
+        return (*q_shape[:-1], self.spec.value_dim)
 
     def _check_qkv(self, q, k, v, extra: dict) -> tuple[dict, tuple]:
         spec = self.spec
@@ -23,24 +31,27 @@ class ArgumentChecks:
                 raise ArgumentError(f"{t.name}: expected 4 dimensions (batch, heads, seq, head_dim), got shape {t.shape}")
             if t.dtype != spec.dtype:
                 raise ArgumentError(f"{t.name}: dtype {t.dtype} does not match the spec's dtype {spec.dtype}")
-            if t.shape[3] != spec.head_dim:
-                raise ArgumentError(f"{t.name}: head_dim {t.shape[3]} does not match the spec's head_dim {spec.head_dim}")
+            dim, field = (spec.head_dim, "head_dim") if t.name in ("q", "k") else (spec.value_dim, VALUE_FIELD[spec.value_head_dim is None])
+            if t.shape[3] != dim:
+                raise ArgumentError(f"{t.name}: head_dim {t.shape[3]} does not match the spec's {field} {dim}")
             if t.strides[3] != 1:
                 raise ArgumentError(f"{t.name}: the last dimension must be contiguous (stride 1), got strides {t.strides}")
             if t.shape[2] < 1 or t.shape[0] < 1 or t.shape[1] < 1:
                 raise ArgumentError(f"{t.name}: every dimension must be >= 1, got shape {t.shape}")
         batch, heads, seq_q, _ = tensors["q"].shape
         seq_k = tensors["k"].shape[2]
-        if tensors["k"].shape != tensors["v"].shape:
-            raise ArgumentError(f"k and v must have the same shape, got {tensors['k'].shape} and {tensors['v'].shape}")
+        if tensors["k"].shape[:3] != tensors["v"].shape[:3]:
+            raise ArgumentError(f"k and v must have the same (batch, heads, seq), got {tensors['k'].shape} and "
+                                f"{tensors['v'].shape}")
         kv_heads = tensors["k"].shape[1]
         if tensors["k"].shape[0] != batch or heads % kv_heads:
             raise ArgumentError(f"q has (batch, heads) = {(batch, heads)} but k, v have {tensors['k'].shape[:2]}: "
                                 f"the batch must match and the heads of k, v must divide q's (grouped KV heads: "
                                 f"query head h reads K/V head h // (heads // kv_heads))")
         for key in ("o", "d_o"):
-            if key in tensors and tensors[key].shape != tensors["q"].shape:
-                raise ArgumentError(f"{key}: expected shape {tensors['q'].shape} (like q), got {tensors[key].shape}")
+            expected = self._output_shape(tensors["q"].shape)
+            if key in tensors and tensors[key].shape != expected:
+                raise ArgumentError(f"{key}: expected shape {expected} (q's, with v's head dim), got {tensors[key].shape}")
         if tensors["q"].is_torch:
             devices = {t.owner.device for t in tensors.values() if t.is_torch}
             if len(devices) > 1:

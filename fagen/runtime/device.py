@@ -64,6 +64,16 @@ def _default_device() -> int:
     return 0 if current is None else current
 
 
+def empty_in_layout(like, shape: tuple):
+    """An empty torch tensor of `shape` (`like`'s but for the last dim) whose dimensions lie in memory in `like`'s
+    order: q of (batch, seq, heads, d) viewed as (batch, heads, seq, d) gives o whose transpose back is free."""
+    if len(shape) != like.dim() or like.stride(-1) != 1:
+        return like.new_empty(shape)
+    order = sorted(range(like.dim() - 1), key=lambda n: -like.stride(n)) + [like.dim() - 1]   # outermost first
+    dense = like.new_empty([shape[n] for n in order])
+    return dense.permute([order.index(n) for n in range(like.dim())])
+
+
 def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: bool = False,
               fill: Optional[float] = None):
     """An output (or workspace) on the same device, of the same kind as `like`, usable on `stream`;
@@ -77,6 +87,8 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
 
         if shape == like.shape and dtype == like.dtype and not zero and fill is None:
             return torch.empty_like(like.owner)
+        if tuple(shape[:-1]) == tuple(like.shape[:-1]) and dtype == like.dtype and not zero and fill is None:
+            return empty_in_layout(like.owner, shape)   # o of a narrower value head dim, laid out as q
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
         return _filled(torch.empty(shape, dtype=torch_dtype, device=like.owner.device), stream, zero, fill)
     import numpy as np

@@ -7,7 +7,7 @@ import threading
 
 from fagen import cuda_driver as driver
 from fagen.runtime.arguments import ARGS_STRUCT, _SLOT, LaunchArgs
-from fagen.runtime.device import _TORCH, _filled, _torch_types
+from fagen.runtime.device import _TORCH, _filled, _torch_types, empty_in_layout
 from fagen.runtime.grids import _HELPER_KERNELS, backward_scratch
 
 def _fast_seed(seed, offset, tensor_type, int64, device: int) -> bool:
@@ -158,7 +158,7 @@ class FastPath:
         import torch
 
         device = q.get_device()
-        o = torch.empty_like(q)
+        o = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else empty_in_layout(q, self._output_shape(q.shape))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until the
         # launches are queued
@@ -198,11 +198,11 @@ class FastPath:
         if summed:
             # grouped KV heads: per-query-head dK, dV, then summed; packed, (1, heads, total_k, d) and zeroed (keys
             # outside every sequence are summed too)
-            expanded = (1, q.shape[1], k.shape[0], k.shape[2]) if packed else (*q.shape[:2], k.shape[2], k.shape[3])
             # held (not just their pointers taken) until the launches are queued: a tensor freed
             # at once would hand the second workspace the first one's memory
-            workspaces = [_filled(torch.empty(expanded, dtype=k.dtype, device=k.device), stream, zero=packed)
-                          for _ in range(2)]
+            workspaces = [_filled(torch.empty((1, q.shape[1], t.shape[0], t.shape[2]) if packed
+                                              else (*q.shape[:2], t.shape[2], t.shape[3]), dtype=k.dtype, device=k.device),
+                                  stream, zero=packed) for t in (k, v)]
             pointers += [w.data_ptr() for w in workspaces]
         size, dq_accum_at = backward_scratch(math.prod(q.shape[:-1]), self.plans["backward"].head_dim,
                                              self.spec.deterministic)

@@ -41,6 +41,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         self._lock = threading.Lock()
         # Rows of whole 16-byte chunks are copied by cp.async (they must start on 16-byte boundaries);
         # other head dims load element by element, anywhere. An even d stores output pairs as 32 bits.
+        # (a value_head_dim unlike head_dim is a multiple of 8, as head_dim then is: both or neither are chunked)
         self._chunked_rows = spec.head_dim * ELEMENT_BYTES[spec.dtype] % 16 == 0
         self._pair_stores = spec.head_dim % 2 == 0
         # The passes whose full path copies a tensor to align its rows (_aligned): a call remembered from that
@@ -276,13 +277,14 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             tensors, shape = self._check_qkv(q, k, v, {})
         like = tensors["q"]
         if out is None:
-            o = _allocate(like, (batch, heads, seq_q, self.spec.head_dim), self.spec.dtype, stream)
+            o = _allocate(like, (batch, heads, seq_q, self.spec.value_dim), self.spec.dtype, stream)
             lse = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         else:
             o, lse = out
         ot, lt = as_device_tensor("o", o), as_device_tensor("lse", lse)
-        if ot.shape != like.shape or ot.dtype != self.spec.dtype or ot.strides[3] != 1:
-            raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {like.shape}, last dim contiguous")
+        if ot.shape != self._output_shape(like.shape) or ot.dtype != self.spec.dtype or ot.strides[3] != 1:
+            raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {self._output_shape(like.shape)}, last dim "
+                                "contiguous")
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"out lse: expected contiguous fp32 of shape {(batch, heads, seq_q)}")
         if plan.tensor_cores and self._pair_stores and (ot.pointer % 4 or any(stride % 2 for stride in ot.strides[:3])):
@@ -315,7 +317,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         if sequences is not None and not sequences.has_work:   # every sequence empty of queries or keys
             return o, lse                                      # (o, lse arrive as 0 and -inf)
         if self.spec.loop_order == "fa1":
-            workspace = [_allocate(like, (batch, heads, seq_q, self.spec.head_dim), "fp32", stream),
+            workspace = [_allocate(like, (batch, heads, seq_q, self.spec.value_dim), "fp32", stream),
                          _allocate(like, (batch, heads, seq_q), "fp32", stream),
                          _allocate(like, (batch, heads, seq_q), "fp32", stream)]
             keep += workspace
@@ -496,7 +498,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                 # Grouped KV heads: the main kernel writes each query head's dK, dV into a dense
                 # (batch, heads, seq_k, d) workspace; _kv_group_sum adds each group into the output.
                 # (zeroed for packed batches: keys outside every sequence are summed too, and must add 0)
-                workspace = _allocate(tensors["k"], (batch, heads, seq_k, self.spec.head_dim), self.spec.dtype, stream,
+                workspace = _allocate(tensors["k"], (batch, heads, seq_k, tensors[like].shape[3]), self.spec.dtype, stream,
                                       zero=sequences is not None and not sequences.covers_k)
                 keep.append(workspace)
                 wt = as_device_tensor(key, workspace)

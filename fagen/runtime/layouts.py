@@ -72,8 +72,9 @@ class Layouts:
             if t.dtype != self.spec.dtype:
                 raise ArgumentError(f"{name}: dtype {t.dtype} does not match the spec's dtype {self.spec.dtype}")
             empty = t.shape[0] == 0   # a batch of empty sequences: its strides are whatever the allocator chose
-            if t.shape[2] != self.spec.head_dim or (t.strides[2] != 1 and not empty) or t.shape[1] < 1:
-                raise ArgumentError(f"{name}: expected (total rows, heads >= 1, {self.spec.head_dim}) with the last "
+            dim = self.spec.head_dim if name in ("q", "k") else self.spec.value_dim
+            if t.shape[2] != dim or (t.strides[2] != 1 and not empty) or t.shape[1] < 1:
+                raise ArgumentError(f"{name}: expected (total rows, heads >= 1, {dim}) with the last "
                                     f"dim contiguous, got shape {t.shape}, strides {t.strides}")
         return tensors
 
@@ -216,7 +217,8 @@ class Layouts:
         total_q, heads, _ = like.shape
         sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
                                     tensors["k"].shape[0])
-        o, lse = self._packed_outputs(like, {"o": (like.shape, self.spec.dtype), "lse": ((heads, total_q), "fp32")},
+        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.dtype),
+                                             "lse": ((heads, total_q), "fp32")},
                                       out, launch_stream,
                                       {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
                                       else {"o": 0, "lse": -math.inf})
@@ -278,7 +280,7 @@ class Layouts:
                 device = q.get_device()
                 stream = _TORCH["stream"](device)
                 # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
-                o = _filled(torch.empty(q.shape, dtype=q.dtype, device=q.device), stream, zero=True)
+                o = _filled(torch.empty(self._output_shape(q.shape), dtype=q.dtype, device=q.device), stream, zero=True)
                 lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
                               fill=-math.inf)
                 _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
@@ -336,9 +338,10 @@ class Layouts:
             if len(t.shape) != 4:
                 raise ArgumentError(f"{t.name}: a paged cache has 4 dimensions (pages, page_size, kv_heads, head_dim), "
                                     f"got shape {t.shape}")
-        if pages["k"].shape != pages["v"].shape:
-            raise ArgumentError(f"k and v must have the same shape, got {pages['k'].shape} and {pages['v'].shape}")
-        page_count, page_size, kv_heads, head_dim = pages["k"].shape
+        if pages["k"].shape[:3] != pages["v"].shape[:3]:
+            raise ArgumentError(f"k and v must have the same (pages, page_size, kv_heads), got {pages['k'].shape} and "
+                                f"{pages['v'].shape}")
+        page_count, page_size, kv_heads, _ = pages["k"].shape
         table = as_device_tensor("block_table", block_table)
         if len(table.shape) != 2 or table.dtype != "int32" or table.strides[1] != 1 or table.shape[0] != batch:
             raise ArgumentError(f"block_table: expected int32 of shape (batch = {batch}, pages per sequence), last dim "
@@ -352,7 +355,7 @@ class Layouts:
             raise ArgumentError(f"q, the cache and block_table must be on one device, got "
                                 f"{sorted({str(q_owner), *(str(o.device) for o in owners)})}")
         view_batch = batch if view_batch is None else view_batch
-        views = {name: DeviceTensor(name, t.pointer, (view_batch, kv_heads, table.shape[1] * page_size, head_dim),
+        views = {name: DeviceTensor(name, t.pointer, (view_batch, kv_heads, table.shape[1] * page_size, t.shape[3]),
                                     (t.strides[0], t.strides[2], t.strides[1], t.strides[3]), t.dtype, t.owner, False,
                                     t.stream) for name, t in pages.items()}
         fields = {"block_table": table.pointer, "block_table_stride": table.strides[0], "page_size": page_size,
@@ -420,7 +423,8 @@ class Layouts:
             if not self._rows_aligned(views[name].pointer, views[name].strides, 16):
                 raise ArgumentError(f"{name}: a paged cache's rows and pages must start on 16-byte boundaries (pointer "
                                     f"and strides); got pointer {views[name].pointer:#x}, strides {views[name].strides}")
-        o, lse = self._packed_outputs(like, {"o": (like.shape, self.spec.dtype), "lse": ((heads, total_q), "fp32")},
+        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.dtype),
+                                             "lse": ((heads, total_q), "fp32")},
                                       out, launch_stream,
                                       {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
                                       else {"o": 0, "lse": -math.inf})
