@@ -24,6 +24,7 @@ from fagen.spec import Spec, SpecError
 from fagen.target import Target, target_for
 
 Br, Bc, d, W, E = sp.symbols("Br Bc d W E", positive=True, integer=True)
+Dv = sp.Symbol("Dv", positive=True, integer=True)   # V's tile width: d, or a narrower value_head_dim (value_tile_dim)
 M = sp.Symbol("M", positive=True, integer=True)
 
 #: The paper's SRAM constraint: Q_i, K_j, V_j and S, P of one (i, j) step fit in M elements.
@@ -65,7 +66,7 @@ class Family:
     name: str
     template: str
     passes: tuple[str, ...]
-    smem_bytes: sp.Expr              # over Br, Bc, d, W, E (element bytes)
+    smem_bytes: sp.Expr              # over Br, Bc, d, W, E (element bytes) and Dv (V's tile width)
     registers: sp.Expr               # per thread
     warps: tuple[int, ...]
     stages: int = 1
@@ -130,12 +131,12 @@ FAMILIES: tuple[Family, ...] = (
     # stages of K_j, V_j in swizzled shared memory (+1 KB to align the swizzle atoms), read by
     # the tensor cores through descriptors; S/P and O in registers.
     Family("forward_wgmma", "forward_wgmma.cu.j2", ("forward",),
-           smem_bytes=E * (Br * d + 2 * 2 * Bc * d) + 1024,
+           smem_bytes=E * (Br * d + 2 * Bc * (d + Dv)) + 1024,
            # O and S accumulators of the warp's 16 rows over 32 lanes, P~ packed in pairs, plus 32 of loop state
            # (0001-forward-wgmma-plans.md in docs/decisions: the reservations and tiles below are measured there)
-           registers=Br * d / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
+           registers=Br * Dv / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
            # the tensor cores read K_j, V_j once per warpgroup and Q_g once per K/V block
-           smem_reads=2 * 2 * d * (W / 4) / Br + 2 * d / Bc,
+           smem_reads=2 * (d + Dv) * (W / 4) / Br + 2 * d / Bc,
            # Bc >= 64: at Bc = 32 the per-block barrier and softmax bookkeeping dominate
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64, max_block_c=128,
            packed_registers=4,
@@ -146,6 +147,8 @@ FAMILIES: tuple[Family, ...] = (
            # warpgroups of other blocks fill the tensor cores while one runs its softmax: a second resident block
            # before a larger Bc
            preference=0, occupancy_first=True,
+           # V_j's tiles and O's accumulators as wide as a value_head_dim narrower than head_dim (value_tile_dim)
+           options=(("narrow_values", True),),
            # timed first: d = 64 on one warpgroup per 64-row block, d = 192 at 112 keys a block, and d = 128's 64 x 64
            # for the specs forward_wgmma_ws leaves here
            timed_first=((64, 64, 128, 4), (192, 128, 112, 8), (128, 64, 64, 4)),
@@ -472,7 +475,7 @@ def _exact_int(value) -> int:
 
 class _CompiledFamily(NamedTuple):   # a NamedTuple, not a dataclass: cheaper to define at import
     family: Family
-    # (Br, Bc, d, W, E) -> [shared-memory bytes, registers, dropout registers, shared-memory reads, modifier
+    # (Br, Bc, d, W, E, Dv) -> [shared-memory bytes, registers, dropout registers, shared-memory reads, modifier
     # registers, packed registers, light mask_mod registers, key-reading mask_mod registers]
     footprint: Callable
     smem_text: str        # the expressions as the infeasibility messages print them
@@ -492,7 +495,7 @@ def _compiled(family: Family) -> _CompiledFamily:
         expressions = [sp.sympify(e).replace(sp.ceiling, ceiling_of) for e in
                        (family.smem_bytes, family.registers, family.dropout_registers, family.smem_reads,
                         family.modifier_registers, family.packed_registers, light, keys)]
-        footprint = sp.lambdify((Br, Bc, d, W, E), expressions,
+        footprint = sp.lambdify((Br, Bc, d, W, E, Dv), expressions,
                                 modules=[{"exact_ceiling": _exact_ceiling}, "math"])
         entry = _CompiledFamily(family, footprint, str(family.smem_bytes), str(family.registers))
         _COMPILED[id(family)] = entry
@@ -540,6 +543,14 @@ def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = R
 # ---- the solve ------------------------------------------------------------------------------
 def family_named(name: str) -> Family:
     return next(f for f in FAMILIES if f.name == name)
+
+
+def value_tile_dim(family: Family, spec: Spec, head_dim: int) -> int:
+    """The columns of V's tiles (and O's accumulators) in `family` computing at `head_dim`: head_dim, or, where the
+    family takes V narrower (its option narrow_values), a narrower value_head_dim padded to whole 32-column panels."""
+    if spec.value_head_dim is None or spec.value_dim >= head_dim or not dict(family.options).get("narrow_values"):
+        return head_dim
+    return -(-spec.value_dim // 32) * 32
 
 
 def padded_head_dim(family: Family, head_dim: int) -> int:
@@ -609,7 +620,7 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     compiled = _compiled(family)
     head_dim = head_dim or padded_head_dim(family, spec.compute_dim) or spec.compute_dim
     smem, registers, dropout_regs, reads, modifier_regs, packed_regs, light_regs, key_regs = compiled.footprint(
-        block_r, block_c, head_dim, warps, spec.element_bytes)
+        block_r, block_c, head_dim, warps, spec.element_bytes, value_tile_dim(family, spec, head_dim))
     smem = _exact_int(smem)
     modifiers = spec.modifiers
     regs = _exact_ceiling(registers + (dropout_regs if spec.dropout > 0 else 0)

@@ -163,6 +163,7 @@ using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -193,6 +194,7 @@ constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per consumer warpgroup, two taking turns");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
+using ValueLayout = Layout;                        // V's too (zeros past VALUE_DIM)
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 // The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there (docs/decisions/0011-kernel-techniques.md)
 constexpr bool O_STAGED = 4 * CONSUMERS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGES * KV_BYTES;
@@ -355,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     wg::fence();
     // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ValueLayout::mn_major_step(kk), 1);
     wg::commit();
   };
   // Turns: consumer c issues its products once the other one's scores landed (named barrier 1 + c, over
@@ -595,6 +597,7 @@ using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;

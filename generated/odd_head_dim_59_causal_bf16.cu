@@ -53,6 +53,7 @@ using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 59;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 59;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_TILE_DIM = 64;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
@@ -71,9 +72,11 @@ constexpr int WARPS = THREADS / 32;
 constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
 constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S per warp
-constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
+constexpr int O_TILES = VALUE_TILE_DIM / 8;         // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
-constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
+constexpr int K_BYTES = BLOCK_C * HEAD_DIM * 2;     // K_j
+constexpr int V_BYTES = BLOCK_C * VALUE_TILE_DIM * 2;   // V_j: MLA's narrower values take narrower tiles
+constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
@@ -83,13 +86,14 @@ constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
-using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
+using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // Q's and K's tiles: d columns
+using ValueLayout = fagen::wg::Swizzle<VALUE_TILE_DIM>;   // V's
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 // The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64; at
 // d = 64 the other resident blocks already hide the stores (docs/decisions/0011-kernel-techniques.md).
-constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 4 * KV_BYTES;
+constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGE_BYTES;
 
-// s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d, P~ from registers, V transposed)
+// s_product: S += Q K^T (m64 x Bc); o_product: O += P~ V (m64 x d_v, P~ from registers, V transposed)
 __device__ __forceinline__ void s_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
@@ -144,17 +148,22 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d59_bf16_causal_f
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
   // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
-  auto k_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES; };
-  auto v_stage = [&](int i) { return kv_tiles + (i % 2) * 2 * KV_BYTES + KV_BYTES; };
-  auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j, int dims) {
+  auto k_stage = [&](int i) { return kv_tiles + (i % 2) * STAGE_BYTES; };
+  auto v_stage = [&](int i) { return kv_tiles + (i % 2) * STAGE_BYTES + K_BYTES; };
+  auto load_keys = [&](unsigned tile, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
-                                                        dims);
+    wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS>(tile, args, problem.b, k, args.k_stride, col0, min(BLOCK_C, seq_k - col0),
+                                                        DATA_DIM);
+  };
+  auto load_values = [&](unsigned tile, int j) {
+    const int col0 = j * BLOCK_C;
+    wg::async_load_key_rows<BLOCK_C, VALUE_TILE_DIM, THREADS>(tile, args, problem.b, v, args.v_stride, col0,
+                                                              min(BLOCK_C, seq_k - col0), VALUE_DIM);
   };
   // K_{j+1} and V_j into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s)
   auto issue_copies = [&](int i, int j, int j_next) {
-    if (j_next < col_blocks) load_rows(k_stage(i + 1), k, args.k_stride, j_next, DATA_DIM);
-    load_rows(v_stage(i), v, args.v_stride, j, VALUE_DIM);
+    if (j_next < col_blocks) load_keys(k_stage(i + 1), j_next);
+    load_values(v_stage(i), j);
     tc::cp_async_commit();
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
@@ -176,8 +185,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d59_bf16_causal_f
   // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). Each is built
   // once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
   const unsigned long long q_desc = Layout::k_major(q_tile + warpgroup * 64 * Layout::ROW_BYTES);
-  auto k_desc = [&](int i) { return Layout::k_major(k_stage(0)) + (i % 2) * ((2 * KV_BYTES) >> 4); };
-  auto v_desc = [&](int i) { return Layout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * ((2 * KV_BYTES) >> 4); };
+  auto k_desc = [&](int i) { return Layout::k_major(k_stage(0)) + (i % 2) * (STAGE_BYTES >> 4); };
+  auto v_desc = [&](int i) { return ValueLayout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * (STAGE_BYTES >> 4); };
   auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
     const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);
@@ -194,7 +203,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d59_bf16_causal_f
     wg::fence();
     // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + Layout::mn_major_step(kk), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ValueLayout::mn_major_step(kk), 1);
     wg::commit();
   };
   // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS), tested per score in the
@@ -319,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d59_bf16_causal_f
   // Q_i and the first visible K_j load together.
   wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
-  if (j < col_blocks) load_rows(k_stage(0), k, args.k_stride, j, DATA_DIM);
+  if (j < col_blocks) load_keys(k_stage(0), j);
   tc::cp_async_commit();
   float rescale[2];
   int i = 0;
@@ -411,6 +420,7 @@ using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 59;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 59;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_TILE_DIM = 64;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;

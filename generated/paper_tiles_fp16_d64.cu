@@ -13,6 +13,7 @@ using elem_t = __half;
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_TILE_DIM = 64;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 96;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;

@@ -236,7 +236,8 @@ def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c,
     spec = Spec(head_dim=head_dim, dtype=dtype, dropout=0.1 if dropout else 0.0, layout="packed" if packed else "padded",
                 **modifiers)
     plan, _ = solver.evaluate(family, spec, target_for("sm_90"), family.passes[0], block_r, block_c, warps)
-    values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes}   # padded d
+    values = {Br: block_r, Bc: block_c, d: plan.head_dim, W: warps, solver.E: spec.element_bytes,   # padded d
+              solver.Dv: plan.head_dim}
     assert plan.head_dim == (solver.padded_head_dim(family, head_dim) or head_dim)
     reserved = reserved_registers(family, values, spec)
     assert plan.smem_bytes == int(family.smem_bytes.subs(values))
