@@ -147,7 +147,8 @@ FAMILIES: tuple[Family, ...] = (
            # warpgroups of other blocks fill the tensor cores while one runs its softmax: a second resident block
            # before a larger Bc
            preference=0, occupancy_first=True,
-           # V_j's tiles and O's accumulators as wide as a value_head_dim narrower than head_dim (value_tile_dim)
+           # V_j's tiles and O's accumulators as wide as a value_head_dim narrower than head_dim (value_tile_dim;
+           # docs/decisions/0012-value-head-dim.md)
            options=(("narrow_values", True),),
            # timed first: d = 64 on one warpgroup per 64-row block, d = 192 at 112 keys a block, and d = 128's 64 x 64
            # for the specs forward_wgmma_ws leaves here
