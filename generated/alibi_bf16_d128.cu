@@ -164,6 +164,8 @@ constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the 
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -598,6 +600,8 @@ constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the 
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 384;
@@ -975,7 +979,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
       for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
       if (P_DURING_DP) wg::commit();
 #pragma unroll
-      for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
+      for (int kk = 0; kk < VALUE_K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
       wg::commit();
       if (staged_dq_row0 >= 0) add_staged_dq(staged_dq_row0);   // the previous row block's dQ, during S^T, dP^T
       wg::wait<P_DURING_DP ? 1 : 0>();   // S^T (groups complete in order; dP^T may still run)

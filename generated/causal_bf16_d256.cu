@@ -54,6 +54,8 @@ constexpr int HEAD_DIM = 256;            // the d the kernel computes with (the 
 constexpr int DATA_DIM = 256;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 256;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 256;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 128;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -422,6 +424,8 @@ constexpr int HEAD_DIM = 256;            // the d the kernel computes with (the 
 constexpr int DATA_DIM = 256;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 256;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 256;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 64;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -662,7 +666,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     for (int kk = 0; kk < K_STEPS; ++kk) scores_product(s_acc, k_rows + Layout::k_major_step(BLOCK_C, kk), q_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
     if (P_DURING_DP) wg::commit();
 #pragma unroll
-    for (int kk = 0; kk < K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
+    for (int kk = 0; kk < VALUE_K_STEPS; ++kk) scores_product(dp_acc, v_rows + Layout::k_major_step(BLOCK_C, kk), do_rows + Layout::k_major_step(BLOCK_R, kk), kk > 0);
     wg::commit();
     wg::wait<P_DURING_DP ? 1 : 0>();   // S^T (groups complete in order; dP^T may still run)
     wg::fence_registers(s_acc);

@@ -15,6 +15,8 @@ constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the p
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 96;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 16;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 128;              // Bc: keys per block (or step)
 constexpr int THREADS = 256;
@@ -165,6 +167,8 @@ constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the p
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
 constexpr int VALUE_TILE_DIM = 96;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
+// k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
+constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
 constexpr int BLOCK_R = 32;              // Br: query rows per block (or step)
 constexpr int BLOCK_C = 64;              // Bc: keys per block (or step)
 constexpr int THREADS = 128;
@@ -324,7 +328,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d96_fp16_none_drop0p
     const unsigned k_warp = tc::shared_address(t.k) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: K_w
     const unsigned v_warp = tc::shared_address(t.v) + (warp * 16 * PITCH + tc::a_lane_offset(s_lane, PITCH)) * E;   // A: V_w
     const unsigned b_pair = tc::b_pair_lane_offset(s_lane, PITCH) * E;
-    tc::transposed_score_products<elem_t, K_STEPS, R_TILES, PITCH>(s_acc, dp_acc, k_warp, v_warp, q_tile, do_tile, b_pair);
+    tc::transposed_score_products<elem_t, K_STEPS, VALUE_K_STEPS, R_TILES, PITCH>(s_acc, dp_acc, k_warp, v_warp, q_tile, do_tile, b_pair);
 
     // ---- from S^T to P^T: made by templates/backward_transposed_scores.cu.j2 ----
     // The warp's scores, transposed: element e of n-tile n is key warp_col0 + group + 8 (e / 2), query

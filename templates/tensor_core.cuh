@@ -231,7 +231,8 @@ __device__ __forceinline__ void store_tile_staged(T* rows, long long row_stride,
 // The mma.sync backwards' score products for a warp's 16 keys: S^T = K_w Q_i^T and dP^T = V_w dO_i^T over the head
 // dim, zeroed first. K_w, V_w are the A operands (k_warp, v_warp: this lane's ldmatrix addresses), the rows of Q_i
 // and dO_i the B operands (q_tile, do_tile plus b_pair: this lane's offset), one ldmatrix feeding two 8-query tiles.
-template <typename T, int K_STEPS, int R_TILES, int PITCH>
+// dP^T takes the first V_STEPS k-steps (K_STEPS but where v's head dim is narrower: the rest are zeros).
+template <typename T, int K_STEPS, int V_STEPS, int R_TILES, int PITCH>
 __device__ __forceinline__ void transposed_score_products(float (&s_acc)[R_TILES][4], float (&dp_acc)[R_TILES][4],
                                                           unsigned k_warp, unsigned v_warp, unsigned q_tile,
                                                           unsigned do_tile, unsigned b_pair) {
@@ -244,7 +245,7 @@ __device__ __forceinline__ void transposed_score_products(float (&s_acc)[R_TILES
   for (int kk = 0; kk < K_STEPS; ++kk) {
     unsigned k_frag[4], v_frag[4];
     ldmatrix_x4(k_frag, k_warp + kk * 16 * E);
-    ldmatrix_x4(v_frag, v_warp + kk * 16 * E);
+    if (kk < V_STEPS) ldmatrix_x4(v_frag, v_warp + kk * 16 * E);
 #pragma unroll
     for (int pair = 0; pair < R_TILES / 2; ++pair) {
       const unsigned b_offset = b_pair + (pair * 16 * PITCH + kk * 16) * E;
@@ -252,9 +253,11 @@ __device__ __forceinline__ void transposed_score_products(float (&s_acc)[R_TILES
       ldmatrix_x4(qf, q_tile + b_offset);
       mma_16x8x16<T>(s_acc[2 * pair], k_frag, qf[0], qf[1]);
       mma_16x8x16<T>(s_acc[2 * pair + 1], k_frag, qf[2], qf[3]);
-      ldmatrix_x4(dof, do_tile + b_offset);
-      mma_16x8x16<T>(dp_acc[2 * pair], v_frag, dof[0], dof[1]);
-      mma_16x8x16<T>(dp_acc[2 * pair + 1], v_frag, dof[2], dof[3]);
+      if (kk < V_STEPS) {
+        ldmatrix_x4(dof, do_tile + b_offset);
+        mma_16x8x16<T>(dp_acc[2 * pair], v_frag, dof[0], dof[1]);
+        mma_16x8x16<T>(dp_acc[2 * pair + 1], v_frag, dof[2], dof[3]);
+      }
     }
   }
 }
