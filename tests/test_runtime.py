@@ -150,13 +150,28 @@ def test_fast_path_keys_return_none_for_arrays_that_are_not_torch_tensors():
     """PyCUDA / __cuda_array_interface__ arrays take the full call path: the fast path's keys give up on
     them before importing torch, which such a user may not have installed."""
     from fagen.runtime import Kernel
+    from fagen.runtime.call_inputs import CallInputs
 
     class Array:
         __cuda_array_interface__ = {"shape": (1, 1, 8, 64), "typestr": "<f2", "data": (256, False), "version": 3}
 
     array = Array()
-    assert Kernel._signature(object(), "forward", (array, array, array), (), None, None, None, 0, 0) is None
-    assert Kernel._paged_signature(object(), array, array, array, array, None, None, None, 0, 0) is None
+    assert Kernel._signature(object(), "forward", (array, array, array), (), CallInputs()) is None
+    assert Kernel._paged_signature(object(), array, array, array, array, CallInputs()) is None
+
+
+def test_call_inputs_default_to_no_run_time_inputs_and_replace_keeps_the_others():
+    """CallInputs, the run-time inputs handed down Kernel's private call chain: a call that passes none has
+    none (seed and offset 0), and the packed and paged paths' `_replace` adds their part and keeps the call's."""
+    from fagen.runtime.call_inputs import CallInputs
+
+    assert CallInputs() == (None, None, None, 0, 0, None, None)
+    assert CallInputs()._fields == ("kv_lengths", "block_mask", "inputs", "seed", "offset", "sequences", "paged")
+    given = CallInputs([3, 5], "mask", {"bias": 1.5}, 7, 2)
+    packed = given._replace(sequences="sequences")
+    assert packed == CallInputs([3, 5], "mask", {"bias": 1.5}, 7, 2, sequences="sequences")
+    assert packed._replace(paged=("fields", "table")) == (*given[:5], "sequences", ("fields", "table"))
+    assert given.sequences is None and given.paged is None   # (a new tuple: the call's own is unchanged)
 
 
 def test_a_paged_cache_with_mismatched_layout_arguments_is_refused_before_anything_runs():
@@ -166,6 +181,7 @@ def test_a_paged_cache_with_mismatched_layout_arguments_is_refused_before_anythi
     from types import SimpleNamespace
 
     from fagen.runtime import Kernel, LaunchPlan
+    from fagen.runtime.call_inputs import CallInputs
 
     padded = SimpleNamespace(spec=Spec(head_dim=64, dtype="bf16", mask="padding", passes=["forward", "decode"]))
     with pytest.raises(ArgumentError, match="takes a layout packed spec"):
@@ -178,8 +194,8 @@ def test_a_paged_cache_with_mismatched_layout_arguments_is_refused_before_anythi
         packed = SimpleNamespace(spec=Spec(head_dim=64, dtype="fp32", mask="causal", layout="packed"),
                                  _pass=lambda name: plan)
         with pytest.raises(ArgumentError, match="does not read paged K/V caches; Hopper's warpgroup-MMA"):
-            Kernel._forward_paged_packed(packed, None, None, None, [[0]], [0, 1], [0, 1], None, None, None, None,
-                                         None, 0, 0, None, None)
+            Kernel._forward_paged_packed(packed, None, None, None, [[0]], [0, 1], [0, 1], None, None, CallInputs(),
+                                         None, None)
 
 
 def test_backward_scratch_holds_delta_then_an_aligned_dq_accum():

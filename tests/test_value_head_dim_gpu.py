@@ -194,3 +194,37 @@ def test_deepseek_v3_model_runs_on_fagen_with_no_fallback():
     fagen_hf.reset_fallbacks()
     assert not reasons, f"fell back to SDPA: {sorted(reasons)}"
     assert len(calls) == 2 * 2 and all('"head_dim": 192' in s and '"value_head_dim": 128' in s for s in calls), calls
+
+
+@pytest.mark.parametrize("mode", ["default", "reduce-overhead"])
+def test_torch_compile_fullgraph_with_a_value_head_dim_matches_eager(mode):
+    """fagen.attention under torch.compile(fullgraph) with the spec as a JSON string: the ops' fake kernels give o
+    v's head dim; a CUDA graph replays forward and backward (reduce-overhead). Loss and gradients as eager's."""
+    import torch
+
+    import fagen
+
+    spec = '{"head_dim": 192, "value_head_dim": 128, "dtype": "bf16", "mask": "causal"}'
+    torch._dynamo.reset()
+
+    def step(q, k, v):
+        return fagen.attention(q, k, v, spec).float().square().mean()
+
+    compiled = torch.compile(step, fullgraph=True, mode=mode)
+    for trial in range(4):   # reduce-overhead records a graph on the 2nd / 3rd call and replays after
+        torch.compiler.cudagraph_mark_step_begin()
+        generator = torch.Generator(device="cuda").manual_seed(trial)
+        q, k = (torch.randn(2, 4, 333, 192, device="cuda", dtype=torch.bfloat16, generator=generator)
+                for _ in range(2))
+        v = torch.randn(2, 4, 333, 128, device="cuda", dtype=torch.bfloat16, generator=generator)
+        leaves = [t.requires_grad_() for t in (q, k, v)]
+        loss = compiled(*leaves)
+        loss.backward()
+        got = (loss.item(), [t.grad.clone() for t in leaves])
+        for t in leaves:
+            t.grad = None
+        eager = step(*leaves)
+        eager.backward()
+        assert abs(got[0] - eager.item()) <= 1e-3 * abs(eager.item()), trial
+        for name, g, t in zip("qkv", got[1], leaves):
+            assert ((g.float() - t.grad.float()).norm() / t.grad.float().norm()).item() < 2e-2, name   # (dQ: atomics)

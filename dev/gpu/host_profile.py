@@ -65,6 +65,7 @@ def pieces(q, k, v, grad) -> None:
 
     from fagen import cuda_driver as driver
     from fagen import runtime
+    from fagen.runtime.call_inputs import CallInputs
     from fagen.torch import kernel_for
 
     kernel = kernel_for(OVERHEAD_SPEC, 0)
@@ -79,9 +80,9 @@ def pieces(q, k, v, grad) -> None:
            ctypes.c_void_p(stream), call.params, None)
     raw = ctypes.CFUNCTYPE(ctypes.c_int)(ctypes.cast(lib.cuLaunchKernel, ctypes.c_void_p).value)
     rows = {
-        "signature forward": lambda: kernel._signature("forward", (q, k, v), (q, k, v), None, None, None, 0, 0),
-        "signature backward": lambda: kernel._signature("backward", (q, k, v, o, lse, grad), (q, k, v, grad), None,
-                                                         None, None, 0, 0),
+        "signature forward": lambda: kernel._signature("forward", (q, k, v), (q, k, v), CallInputs()),
+        "signature backward": lambda: kernel._signature("backward", (q, k, v, o, lse, grad), (q, k, v, grad),
+                                                         CallInputs()),
         "torch.empty_like(q)": lambda: torch.empty_like(q),
         "torch.empty(n) fp32": lambda: torch.empty(4096, dtype=torch.float32, device=q.device),
         "torch.zeros(n) fp32": lambda: torch.zeros(4096, dtype=torch.float32, device=q.device),

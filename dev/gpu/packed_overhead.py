@@ -7,6 +7,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 import torch
 import torch.nn.functional as F
 from fagen import jit, runtime
+from fagen.runtime.call_inputs import CallInputs
 from fagen.spec import Spec
 
 runtime.ensure_context()
@@ -41,7 +42,7 @@ with torch.no_grad():
 # where the packed call's time goes
 parts = {"torch.zeros + torch.full": lambda: (torch.zeros(q3.shape, dtype=q3.dtype, device="cuda"),
                                                torch.full((8, 256), -1.0, device="cuda")),
-         "_packed_signature": lambda: packed._packed_signature((q3, q3, q3), cu, cu, 156, 156, None, None, None, 0, 0)}
+         "_packed_signature": lambda: packed._packed_signature((q3, q3, q3), cu, cu, 156, 156, CallInputs())}
 for name, fn in parts.items():
     print(f"{name}: {per_call(fn):.1f} us per call")
 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

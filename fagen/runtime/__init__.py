@@ -24,6 +24,7 @@ The package, one job a file:
 - `checks.py`: the checks of what a call passes; `tensors.py`: tensors as the kernels see them;
 - `layouts.py`: packed variable-length batches and paged K/V caches;
 - `fast_path.py`: a call whose signature was seen before;
+- `call_inputs.py`: a call's run-time inputs (kv_lengths, ..., seed, offset) as one object down the call chain;
 - `arguments.py`: the argument struct; `grids.py`: launch geometry; `device.py`: contexts, streams, memory.
 """
 from __future__ import annotations

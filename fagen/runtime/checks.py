@@ -6,8 +6,8 @@ import math
 from typing import Optional
 
 from fagen.runtime.arguments import _SLOT, LaunchArgs
+from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _allocate, ensure_context
-from fagen.runtime.layouts import Sequences
 from fagen.runtime.tensors import ELEMENT_BYTES, ArgumentError, DeviceTensor, _is_device_array, as_device_tensor
 
 #: how a message names the spec's head dim of v, o and dO: value_head_dim where the spec sets one
@@ -58,11 +58,13 @@ class ArgumentChecks:
                 raise ArgumentError(f"q, k, v are on different devices: {sorted(map(str, devices))}")
         return tensors, (batch, heads, seq_q, seq_k)
 
-    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, kv_lengths, block_mask, inputs, seed, offset,
-                      sequences: Optional["Sequences"] = None, stream: int = 0):
-        """The run-time inputs into `args`; `shape` is (sequences, heads, longest Nq, longest Nk)."""
+    def _runtime_args(self, args: LaunchArgs, tensors: dict, shape: tuple, given: CallInputs, stream: int = 0):
+        """The run-time inputs `given` into `args` (a packed batch's offsets too); `shape` is (sequences, heads,
+        longest Nq, longest Nk)."""
         spec = self.spec
         batch, heads, seq_q, seq_k = shape
+        kv_lengths, block_mask, seed, offset, sequences = (given.kv_lengths, given.block_mask, given.seed, given.offset,
+                                                           given.sequences)
         keep = []
         if sequences is not None:
             args["cu_seqlens_q"], args["cu_seqlens_k"] = sequences.pointers
@@ -113,7 +115,7 @@ class ArgumentChecks:
             args["block_mask_stride"] = strides
         elif block_mask is not None:
             raise ArgumentError(f"block_mask is only for mask block_sparse; this spec's mask is {spec.mask}")
-        keep += self._mod_inputs(args, inputs, tensors["q"], stream)
+        keep += self._mod_inputs(args, given.inputs, tensors["q"], stream)
         return keep
 
     def _mod_inputs(self, args: LaunchArgs, inputs, like: DeviceTensor, stream: int) -> list:

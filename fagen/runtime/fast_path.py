@@ -7,6 +7,7 @@ import threading
 
 from fagen import cuda_driver as driver
 from fagen.runtime.arguments import ARGS_STRUCT, _SLOT, LaunchArgs
+from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _TORCH, _filled, _torch_types, empty_in_layout
 from fagen.runtime.grids import _HELPER_KERNELS, backward_scratch
 
@@ -91,9 +92,10 @@ class FastCall:
 class FastPath:
     """Kernel's fast path: the signature of a call, the calls remembered by it, and their launches."""
 
-    def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, kv_lengths, block_mask, inputs, seed, offset):
-        """The key of a FastCall for these torch tensors, or None where the full path must run (other
-        array types, rows not 16-byte aligned for cp.async, arguments it converts, odd seeds)."""
+    def _signature(self, pass_name: str, tensors: tuple, aligned: tuple, given: CallInputs):
+        """The key of a FastCall for these torch tensors and `given`'s run-time inputs, or None where the full
+        path must run (other array types, rows not 16-byte aligned for cp.async, arguments it converts, odd
+        seeds)."""
         if not type(tensors[0]).__module__.startswith("torch"):
             return None   # (PyCUDA / __cuda_array_interface__ arrays; torch may not even be installed)
         torch_types = _torch_types()
@@ -108,13 +110,14 @@ class FastPath:
                 if not self._rows_aligned(t.data_ptr(), t.stride()):
                     return None
         device = parts[0][3]
-        if not _fast_seed(seed, offset, tensor_type, torch_types["int64"], device):
+        if not _fast_seed(given.seed, given.offset, tensor_type, torch_types["int64"], device):
             return None
-        lengths_key = _small_tensor_key(kv_lengths, torch_types["int32"], device)
-        mask_key = _small_tensor_key(block_mask, torch_types["uint8"], device)
+        lengths_key = _small_tensor_key(given.kv_lengths, torch_types["int32"], device)
+        mask_key = _small_tensor_key(given.block_mask, torch_types["uint8"], device)
         if lengths_key is False or mask_key is False:
             return None
         inputs_key = None
+        inputs = given.inputs
         if inputs:   # tensors by shape and strides (their pointers are refilled), scalars by value
             mods = self.modifiers
             if set(inputs) != {name for name, _, _ in mods.tensors} | set(mods.scalars):
@@ -133,15 +136,16 @@ class FastPath:
             inputs_key = tuple(inputs_key)
         return (tuple(parts), lengths_key, mask_key, inputs_key)
 
-    def _runtime_pointers(self, kv_lengths, block_mask, inputs) -> tuple[tuple, list]:
+    def _runtime_pointers(self, given: CallInputs) -> tuple[tuple, list]:
+        """(slot names, pointers) of `given`'s run-time tensors, in the order a FastCall fills them."""
         names, pointers = (), []
-        if kv_lengths is not None:
-            names, pointers = names + ("kv_lengths",), pointers + [kv_lengths.data_ptr()]
-        if block_mask is not None:
-            names, pointers = names + ("block_mask",), pointers + [block_mask.data_ptr()]
-        if inputs:
+        if given.kv_lengths is not None:
+            names, pointers = names + ("kv_lengths",), pointers + [given.kv_lengths.data_ptr()]
+        if given.block_mask is not None:
+            names, pointers = names + ("block_mask",), pointers + [given.block_mask.data_ptr()]
+        if given.inputs:
             for n, (name, _, _) in enumerate(self.modifiers.tensors):
-                names, pointers = names + (f"mod_tensor{n}",), pointers + [inputs[name].data_ptr()]
+                names, pointers = names + (f"mod_tensor{n}",), pointers + [given.inputs[name].data_ptr()]
         return names, pointers
 
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
@@ -153,8 +157,9 @@ class FastPath:
                                             for symbol, grid, threads, smem in launches], workspaces, folded)
 
 
-    def _fast_forward_call(self, call: FastCall, q, k, v, kv_lengths, block_mask, inputs, seed, offset, paged=()):
-        """A remembered forward: outputs and workspaces allocated, the pointers written in, launched."""
+    def _fast_forward_call(self, call: FastCall, q, k, v, given: CallInputs, table_pointer: tuple = ()):
+        """A remembered forward: outputs and workspaces allocated, the pointers written in, launched.
+        `table_pointer`: a paged call's (block_table pointer,)."""
         import torch
 
         device = q.get_device()
@@ -163,16 +168,17 @@ class FastPath:
         # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until the
         # launches are queued
         workspaces = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
-        _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
+        _, extra = self._runtime_pointers(given)
         call.launch(device, _TORCH["stream"](device),
                     (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                     *[w.data_ptr() for w in workspaces], *paged, *extra, *_seed_values(seed, offset)))
+                     *[w.data_ptr() for w in workspaces], *table_pointer, *extra,
+                     *_seed_values(given.seed, given.offset)))
         self._finish(call.main, device)
         return o, lse
 
 
-    def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
-                            offsets: tuple = (), d_lse=None):
+    def _fast_backward_call(self, call: FastCall, q, k, v, o, lse, do, given: CallInputs, offsets: tuple = (),
+                            d_lse=None):
         """A remembered backward: gradients and workspaces allocated, the pointers written in, launched.
         `offsets`: a packed call's cu_seqlens_q, cu_seqlens_k pointers, on the GPU, so which rows the sequences
         cover is unknown and rows outside every one must read 0: dQ's do without a fill (_dq_convert writes every
@@ -213,8 +219,8 @@ class FastPath:
         # mask_mod inputs' run-time summaries, held until the launches are queued
         summaries = [torch.empty(shape, dtype=torch.float32, device=q.device) for shape in call.workspaces]
         pointers += [s.data_ptr() for s in summaries]
-        _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
-        call.launch(device, stream, (*pointers, *offsets, *extra, *_seed_values(seed, offset)))
+        _, extra = self._runtime_pointers(given)
+        call.launch(device, stream, (*pointers, *offsets, *extra, *_seed_values(given.seed, given.offset)))
         self._finish(call.main, device)
         return grads
 

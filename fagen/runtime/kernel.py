@@ -10,13 +10,14 @@ import fagen.runtime
 from fagen import cuda_driver as driver
 from fagen.artifact import INPUT_GRAD_BACKWARD, Artifact
 from fagen.runtime.arguments import LaunchArgs
+from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.checks import ArgumentChecks
 from fagen.runtime.device import _allocate, _caller_stream, _default_device, ensure_context, stream_handle
 from fagen.runtime.fast_path import FAST_CALLS_KEPT, FastCall, FastPath
 from fagen.runtime.grids import (_HELPER_KERNELS, FOLD_WAVES, GROUPED_TEMPLATES, SUMMARY_GRID, LaunchPlan,
                                  backward_scratch, block_group, decode_splits, grouped_grid, problem_grid,
                                  row_pass_grid)
-from fagen.runtime.layouts import Layouts, Sequences
+from fagen.runtime.layouts import Layouts
 from fagen.runtime.tensors import ELEMENT_BYTES, ArgumentError, DeviceTensor, as_device_tensor
 from fagen.spec import Spec
 from fagen.target import Target
@@ -163,7 +164,8 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0, offset: int = 0,
                 out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
                 block_table=None):
-        """(o, lse): o like q; lse float32 (batch, heads, seq_q), natural log, -inf for rows that see no key.
+        """(o, lse): o of q's shape with v's head dim (a spec's value_head_dim), laid out as q; lse float32 (batch,
+        heads, seq_q), natural log, -inf for rows that see no key.
 
         `out=(o, lse)` writes into given tensors (o contiguous in its last dim, lse contiguous).
         `stream` overrides the stream the call runs on (default: see the module docstring).
@@ -174,51 +176,49 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         `block_table`: k and v are a paged K/V cache: decoding with a padded spec (see `_forward_paged`), packed
         query rows of any count per sequence with a packed spec (prefill, chunked prefill, speculative decoding:
         see `_forward_paged_packed`)."""
+        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
         if block_table is not None and self.spec.layout == "packed":
             if cu_seqlens_q is None or cu_seqlens_k is None:
                 raise ArgumentError("block_table with a layout packed spec: pass cu_seqlens_q (the query rows of each "
                                     "sequence) and cu_seqlens_k (their key counts, as offsets)")
             return self._forward_paged_packed(q, k, v, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream)
+                                              max_seqlen_k, given, out, stream)
         if block_table is not None:
             if cu_seqlens_q is not None or cu_seqlens_k is not None:
                 raise ArgumentError("block_table with cu_seqlens: a packed batch against a paged K/V cache takes a "
                                     "layout packed spec; a layout padded spec takes q of shape (batch, heads, Nq, d)")
             signature = None
             if out is None and stream is None and "decode" in self.plans:
-                signature = self._paged_signature(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset)
+                signature = self._paged_signature(q, k, v, block_table, given)
                 call = self._fast_forward.get(signature) if signature is not None else None
                 if call is not None:   # decode's split workspaces, then the table, as _decode remembered them
-                    return self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset,
-                                                   (block_table.data_ptr(),))
-            return self._forward_paged(q, k, v, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                                       signature)
+                    return self._fast_forward_call(call, q, k, v, given, (block_table.data_ptr(),))
+            return self._forward_paged(q, k, v, block_table, given, out, stream, signature)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
-            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                                        block_mask, inputs, seed, offset, out, stream)[:2]
-        return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream)[:2]
+            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given, out,
+                                        stream)[:2]
+        return self._padded_forward(q, k, v, given, out, stream)[:2]
 
-    def _padded_forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream) -> tuple:
+    def _padded_forward(self, q, k, v, given: CallInputs, out, stream) -> tuple:
         """(o, lse, the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
-            signature = self._signature("forward", (q, k, v), (q, k, v), kv_lengths, block_mask, inputs, seed, offset)
+            signature = self._signature("forward", (q, k, v), (q, k, v), given)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
-                return (*self._fast_forward_call(call, q, k, v, kv_lengths, block_mask, inputs, seed, offset),
-                        signature)
-        return (*self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature, None),
-                signature)
+                return (*self._fast_forward_call(call, q, k, v, given), signature)
+        return (*self._forward(q, k, v, given, out, stream, signature), signature)
 
     # ---- the autograd path: a backward keyed by its forward ----
     def forward_keyed(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0,
                       offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse, key): `forward` for an autograd node, with the key that `backward_after` takes for its
         backward (the call's fast-path signature, padded or packed: None where it has none)."""
+        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
-            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                                        block_mask, inputs, seed, offset, None, None)
-        return self._padded_forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, None, None)
+            return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given, None,
+                                        None)
+        return self._padded_forward(q, k, v, given, None, None)
 
     def backward_after(self, forward_key, q, k, v, o, lse, do, *, kv_lengths=None, block_mask=None, inputs=None,
                        seed: int = 0, offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None,
@@ -233,6 +233,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             return self.backward(q, k, v, o, lse, do, kv_lengths=kv_lengths, block_mask=block_mask, inputs=inputs,
                                  seed=seed, offset=offset, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
                                  max_seqlen_q=max_seqlen_q, max_seqlen_k=max_seqlen_k, d_lse=d_lse)
+        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
         entry = self._fast_backward_after.get(forward_key)
         if entry is not None:
             call, do_stride = entry
@@ -241,16 +242,13 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             if do.stride() == do_stride and not (
                     (self._chunked_rows if packed else self._checks_rows["backward"])
                     and (q.data_ptr() | k.data_ptr() | v.data_ptr() | o.data_ptr() | do.data_ptr()) % 16):
-                return self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()) if packed
-                                                else ())
+                return self._fast_backward_call(call, q, k, v, o, lse, do, given,
+                                                (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr()) if packed else ())
         if packed:
             grads, signature = self._packed_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                                     max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, None,
-                                                     None)
+                                                     max_seqlen_k, given, None, None)
         else:
-            grads, signature = self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset,
-                                                     None, None)
+            grads, signature = self._padded_backward(q, k, v, o, lse, do, given, None, None)
         call = self._fast_backward.get(signature) if signature is not None else None
         if call is not None:
             if len(self._fast_backward_after) >= FAST_CALLS_KEPT:
@@ -258,17 +256,16 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             self._fast_backward_after[forward_key] = (call, do.stride())
         return grads
 
-    def _forward(self, q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
-                 sequences: Optional["Sequences"], paged: Optional[tuple] = None):
-        """The full forward path (everything the fast path skips); `sequences` for packed batches,
-        whose q, k, v arrive here as (1, heads, total, d) views; `paged`: (the block-table fields of the
-        argument struct, the table) for a paged cache, whose k, v arrive as views (_forward_paged)."""
+    def _forward(self, q, k, v, given: CallInputs, out, stream, signature):
+        """The full forward path (everything the fast path skips); `given.sequences` for packed batches,
+        whose q, k, v arrive here as (1, heads, total, d) views; `given.paged` for a paged cache, whose k, v
+        arrive as views (_forward_paged)."""
         plan = self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
-                return self._forward(q, k, v, kv_lengths, block_mask, inputs, seed, offset, out, None, signature, sequences,
-                                     paged)
+                return self._forward(q, k, v, given, out, None, signature)
+        sequences, paged = given.sequences, given.paged
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -292,8 +289,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         args = self._base_args(tensors, shape)
         args["o"], args["lse"] = ot.pointer, lt.pointer
         args["o_stride"] = ot.strides[:3]
-        keep = self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences,
-                                  stream)
+        keep = self._runtime_args(args, tensors, problems, given, stream)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
         if paged is not None and sequences is not None:   # a packed batch against pages: the forward kernels
@@ -310,8 +306,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                 args[name] = value
             keep.append(table)
         if decode is not None and group * seq_q <= decode.block_r and not (paged is not None and sequences is not None):
-            return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature,
-                                kv_lengths, block_mask, inputs, paged is not None)
+            return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature, given)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(problems[2] / plan.block_r)
         if sequences is not None and not sequences.has_work:   # every sequence empty of queries or keys
@@ -337,7 +332,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         # (packed calls whose mask_mod needs run-time summaries get no signature: _packed_signature)
         if signature is not None and not (sequences is not None and self.modifiers.summaries):
             # the next call with this signature skips everything above
-            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
+            names, _ = self._runtime_pointers(given)
             if sequences is not None:
                 names = ("cu_seqlens_q", "cu_seqlens_k") + names
             launches = [(symbol, grid, plan.threads, plan.smem_bytes)]
@@ -351,10 +346,10 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         return o, lse
 
     def _decode(self, plan: LaunchPlan, args: LaunchArgs, tensors: dict, shape: tuple, group: int, o, lse, keep: list,
-                device: int, stream: int, signature, kv_lengths, block_mask, inputs, paged: bool = False):
+                device: int, stream: int, signature, given: CallInputs):
         """The split-KV forward for few query rows (templates/decode_splitkv.cu.j2): one block per
         (split of the keys, batch, K/V head) holds every query row of the head's group, then
-        _combine merges the splits by LSE into o and lse."""
+        _combine merges the splits by LSE into o and lse; `given.paged` for a paged cache."""
         batch, heads, seq_q, seq_k = shape
         for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
             aligned = self._aligned(tensors[name], 16) if self._chunked_rows else tensors[name].owner
@@ -383,9 +378,10 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             self._launch(device, symbol, arguments, grid, threads, smem, stream)
         self._finish(main, device)
         if signature is not None:
-            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
+            names, _ = self._runtime_pointers(given)
             self._remember(self._fast_forward, signature, args, ("q", "k", "v", "o", "lse", "o_accum", "row_max")
-                           + (("block_table",) if paged else ()) + names, launches, device, workspaces)
+                           + (("block_table",) if given.paged is not None else ()) + names, launches, device,
+                           workspaces)
         del keep
         return o, lse
 
@@ -402,15 +398,14 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         `input_grads`: also the gradients of the score_mod's float tensor inputs (`inputs`) that it depends
         on, as a fourth item {name: float32 array of the input's shape} (Modifiers.kernel_input_grads). They
         are summed with float atomics, so their last bits may differ between runs, as dQ's do."""
+        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
         if input_grads:   # the full path (the fast path's FastCall has no slot for these outputs)
             grad_out = {}
             if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
                 grads = self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                                              grad_out, d_lse=d_lse)
+                                              max_seqlen_k, given, out, stream, grad_out, d_lse=d_lse)
             else:
-                grads = self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                                       None, None, grad_out, d_lse)
+                grads = self._backward(q, k, v, o, lse, do, given, out, stream, None, grad_out, d_lse)
             if not grad_out:   # a packed batch with nothing to compute: zeros
                 like = as_device_tensor("q", q)
                 if stream is not None and like.is_torch:
@@ -421,24 +416,20 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             return (*grads, grad_out)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._packed_backward(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                         kv_lengths, block_mask, inputs, seed, offset, out, stream, d_lse)[0]
-        return self._padded_backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
-                                     stream, d_lse)[0]
+                                         given, out, stream, d_lse)[0]
+        return self._padded_backward(q, k, v, o, lse, do, given, out, stream, d_lse)[0]
 
-    def _padded_backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out,
-                         stream, d_lse=None) -> tuple:
+    def _padded_backward(self, q, k, v, o, lse, do, given: CallInputs, out, stream, d_lse=None) -> tuple:
         """((dq, dk, dv), the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
         if out is None and stream is None and "backward" in self.plans:
             # (d_lse's shape and strides in the key: a call with it remembers a launch with its pointer slot)
             signature = self._signature("backward", (q, k, v, o, lse, do) if d_lse is None else (q, k, v, o, lse, do, d_lse),
-                                        (q, k, v, do), kv_lengths, block_mask, inputs, seed, offset)
+                                        (q, k, v, do), given)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
-                return (self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                 offset, d_lse=d_lse), signature)
-        return (self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                               signature, None, d_lse=d_lse), signature)
+                return self._fast_backward_call(call, q, k, v, o, lse, do, given, d_lse=d_lse), signature
+        return self._backward(q, k, v, o, lse, do, given, out, stream, signature, d_lse=d_lse), signature
 
     @staticmethod
     def _d_lse_pointer(d_lse, lse: DeviceTensor) -> int:
@@ -452,16 +443,16 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                                 f"{tuple(held.strides)}")
         return held.pointer
 
-    def _backward(self, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, stream, signature,
-                  sequences: Optional["Sequences"], input_grad_out: Optional[dict] = None, d_lse=None):
-        """The full backward path; `sequences` as in `_forward`; `input_grad_out`: a dict that receives
+    def _backward(self, q, k, v, o, lse, do, given: CallInputs, out, stream, signature,
+                  input_grad_out: Optional[dict] = None, d_lse=None):
+        """The full backward path; `given.sequences` as in `_forward`; `input_grad_out`: a dict that receives
         score_mod's input gradients (see `backward`), or None."""
         plan = self._pass("backward")
         tensors, shape = self._check_qkv(q, k, v, {"o": o, "d_o": do})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
-                return self._backward(q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed, offset, out, None, signature,
-                                      sequences, input_grad_out, d_lse)
+                return self._backward(q, k, v, o, lse, do, given, out, None, signature, input_grad_out, d_lse)
+        sequences = given.sequences
         device, stream = self._stream(tensors, stream)
         batch, heads, seq_q, seq_k = shape
         problems = shape if sequences is None else (sequences.count, heads, max(1, sequences.max_q), max(1, sequences.max_k))
@@ -507,10 +498,9 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             else:
                 args[key] = gt.pointer
                 args[f"{key}_stride"] = gt.strides[:3]
-        keep += self._runtime_args(args, tensors, problems, kv_lengths, block_mask, inputs, seed, offset, sequences,
-                                   stream)
+        keep += self._runtime_args(args, tensors, problems, given, stream)
         if input_grad_out is not None:
-            self._input_grad_outputs(input_grad_out, args, inputs, tensors["q"], stream)
+            self._input_grad_outputs(input_grad_out, args, given.inputs, tensors["q"], stream)
         if sequences is not None and not sequences.has_work:   # dq, dk, dv arrive zeroed
             return grads
         main = plan.symbols[0]
@@ -542,7 +532,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             self._launch(device, symbol, arguments, grid, threads, smem, stream, functions)
         self._finish(main, device)
         if signature is not None:
-            names, _ = self._runtime_pointers(kv_lengths, block_mask, inputs)
+            names, _ = self._runtime_pointers(given)
             if sequences is not None:
                 names = ("cu_seqlens_q", "cu_seqlens_k") + names
             workspaces = ("delta",) if self.spec.deterministic else ("delta", "dq_accum")

@@ -6,6 +6,7 @@ import math
 from typing import Optional
 from dataclasses import dataclass
 
+from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _TORCH, _allocate, _caller_stream, _fill, _filled, _torch_types
 from fagen.runtime.fast_path import _seed_values
 from fagen.runtime.grids import PAGED_FORWARD_TEMPLATES
@@ -176,8 +177,8 @@ class Layouts:
                 count = (last - first) * inner
                 _fill(start, count, count * itemsize, t.stream or 0, zero=value == 0, fill=value or None)
 
-    def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                          block_mask, inputs, seed, offset, lse=None):
+    def _packed_signature(self, tensors: tuple, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                          given: CallInputs, lse=None):
         """The fast-path key of a packed call, or None: only torch tensors with offsets already on the
         GPU (int32, contiguous) and max_seqlen given, rows 16-byte aligned where cp.async reads them.
         `tensors`: (q, k, v) of a forward, (q, k, v, o, do) of a backward, which passes `lse` too."""
@@ -190,8 +191,8 @@ class Layouts:
                     or not cu.is_cuda or not cu.is_contiguous()):
                 return None
             offsets.append(cu.shape[0])
-        key = self._signature("forward", tensors, (), kv_lengths, block_mask, inputs, seed, offset)
-        if key is None or any(len(t.shape) != 3 for t in tensors) or (inputs and self.modifiers.summaries):
+        key = self._signature("forward", tensors, (), given)
+        if key is None or any(len(t.shape) != 3 for t in tensors) or (given.inputs and self.modifiers.summaries):
             return None   # (packed calls with run-time summaries take the full path: their workspaces)
         if cu_seqlens_q.get_device() != key[0][0][3] or cu_seqlens_k.get_device() != key[0][0][3]:
             return None   # (offsets on another GPU: the full path copies them over)
@@ -205,14 +206,14 @@ class Layouts:
             key += ((lse.shape, lse.stride()),)
         return ("packed", key, tuple(offsets), max_seqlen_q, max_seqlen_k)
 
-    def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                        block_mask, inputs, seed, offset, out, stream, signature=None):
+    def _forward_packed(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given: CallInputs,
+                        out, stream, signature=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
-                return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                            kv_lengths, block_mask, inputs, seed, offset, out, None)
+                return self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given,
+                                            out, None)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
@@ -227,21 +228,19 @@ class Layouts:
         if total_q == 0 or tensors["k"].shape[0] == 0:
             return o, lse
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v")]
-        self._forward(*views, kv_lengths, block_mask, inputs, seed, offset,
+        self._forward(*views, given._replace(sequences=sequences),
                       (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))),
-                      stream, signature, sequences)
+                      stream, signature)
         return o, lse
 
     def _backward_packed(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                         kv_lengths, block_mask, inputs, seed, offset, out, stream, input_grad_out=None, signature=None,
-                         d_lse=None):
+                         given: CallInputs, out, stream, input_grad_out=None, signature=None, d_lse=None):
         tensors = self._check_packed({"q": q, "k": k, "v": v, "o": o, "d_o": do})
         like = tensors["q"]
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                             max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, None,
-                                             input_grad_out, d_lse=d_lse)
+                                             max_seqlen_k, given, out, None, input_grad_out, d_lse=d_lse)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         total_k = tensors["k"].shape[0]
@@ -260,19 +259,19 @@ class Layouts:
             return grads
         self._d_lse_pointer(d_lse, lt)   # (checked against the packed lse here, before its view below)
         views = [_packed_view(tensors[name]) for name in ("q", "k", "v", "o")]
-        self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), kv_lengths, block_mask, inputs, seed, offset,
+        self._backward(*views, _packed_view(lt), _packed_view(tensors["d_o"]), given._replace(sequences=sequences),
                        tuple(_packed_view(as_device_tensor(name, g)) for name, g in zip(("dq", "dk", "dv"), grads)),
-                       stream, signature, sequences, input_grad_out,
+                       stream, signature, input_grad_out,
                        None if d_lse is None else _packed_view(as_device_tensor("d_lse", d_lse)))
         return grads
 
-    def _packed_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths, block_mask,
-                        inputs, seed, offset, out, stream) -> tuple:
+    def _packed_forward(self, q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given: CallInputs,
+                        out, stream) -> tuple:
         """(o, lse, the call's fast-path signature or None) of a packed call."""
         signature = None
         if out is None and stream is None and self.spec.loop_order != "fa1":
             signature = self._packed_signature((q, k, v), cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                               kv_lengths, block_mask, inputs, seed, offset)
+                                               given)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
                 import torch
@@ -283,35 +282,35 @@ class Layouts:
                 o = _filled(torch.empty(self._output_shape(q.shape), dtype=q.dtype, device=q.device), stream, zero=True)
                 lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
                               fill=-math.inf)
-                _, extra = self._runtime_pointers(kv_lengths, block_mask, inputs)
+                _, extra = self._runtime_pointers(given)
                 call.launch(device, stream,
                             (q.data_ptr(), k.data_ptr(), v.data_ptr(), o.data_ptr(), lse.data_ptr(),
-                             cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra, *_seed_values(seed, offset)))
+                             cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr(), *extra,
+                             *_seed_values(given.seed, given.offset)))
                 self._finish(call.main, device)
                 return o, lse, signature
-        return (*self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature), signature)
+        return (*self._forward_packed(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given, out,
+                                      stream, signature), signature)
 
 
-    def _packed_backward(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, kv_lengths,
-                         block_mask, inputs, seed, offset, out, stream, d_lse=None) -> tuple:
+    def _packed_backward(self, q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+                         given: CallInputs, out, stream, d_lse=None) -> tuple:
         """((dq, dk, dv), the call's fast-path signature or None) of a packed call (with d_lse: the full path)."""
         signature = None
         if out is None and stream is None and d_lse is None and "backward" in self.plans:
             signature = self._packed_signature((q, k, v, o, do), cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                                               max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, lse)
+                                               max_seqlen_k, given, lse)
             call = self._fast_backward.get(signature) if signature is not None else None
             if call is not None:
-                return (self._fast_backward_call(call, q, k, v, o, lse, do, kv_lengths, block_mask, inputs, seed,
-                                                 offset, (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())),
+                return (self._fast_backward_call(call, q, k, v, o, lse, do, given,
+                                                 (cu_seqlens_q.data_ptr(), cu_seqlens_k.data_ptr())),
                         signature)
         return (self._backward_packed(q, k, v, o, lse, do, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
-                                      kv_lengths, block_mask, inputs, seed, offset, out, stream, signature=signature,
-                                      d_lse=d_lse),
+                                      given, out, stream, signature=signature, d_lse=d_lse),
                 signature)
 
 
-    def _paged_signature(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset):
+    def _paged_signature(self, q, k_cache, v_cache, block_table, given: CallInputs):
         """The fast path's key of a paged call: the padded one's over q and the page pools, and the table's
         shape and row stride (its entries are data, read on the GPU)."""
         if not type(q).__module__.startswith("torch"):
@@ -320,8 +319,7 @@ class Layouts:
         if (type(block_table) is not torch_types["Tensor"] or block_table.dtype is not torch_types["int32"]
                 or block_table.dim() != 2 or block_table.stride(1) != 1):
             return None
-        key = self._signature("forward", (q, k_cache, v_cache), (q, k_cache, v_cache), kv_lengths, block_mask, inputs,
-                              seed, offset)
+        key = self._signature("forward", (q, k_cache, v_cache), (q, k_cache, v_cache), given)
         if key is None or block_table.get_device() != q.get_device():
             return None
         return ("paged", key, tuple(block_table.shape), block_table.stride(0))
@@ -362,8 +360,7 @@ class Layouts:
                   "page_count": page_count}
         return views, fields, table
 
-    def _forward_paged(self, q, k_cache, v_cache, block_table, kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                       signature=None):
+    def _forward_paged(self, q, k_cache, v_cache, block_table, given: CallInputs, out, stream, signature=None):
         """Decoding from a paged K/V cache (_paged_cache), the layout of vLLM and FlashAttention's kvcache call.
         The keys are max pages x page_size long; mask padding with kv_lengths gives each sequence its own length.
         With a padded spec only the decode pass reads pages (the spec's passes must include it, and a call must
@@ -378,11 +375,11 @@ class Layouts:
         if page_size % decode.block_c:
             raise ArgumentError(f"page_size {page_size}: the decode kernel reads keys in tiles of {decode.block_c}, and a "
                                 f"page must hold whole tiles (page_size a multiple of {decode.block_c})")
-        return self._forward(q, views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset, out, stream,
-                             signature, None, (fields, table.owner))
+        return self._forward(q, views["k"], views["v"], given._replace(paged=(fields, table.owner)), out, stream,
+                             signature)
 
     def _forward_paged_packed(self, q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k, max_seqlen_q,
-                              max_seqlen_k, kv_lengths, block_mask, inputs, seed, offset, out, stream):
+                              max_seqlen_k, given: CallInputs, out, stream):
         """Prefill, chunked prefill and speculative decoding against a paged K/V cache (_paged_cache): q packed
         (total_q, heads, d) with cu_seqlens_q, as a packed call's; cu_seqlens_k gives each sequence's key count
         (its differences: sequence b's keys are its pages' first cu_seqlens_k[b + 1] - cu_seqlens_k[b] rows,
@@ -401,8 +398,7 @@ class Layouts:
         if stream is not None and like.is_torch:
             with _caller_stream(like, stream):
                 return self._forward_paged_packed(q, k_cache, v_cache, block_table, cu_seqlens_q, cu_seqlens_k,
-                                                  max_seqlen_q, max_seqlen_k, kv_lengths, block_mask, inputs, seed,
-                                                  offset, out, None)
+                                                  max_seqlen_q, max_seqlen_k, given, out, None)
         _, launch_stream = self._stream(tensors, stream)
         total_q, heads, _ = like.shape
         table_shape = as_device_tensor("block_table", block_table).shape
@@ -432,8 +428,8 @@ class Layouts:
             self._clear_sequence_rows(((o, 0, 0.0), (lse, 1, -math.inf)), sequences, 0)
         if total_q == 0:
             return o, lse
-        self._forward(_packed_view(tensors["q"]), views["k"], views["v"], kv_lengths, block_mask, inputs, seed, offset,
-                      (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))), stream, None,
-                      sequences, (fields, table.owner))
+        self._forward(_packed_view(tensors["q"]), views["k"], views["v"],
+                      given._replace(sequences=sequences, paged=(fields, table.owner)),
+                      (_packed_view(as_device_tensor("o", o)), _packed_view(as_device_tensor("lse", lse))), stream, None)
         return o, lse
 
