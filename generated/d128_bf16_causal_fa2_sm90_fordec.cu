@@ -328,13 +328,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     } else if (!interior) {
       each_score([&](float& s, int row, int col, float, float) { if (!visibility.visible_if(col < seq_k, row, col)) s = -INFINITY; });
     }
-    auto row_tile_max = [&](int half) {   // the tile's max of the thread's row group + 8 * half
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[t][2 * half], s_acc[t][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    };
+    auto row_tile_max = [&](int half) { return tc::accumulator_row_max(s_acc, half); };
     float lazy_tile_max[2];
     if (LAZY_RESCALE) {   // (a row with no visible key yet has m = -inf and grows at its first one; -inf - -inf
                           // is NaN, which compares false: a row still without one keeps m = -inf)
@@ -354,6 +348,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
         row_max[half] = m_new;
         row_sum[half] *= rescale[half];
       }
+      // (tc::exponentiate_accumulator_row's loop, written out: called here, ptxas schedules the lazily rescaled
+      // d >= 160 forwards differently, a cubin not yet timed on a GPU)
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
         const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
@@ -729,12 +725,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
     // the warp's online softmax per row: m_new = max(m_old, rowmax S); O and l rescaled by e^(tau (m_old - m_new))
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[t][2 * half], s_acc[t][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_max[half], tile_max);
+      const float m_new = fmaxf(row_max[half], tc::accumulator_row_max(s_acc, half));
       const float m_scaled = safe_max(m_new) * SCALE_LOG2;
       const float rescale = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
       row_max[half] = m_new;
@@ -744,14 +735,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
         o_acc[t][2 * half] *= rescale;
         o_acc[t][2 * half + 1] *= rescale;
       }
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) {
-        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
-        row_sum[half] += p0 + p1;
-        s_acc[t][2 * half] = p0;
-        s_acc[t][2 * half + 1] = p1;
-      }
+      tc::exponentiate_accumulator_row(s_acc, half, SCALE_LOG2, m_scaled, row_sum[half]);
     }
     // dropout(P~_w), after l took P~_w itself. The slab's rows r, r + 8 are (query head, position) pairs
     // of their own, not rows i, i + 8 of one head, so one Philox call serves a row's 4 elements of a

@@ -319,12 +319,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
     for (int m = 0; m < M_TILES; ++m)
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[m][t][2 * half], s_acc[m][t][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-      const float m_new = fmaxf(row_max[m][half], tile_max);
+      const float m_new = fmaxf(row_max[m][half], tc::accumulator_row_max(s_acc[m], half));
       const float m_scaled = safe_max(m_new) * SCALE_LOG2;
       const float rescale = exp2f(row_max[m][half] * SCALE_LOG2 - m_scaled);
       row_max[m][half] = m_new;
@@ -334,14 +329,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
         o_acc[m][t][2 * half] *= rescale;
         o_acc[m][t][2 * half + 1] *= rescale;
       }
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) {
-        const float p0 = exp2f(fmaf(s_acc[m][t][2 * half], SCALE_LOG2, -m_scaled));
-        const float p1 = exp2f(fmaf(s_acc[m][t][2 * half + 1], SCALE_LOG2, -m_scaled));
-        row_sum[m][half] += p0 + p1;
-        s_acc[m][t][2 * half] = p0;
-        s_acc[m][t][2 * half + 1] = p1;
-      }
+      tc::exponentiate_accumulator_row(s_acc[m], half, SCALE_LOG2, m_scaled, row_sum[m][half]);
     }
     // dropout(P~), after l took P~ itself: one Philox call per 16 x 16 patch (n-tiles 2c, 2c + 1; col0
     // and warp_row0 are multiples of 16, as the patches need)

@@ -306,13 +306,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     } else if (!interior) {
       each_score([&](float& s, int row, int col, float, float) { if (!visibility.visible_if(col < seq_k, row, col)) s = -INFINITY; });
     }
-    auto row_tile_max = [&](int half) {   // the tile's max of the thread's row group + 8 * half
-      float tile_max = -INFINITY;
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s_acc[t][2 * half], s_acc[t][2 * half + 1]));
-      tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-      return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-    };
+    auto row_tile_max = [&](int half) { return tc::accumulator_row_max(s_acc, half); };
     float lazy_tile_max[2];
     if (LAZY_RESCALE) {   // (a row with no visible key yet has m = -inf and grows at its first one; -inf - -inf
                           // is NaN, which compares false: a row still without one keeps m = -inf)
@@ -332,6 +326,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
         row_max[half] = m_new;
         row_sum[half] *= rescale[half];
       }
+      // (tc::exponentiate_accumulator_row's loop, written out: called here, ptxas schedules the lazily rescaled
+      // d >= 160 forwards differently, a cubin not yet timed on a GPU)
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
         const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));

@@ -228,6 +228,31 @@ __device__ __forceinline__ void store_tile_staged(T* rows, long long row_stride,
   }
 }
 
+// The online softmax's two row operations on an accumulator fragment of S_TILES 8-key tiles (rows group and group + 8
+// of a 16-row slab, `half` 0 / 1; a row's 8 values of a tile are spread over the lanes of a quad). The row's max of
+// the tile, the same in every lane of the quad:
+template <int S_TILES>
+__device__ __forceinline__ float accumulator_row_max(const float (&s)[S_TILES][4], int half) {
+  float tile_max = -INFINITY;
+#pragma unroll
+  for (int t = 0; t < S_TILES; ++t) tile_max = fmaxf(tile_max, fmaxf(s[t][2 * half], s[t][2 * half + 1]));
+  tile_max = fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+  return fmaxf(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+}
+// ... and P~ = 2^(S scale_log2 - m_scaled) in place (m_scaled: the row's max times scale_log2), each added to row_sum.
+template <int S_TILES>
+__device__ __forceinline__ void exponentiate_accumulator_row(float (&s)[S_TILES][4], int half, float scale_log2,
+                                                             float m_scaled, float& row_sum) {
+#pragma unroll
+  for (int t = 0; t < S_TILES; ++t) {
+    const float p0 = exp2f(fmaf(s[t][2 * half], scale_log2, -m_scaled));
+    const float p1 = exp2f(fmaf(s[t][2 * half + 1], scale_log2, -m_scaled));
+    row_sum += p0 + p1;
+    s[t][2 * half] = p0;
+    s[t][2 * half + 1] = p1;
+  }
+}
+
 // The mma.sync backwards' score products for a warp's 16 keys: S^T = K_w Q_i^T and dP^T = V_w dO_i^T over the head
 // dim, zeroed first. K_w, V_w are the A operands (k_warp, v_warp: this lane's ldmatrix addresses), the rows of Q_i
 // and dO_i the B operands (q_tile, do_tile plus b_pair: this lane's offset), one ldmatrix feeding two 8-query tiles.
