@@ -349,8 +349,9 @@ def _paper_lines(spec: Spec, data: dict, solution: Any) -> list[str]:
 def _print_solution(console, spec: Spec, data: dict, solution: Any, top: int) -> None:
     from rich.table import Table
 
+    dims = f"d={spec.head_dim}" + (f" / dv={spec.value_head_dim}" if spec.value_head_dim else "")
     console.print(f"[bold]{data.get('name', spec.variant_name)}[/bold]  template {data.get('template')}, "
-                  f"{spec.dtype}, d={spec.head_dim}, mask {spec.mask}, loop order {spec.loop_order}, {spec.arch}")
+                  f"{spec.dtype}, {dims}, mask {spec.mask}, loop order {spec.loop_order}, {spec.arch}")
     plans = Table("pass", "template", "Br", "Bc", "warps", "stages", "smem", "registers (est.)", box=None,
                   pad_edge=False)
     passes = data.get("passes") or {spec.passes[0]: data}

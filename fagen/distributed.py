@@ -266,6 +266,8 @@ def _check_ring_spec(spec) -> None:
         unsupported.append("mask_mod / score_mod")
     if spec.layout != "padded":
         unsupported.append("layout packed")
+    if spec.value_head_dim is not None:
+        unsupported.append("value_head_dim (v and o of their own head dim)")
     if unsupported:
         raise NotImplementedError("ring_attention does not implement " + ", ".join(unsupported) + " yet "
                                   "(docs/distributed.md)")
@@ -787,6 +789,8 @@ def _check_ulysses_spec(spec) -> None:
         unsupported.append("layout packed")
     if spec.mask == "block_sparse":
         unsupported.append("mask block_sparse")
+    if spec.value_head_dim is not None:
+        unsupported.append("value_head_dim (v and o of their own head dim)")
     if unsupported:
         raise NotImplementedError("ulysses_attention does not implement " + ", ".join(unsupported) + " yet "
                                   "(docs/distributed.md)")

@@ -80,7 +80,8 @@ class Spec(BaseModel):
                           json_schema_extra={"minimum": 1, "maximum": 256})
     value_head_dim: Optional[int] = Field(
         None, strict=True, description="Head dimension of v and o when it differs from q's and k's (DeepSeek's MLA: "
-        "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2.",
+        "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2, not "
+        "deterministic.",
         json_schema_extra={"minimum": 8, "maximum": 256})
     dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
     mask: Literal["none", "causal", "sliding_window", "padding", "block_sparse"] = Field(
@@ -291,10 +292,11 @@ class Spec(BaseModel):
             dims = f"head_dim {self.head_dim}, value_head_dim {self.value_head_dim}"
             if self.head_dim % 8 or self.value_head_dim % 8:
                 raise ValueError(f"{dims}: a value_head_dim unlike head_dim takes multiples of 8 for both")
-            if self.dtype == "fp32" or self.loop_order == "fa1" or self.tile_policy == "paper":
+            if self.dtype == "fp32" or self.loop_order == "fa1" or self.tile_policy == "paper" or self.deterministic:
                 raise ValueError(f"{dims}: a value_head_dim unlike head_dim runs on the tensor-core templates: dtype "
-                                 f"fp16 or bf16, loop_order fa2, tile_policy auto (got {self.dtype}, "
-                                 f"{self.loop_order}, {self.tile_policy})")
+                                 f"fp16 or bf16, loop_order fa2, tile_policy auto, not deterministic (got {self.dtype}, "
+                                 f"{self.loop_order}, {self.tile_policy}"
+                                 + (", deterministic)" if self.deterministic else ")"))
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self

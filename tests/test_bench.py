@@ -461,3 +461,21 @@ def test_mla_flops_count_each_product_at_its_head_dim():
                                                                                       pass_name=pass_name)
     assert mla_flops(1, 1, 10, 192, 128, False, "forward") == 100 * 2 * (192 + 128)
     assert mla_flops(1, 1, 10, 192, 128, True, "backward") == 50 * 2 * (3 * 192 + 2 * 128)
+
+
+def test_bench_inputs_and_flops_take_a_value_head_dim(monkeypatch):
+    """`fagen bench` on an MLA spec: v and dO of value_head_dim, and each product counted at its own d."""
+    torch = pytest.importorskip("torch")
+    from fagen.bench import timing
+
+    monkeypatch.setattr(timing, "DEVICE", "cpu")
+    spec = Spec(head_dim=192, value_head_dim=128, dtype="bf16", mask="causal")
+    inputs = timing.make_inputs(spec, 2, 4, 10, kv_heads=2)
+    assert [tuple(t.shape) for t in (inputs.q, inputs.k, inputs.v, inputs.do)] == [
+        (2, 4, 10, 192), (2, 2, 10, 192), (2, 2, 10, 128), (2, 4, 10, 128)]
+    assert timing.spec_flops(spec, 1, 1, 10, "forward") == 50 * 2 * (192 + 128)
+    assert timing.spec_flops(spec, 1, 1, 10, "backward") == 50 * 2 * (3 * 192 + 2 * 128)
+    plain = Spec(head_dim=64, dtype="bf16")
+    assert timing.spec_flops(plain, 1, 1, 10, "backward") == timing.attention_flops(1, 1, 10, 10, 64,
+                                                                                    pass_name="backward")
+    assert torch.is_tensor(inputs.v)

@@ -267,6 +267,11 @@ def test_refusals():
         spec = fagen.Spec(head_dim=D, dtype="fp32", **fields)
         with pytest.raises(NotImplementedError):
             fd.ring_attention(q, q, q, spec, kernel=fd.ReferenceKernel(fagen.Spec(head_dim=D)))
+    mla = fagen.Spec(head_dim=16, value_head_dim=8, dtype="bf16")   # (checked before any shape)
+    with pytest.raises(NotImplementedError, match="value_head_dim"):
+        fd.ring_attention(q, q, q[..., :8], mla, kernel=fd.ReferenceKernel(fagen.Spec(head_dim=D)))
+    with pytest.raises(NotImplementedError, match="value_head_dim"):
+        fd.ReferenceKernel(mla)
     causal = {"head_dim": D, "dtype": "fp32", "mask": "causal"}
     with pytest.raises(ValueError, match="odd"):
         fd.ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], causal, layout="zigzag",
@@ -623,7 +628,8 @@ def test_ulysses_refuses_what_it_would_compute_differently():
                         (fagen.Spec(head_dim=D, dtype="fp32", mask_mod="(h + j) % 2 == 0"), "reads h"),
                         (fagen.Spec(head_dim=D, dtype="fp32", score_mod="score * w[h]", inputs={"w": "float32"}),
                          "reads h"),
-                        (fagen.Spec(head_dim=D, dtype="fp32", mask="block_sparse", block_size=16), "block_sparse")):
+                        (fagen.Spec(head_dim=D, dtype="fp32", mask="block_sparse", block_size=16), "block_sparse"),
+                        (fagen.Spec(head_dim=16, value_head_dim=8, dtype="bf16"), "value_head_dim")):
         with pytest.raises(NotImplementedError, match=match):
             fd.ulysses_attention(q, k, v, spec, ring)
     spec = ULYSSES_SPECS["none"]

@@ -659,5 +659,18 @@ def test_a_value_head_dim_runs_on_tensor_cores_at_the_wider_d(arch, d, dv):
     solution = solve(spec)
     for pass_name, plan in solution.plans.items():
         assert plan.tensor_cores and plan.head_dim == max(d, dv), (pass_name, plan)
+    plain = Spec(head_dim=d, dtype="bf16", mask="causal", arch=arch)
+    assert any(not family.tensor_cores for family in solver.families_for(plain, "backward"))   # the CUDA-core ones
     assert all(family.tensor_cores for family in solver.families_for(spec, "backward"))
-    assert not any(family.tensor_cores for family in solver.families_for(Spec(head_dim=d, dtype="fp32"), "forward"))
+
+
+def test_a_narrower_value_head_dim_narrows_forward_wgmmas_footprint():
+    """forward_wgmma's V tiles and O accumulators at value_tile_dim (Dv): its sympy footprint, substituted."""
+    spec = Spec(head_dim=192, value_head_dim=72, dtype="bf16")
+    family = family_named("forward_wgmma")
+    plan, broken = evaluate(family, spec, target_for("sm_90"), "forward", 128, 112, 8)
+    assert solver.value_tile_dim(family, spec, plan.head_dim) == 96   # 72 padded to whole 32-column panels
+    values = {Br: 128, Bc: 112, d: 192, W: 8, solver.E: 2, solver.Dv: 96}
+    assert plan.smem_bytes == int(family.smem_bytes.subs(values)) < int(family.smem_bytes.subs({**values, solver.Dv: 192}))
+    assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values)))
+    assert solver.value_tile_dim(family_named("backward_wgmma_wide"), spec, 192) == 192   # (V padded there)

@@ -625,6 +625,7 @@ def test_value_head_dim_names_the_spec_and_defaults_to_head_dim():
     (dict(head_dim=64, value_head_dim=128, dtype="fp32"), "tensor-core templates: dtype fp16 or bf16"),
     (dict(head_dim=64, value_head_dim=128, loop_order="fa1"), "loop_order fa2"),
     (dict(head_dim=64, value_head_dim=128, tile_policy="paper"), "tile_policy auto"),
+    (dict(head_dim=64, value_head_dim=128, deterministic=True), "not deterministic"),
 ])
 def test_value_head_dim_refusals_say_what_is_allowed(fields, message):
     with pytest.raises(SpecError, match=message):

@@ -27,7 +27,13 @@ SPECS = [
     Spec(head_dim=192, value_head_dim=128, dtype="fp16", mask="causal", arch="sm_80"),   # mma.sync, the wide backward
     Spec(head_dim=96, value_head_dim=64, dtype="bf16", arch="sm_80", mask_mod="(i - j) % 3 != 1"),
     Spec(head_dim=128, value_head_dim=64, dtype="bf16", mask="padding", passes=("forward", "backward", "decode")),
+    # backward_wgmma (not the _ws one); V's tiles narrowed past the values: 96 columns for 72 (64-byte panels, dP^T's
+    # k-steps rounded up to 5 of 16), 32 for 24
+    Spec(head_dim=96, value_head_dim=64, dtype="bf16", mask="block_sparse", block_size=64),
+    Spec(head_dim=192, value_head_dim=72, dtype="bf16", mask="causal"),
+    Spec(head_dim=64, value_head_dim=24, dtype="fp16"),
 ]
+DECODE_SPEC = SPECS[8]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -47,7 +53,7 @@ def test_value_head_dim_matches_the_reference(spec, data):
     assert_matches_reference(spec, case, backward="backward" in spec.passes)
 
 
-def test_decode_kernel_takes_a_narrower_value_head_dim():
+def test_decode_kernel_takes_a_narrower_value_head_dim(monkeypatch):
     """A call of few query rows (the decode pass: split-KV partials HEAD_DIM wide, combined into dv columns)."""
     import numpy as np
     import torch
@@ -55,8 +61,11 @@ def test_decode_kernel_takes_a_narrower_value_head_dim():
     from fagen import jit, reference
     from fagen.testing import TOLERANCES, relative_error
 
-    spec = SPECS[-1]
+    spec = DECODE_SPEC
     kernel = jit.compile(spec)
+    decodes = []
+    real = type(kernel)._decode
+    monkeypatch.setattr(type(kernel), "_decode", lambda self, *a, **kw: decodes.append(1) or real(self, *a, **kw))
     torch.manual_seed(3)
     q = torch.randn(3, 8, 1, 128, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(3, 2, 3000, 128, device="cuda", dtype=torch.bfloat16)
@@ -69,6 +78,22 @@ def test_decode_kernel_takes_a_narrower_value_head_dim():
                                            kv_lengths=lengths.cpu().numpy())
     assert relative_error(o.double().cpu().numpy(), ref_o) <= TOLERANCES["bf16"]
     assert np.isfinite(lse.cpu().numpy()).all()
+    assert decodes == [1], "the call ran the decode kernel"
+    # the same keys from a paged cache (pages of whole decode tiles, shuffled; its splits may differ: the tolerance)
+    page = kernel.plans["decode"].block_c * 2
+    pages = -(-3000 // page)
+    order = torch.randperm(3 * pages, device="cuda")
+    table = order.reshape(3, pages).to(torch.int32)
+    caches = []
+    for x in (k, v):
+        cache = x.new_zeros(3 * pages, page, 2, x.shape[-1])
+        rows = torch.nn.functional.pad(x.transpose(1, 2), (0, 0, 0, 0, 0, pages * page - 3000))   # (3, keys, 2, d)
+        cache[table.long()] = rows.reshape(3, pages, page, 2, x.shape[-1])
+        caches.append(cache)
+    paged_o, paged_lse = kernel.forward(q, *caches, block_table=table, kv_lengths=lengths)
+    assert paged_o.shape == (3, 8, 1, 64) and decodes == [1, 1]
+    assert relative_error(paged_o.double().cpu().numpy(), ref_o) <= TOLERANCES["bf16"]
+    assert torch.allclose(paged_lse, lse, atol=1e-3)
 
 
 def test_torch_attention_grads_match_sdpa_and_keep_qs_layout():

@@ -74,6 +74,10 @@ SPECS = [
     Spec(head_dim=64, value_head_dim=128, dtype="bf16", mask="causal"),
     Spec(head_dim=128, value_head_dim=64, dtype="bf16", mask="padding", passes=["forward", "backward", "decode"]),
     Spec(head_dim=192, value_head_dim=128, dtype="fp16", mask="causal", arch="sm_80"),
+    # ... V's tiles narrowed past the values (96 columns for 72, 32 for 24), backward_wgmma (block-sparse)
+    Spec(head_dim=192, value_head_dim=72, dtype="bf16", mask="causal"),
+    Spec(head_dim=64, value_head_dim=24, dtype="fp16"),
+    Spec(head_dim=96, value_head_dim=64, dtype="bf16", mask="block_sparse", block_size=64),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums

@@ -163,8 +163,8 @@ def make_case(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0) -
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    q, k, v, do = (torch.randn(batch, heads, seq_len, spec.head_dim, dtype=dtype, device=DEVICE, generator=generator)
-                   for _ in range(4))
+    q, k, v, do = (torch.randn(batch, heads, seq_len, spec.head_dim if name in "qk" else spec.value_dim, dtype=dtype,
+                               device=DEVICE, generator=generator) for name in "qkvd")
     inputs: dict = {}
     for name, _kind in dict(spec.inputs or ()).items():
         if name == "slope":     # ALiBi's geometric slopes

@@ -51,8 +51,12 @@ def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: in
 
 
 def spec_flops(spec: Spec, batch: int, heads: int, seq_len: int, pass_name: str) -> float:
-    return attention_flops(batch, heads, seq_len, seq_len, spec.head_dim, mask=spec.mask, window=spec.window,
-                           pass_name=pass_name)
+    """attention_flops at the spec's head dim; with a value_head_dim, each product at its own d: 2 (d + dv) per
+    visible pair forward, 2 (3 d + 2 dv) backward (S = Q K^T, dQ, dK over d; O, dP, dV over dv)."""
+    flops = attention_flops(batch, heads, seq_len, seq_len, spec.head_dim, mask=spec.mask, window=spec.window,
+                            pass_name=pass_name)
+    d, dv = spec.head_dim, spec.value_dim
+    return flops * ((d + dv) / (2 * d) if pass_name == "forward" else (3 * d + 2 * dv) / (5 * d))
 
 
 def shape_for(spec: Spec, seq_len: int, tokens: int, model_dim: int) -> tuple[int, int]:
@@ -138,10 +142,10 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0,
 
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
-    shape = (batch, heads, seq_len, spec.head_dim)
-    kv_shape = (batch, kv_heads or heads, seq_len, spec.head_dim)
-    q, k, v, do = (torch.randn(kv_shape if name in "kv" else shape, dtype=dtype, device=DEVICE, generator=generator)
-                   for name in "qkvd")
+    # (v and do of the spec's value_dim: its value_head_dim where it has one)
+    shapes = {"q": (batch, heads, seq_len, spec.head_dim), "k": (batch, kv_heads or heads, seq_len, spec.head_dim),
+              "v": (batch, kv_heads or heads, seq_len, spec.value_dim), "d": (batch, heads, seq_len, spec.value_dim)}
+    q, k, v, do = (torch.randn(shapes[name], dtype=dtype, device=DEVICE, generator=generator) for name in "qkvd")
     args: dict = {"seed": DROPOUT_SEED, "offset": 0} if spec.dropout else {}
     if spec.mask == "padding":
         args["kv_lengths"] = torch.full((batch,), seq_len, dtype=torch.int32, device=DEVICE)

@@ -32,7 +32,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         self.spec, self.target = spec, target
         record, cubins = artifact.record, artifact.cubins
         self.record = record
-        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p], spec.head_dim,
+        self.plans = {p: LaunchPlan.from_plan(record["plans"][p], record["kernels"][p], spec.compute_dim,
                                               record["folds_heads"][p])
                       for p in record["plans"]}
         self._cubins = {p: cubins[p] for p in self.plans}   # pass -> cubin
