@@ -883,3 +883,24 @@ def test_deepseek_v3_in_float32_falls_back_naming_the_value_head_dim(calls):
         got = ours(tokens(seq=12)).logits
     assert max_error(got, eager(tokens(seq=12)).logits) < TOLERANCE
     assert not calls
+
+
+def test_deepseek_v3_cached_generation_asks_for_the_decode_kernel_with_its_value_head_dim(calls):
+    """Generation with a cache: the prefill as a plain causal spec, each step (one query) as the spec with the decode
+    pass, both with value_head_dim (valid specs: the fixture builds each); the prefill's logits eager's."""
+    torch.manual_seed(0)
+    config = _deepseek_v3()
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
+                                             dtype=torch.bfloat16).eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen",
+                                            dtype=torch.bfloat16).eval()
+    ours.load_state_dict(eager.state_dict())
+    prompt = tokens(batch=1, seq=12)
+    out = {name: net.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True) for name, net in (("eager", eager), ("fagen", ours))}
+    first = [out[name].logits[0].float() for name in ("fagen", "eager")]
+    assert max_error(*first) < 3e-2 * first[1].abs().max().item()
+    assert len(calls) == 4 * 2 and not fagen_hf.fallback_reasons()
+    assert all(call["spec"]["value_head_dim"] == 32 for call in calls)
+    steps = [call for call in calls if call["q"][2] == 1]
+    assert len(steps) == 3 * 2 and all("decode" in call["spec"].get("passes", ()) for call in steps)

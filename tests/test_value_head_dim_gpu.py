@@ -253,3 +253,42 @@ def test_torch_compile_fullgraph_with_a_value_head_dim_matches_eager(mode):
         assert abs(got[0] - eager.item()) <= 1e-3 * abs(eager.item()), trial
         for name, g, t in zip("qkv", got[1], leaves):
             assert ((g.float() - t.grad.float()).norm() / t.grad.float().norm()).item() < 2e-2, name   # (dQ: atomics)
+
+
+def test_deepseek_v3_cached_generation_matches_sdpa(monkeypatch):
+    """Greedy generation with a dynamic cache: the prefill on the forward kernel, each step (one query per head) on
+    the decode kernel, at 192 / 128. The logits of every step SDPA's, as long as both generated the same tokens."""
+    import copy
+
+    import torch
+    import transformers
+
+    from fagen import runtime
+    from fagen.integrations import transformers as fagen_hf
+
+    config = transformers.DeepseekV3Config(
+        vocab_size=1024, hidden_size=512, intermediate_size=1024, moe_intermediate_size=256, num_hidden_layers=2,
+        first_k_dense_replace=2, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=None, kv_lora_rank=128,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096)
+    decodes, real = [], runtime.Kernel._decode   # (each step's first layer: the cache grew, a new call signature)
+    monkeypatch.setattr(runtime.Kernel, "_decode", lambda self, *a, **kw: decodes.append(1) or real(self, *a, **kw))
+    fagen_hf.register()
+    fagen_hf.reset_fallbacks()
+    torch.manual_seed(0)
+    nets = {name: transformers.AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=name,
+                                                                dtype=torch.bfloat16).cuda().eval()
+            for name in ("fagen", "sdpa")}
+    nets["sdpa"].load_state_dict(nets["fagen"].state_dict())
+    prompt = torch.randint(0, 1024, (1, 64), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
+    out = {name: net.generate(prompt, max_new_tokens=8, do_sample=False, pad_token_id=0, output_logits=True,
+                              return_dict_in_generate=True) for name, net in nets.items()}
+    assert not fagen_hf.fallback_reasons(), fagen_hf.fallback_reasons()
+    assert len(decodes) >= 7, "the steps after the prefill ran the decode kernel"
+    same = 64
+    for step in range(8):
+        if not torch.equal(out["fagen"].sequences[:, :same], out["sdpa"].sequences[:, :same]):
+            break
+        got, want = (out[name].logits[step].float() for name in ("fagen", "sdpa"))
+        assert ((got - want).norm() / want.norm()).item() < 2e-2, step
+        same += 1
+    assert same > 64 + 1, "at least the first decode step was compared"
