@@ -162,7 +162,7 @@ namespace fagen_fwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br128_bc128_w12_ws_con
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
 constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 // k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
 constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
@@ -594,7 +594,7 @@ namespace fagen_bwd_d128_bf16_causal_fa2_sm90_mod99cc2996_br64_bc128_w12_ws_conf
 using elem_t = __nv_bfloat16;
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
 constexpr int VALUE_TILE_DIM = 128;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 // k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
 constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;

@@ -13,7 +13,7 @@ namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_
 using elem_t = __half;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
 constexpr int VALUE_TILE_DIM = 96;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 // k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
 constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
@@ -165,7 +165,7 @@ namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w
 using elem_t = __half;
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
-constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM but for MLA's narrower values): zeros past it
+constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
 constexpr int VALUE_TILE_DIM = 96;  // V's tile width: HEAD_DIM, or VALUE_DIM padded where the template narrows it
 // k-steps of 16 over v's d where it is narrower than q's: dP = dO V^T skips the zero columns past it
 constexpr int VALUE_K_STEPS = VALUE_DIM < DATA_DIM ? (VALUE_DIM + 15) / 16 : HEAD_DIM / 16;
