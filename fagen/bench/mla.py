@@ -14,7 +14,7 @@ from typing import Optional, Sequence
 
 from fagen.bench.peers import _backend, allow_flex_recompiles
 from fagen.bench.report import environment, make_console, reason
-from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, relative_error, time_cuda
+from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, attention_flops, relative_error, time_cuda
 from fagen.spec import Spec
 
 TOLERANCE = 2e-2
@@ -22,9 +22,8 @@ PEERS = ("cudnn", "flash", "sdpa default", "flex")
 
 
 def mla_flops(batch: int, heads: int, seq: int, head_dim: int, value_dim: int, causal: bool, pass_name: str) -> float:
-    pairs = batch * heads * seq * seq / (2 if causal else 1)
-    per_pair = 2 * (head_dim + value_dim) if pass_name == "forward" else 2 * (3 * head_dim + 2 * value_dim)
-    return pairs * per_pair
+    return attention_flops(batch, heads, seq, seq, head_dim, mask="causal" if causal else "none", pass_name=pass_name,
+                           value_dim=value_dim)
 
 
 def run_mla(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 16384, value_model_dim: int = 2048,

@@ -40,23 +40,22 @@ def visible_pairs(seq_q: int, seq_k: int, mask: str = "none", window: Optional[i
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int, *, mask: str = "none",
-                    window: Optional[int] = None, pass_name: str = "forward") -> float:
-    """fwd = 4*B*H*Nq*Nk*d (two matmuls, 2 FLOPs per multiply-add), halved for causal; bwd = 2.5 x fwd."""
-    forward = 4.0 * batch * heads * head_dim * visible_pairs(seq_q, seq_k, mask, window)
+                    window: Optional[int] = None, pass_name: str = "forward", value_dim: Optional[int] = None) -> float:
+    """2 FLOPs per multiply-add of each product over the visible pairs (causal: half of them), each product at its
+    own head dim: fwd 2 (d + dv) (S = Q K^T, O = P V), bwd 2 (3 d + 2 dv) (S again, dQ, dK over d; dP, dV over dv).
+    With dv = d (`value_dim` None): fwd = 4*B*H*Nq*Nk*d, bwd = 2.5 x fwd."""
+    pairs = batch * heads * visible_pairs(seq_q, seq_k, mask, window)
+    d, dv = head_dim, value_dim or head_dim
     if pass_name == "forward":
-        return forward
+        return 2.0 * (d + dv) * pairs
     if pass_name == "backward":
-        return 2.5 * forward
+        return 2.0 * (3 * d + 2 * dv) * pairs
     raise ValueError(f"unknown pass {pass_name!r}: forward or backward")
 
 
 def spec_flops(spec: Spec, batch: int, heads: int, seq_len: int, pass_name: str) -> float:
-    """attention_flops at the spec's head dim; with a value_head_dim, each product at its own d: 2 (d + dv) per
-    visible pair forward, 2 (3 d + 2 dv) backward (S = Q K^T, dQ, dK over d; O, dP, dV over dv)."""
-    flops = attention_flops(batch, heads, seq_len, seq_len, spec.head_dim, mask=spec.mask, window=spec.window,
-                            pass_name=pass_name)
-    d, dv = spec.head_dim, spec.value_dim
-    return flops * ((d + dv) / (2 * d) if pass_name == "forward" else (3 * d + 2 * dv) / (5 * d))
+    return attention_flops(batch, heads, seq_len, seq_len, spec.head_dim, mask=spec.mask, window=spec.window,
+                           pass_name=pass_name, value_dim=spec.value_dim)
 
 
 def shape_for(spec: Spec, seq_len: int, tokens: int, model_dim: int) -> tuple[int, int]:
