@@ -22,8 +22,8 @@ from fagen.spec import Spec
 
 COMMON_HEADER = "attention_common.cuh"
 
-ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float"}
-PTX_TYPES = {"fp16": "f16", "bf16": "bf16", "fp32": "f32"}  # the type suffix of mma/wgmma instructions
+ELEMENT_TYPES = {"fp16": "__half", "bf16": "__nv_bfloat16", "fp32": "float", "fp8_e4m3": "__nv_fp8_e4m3"}
+PTX_TYPES = {"fp16": "f16", "bf16": "bf16", "fp32": "f32", "fp8_e4m3": "e4m3"}  # the type suffix of mma/wgmma instructions
 MASK_KINDS = {"none": "MASK_NONE", "causal": "MASK_CAUSAL", "sliding_window": "MASK_SLIDING_WINDOW",
               "padding": "MASK_PADDING", "block_sparse": "MASK_BLOCK_SPARSE"}
 PASS_PREFIX = {"forward": "fwd", "backward": "bwd", "decode": "dec"}
@@ -86,20 +86,24 @@ def _kernel_symbols(spec: Spec, pass_name: str, plan: Plan, main: str) -> list[s
 
 
 def warpgroup_mma_function(name: str, n: int, ptx_type: str, a_in_registers: bool, tnsp_a: int, tnsp_b: int) -> str:
-    """C++ for one wgmma.mma_async m64n{n}k16 wrapper with fp32 accumulators `float (&d)[n/8][4]` (the
-    mma.sync tile layout). A is a shared-memory descriptor, or four registers in the mma.sync A-fragment
-    layout; B is a descriptor; tnsp_a / tnsp_b read an MN-major tile transposed. The operand list has
-    one entry per accumulator, which is why this is generated rather than written out per shape."""
+    """C++ for one wgmma.mma_async m64n{n}k16 wrapper (k32 for e4m3: 32 bytes of k either way) with fp32
+    accumulators `float (&d)[n/8][4]` (the mma.sync tile layout). A is a shared-memory descriptor, or four registers
+    in the mma.sync A-fragment layout; B is a descriptor; tnsp_a / tnsp_b read an MN-major tile transposed (16-bit
+    types only: FP8 wgmma reads both operands K-major). The operand list has one entry per accumulator, which is why
+    this is generated rather than written out per shape."""
     accumulators = n // 2
     a_count = 4 if a_in_registers else 1
     outputs = ", ".join(f"%{i}" for i in range(accumulators))
+    eight_bit = ptx_type == "e4m3"
+    k = 32 if eight_bit else 16
+    transposes = ([] if eight_bit else ([tnsp_b] if a_in_registers else [tnsp_a, tnsp_b]))
+    assert not (eight_bit and (tnsp_a or tnsp_b)), "FP8 wgmma reads K-major operands only"
+    immediates = ", ".join(["p", "1", "1"] + [str(t) for t in transposes])
     if a_in_registers:
         a_operand = "{" + ", ".join(f"%{accumulators + i}" for i in range(4)) + "}"
-        immediates = f"p, 1, 1, {tnsp_b}"
         a_param, a_constraint = "const unsigned (&a)[4]", '"r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3])'
     else:
         a_operand = f"%{accumulators}"
-        immediates = f"p, 1, 1, {tnsp_a}, {tnsp_b}"
         a_param, a_constraint = "unsigned long long a", '"l"(a)'
     b_operand, scale_operand = accumulators + a_count, accumulators + a_count + 1
     constraints = ", ".join(f'"+f"(d[{t}][{e}])' for t in range(n // 8) for e in range(4))
@@ -107,7 +111,7 @@ def warpgroup_mma_function(name: str, n: int, ptx_type: str, a_in_registers: boo
         f"__device__ __forceinline__ void {name}(float (&d)[{n // 8}][4], {a_param}, unsigned long long b, int accumulate) {{\n"
         f"  asm volatile(\n"
         f'      "{{\\n.reg .pred p;\\nsetp.ne.b32 p, %{scale_operand}, 0;\\n"\n'
-        f'      "wgmma.mma_async.sync.aligned.m64n{n}k16.f32.{ptx_type}.{ptx_type} "\n'
+        f'      "wgmma.mma_async.sync.aligned.m64n{n}k{k}.f32.{ptx_type}.{ptx_type} "\n'
         f'      "{{{outputs}}}, {a_operand}, %{b_operand}, {immediates};\\n}}\\n"\n'
         f"      : {constraints}\n"
         f'      : {a_constraint}, "l"(b), "r"(accumulate));\n'
@@ -122,7 +126,8 @@ def value_tile_dim(spec: Spec, plan: Plan) -> int:
 #: The forwards' products (forward_wgmma_products.cu.j2, shared by both warpgroup-MMA forwards).
 _FORWARD_PRODUCTS = (
     ("s_product", lambda spec, plan: plan.block_c, False, 0, 0),     # S = Q K^T
-    ("o_product", value_tile_dim, True, 0, 1),                       # O += P~ V, V read transposed
+    # O += P~ V: V read transposed, or in fp8 from V^T written K-major (templates/forward_wgmma.cu.j2)
+    ("o_product", value_tile_dim, True, 0, lambda spec: int(not spec.fp8)),
 )
 
 def _key_block_backward_products(computing_warps):
@@ -173,6 +178,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "kernel_name": name,
         "template_name": plan.template,
         "elem_type": ELEMENT_TYPES[spec.dtype],
+        "out_type": ELEMENT_TYPES[spec.output_dtype],   # o's: q's, or bf16 from an fp8 forward
+        "fp8": "true" if spec.fp8 else "false",
         "head_dim": plan.head_dim or spec.compute_dim,   # padded up to the template's multiple
         "data_dim": spec.head_dim,
         "value_dim": spec.value_dim,
@@ -211,7 +218,8 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
             f"  {name}_rows<{rows}>(args, shared_raw);\n}}\n"
             for rows in decode_rows(plan)) if pass_name == "decode" else "",
         "warpgroup_mma_functions": "".join(
-            warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a, tnsp_b)
+            warpgroup_mma_function(name, n_of(spec, plan), PTX_TYPES[spec.dtype], a_regs, tnsp_a,
+                                   tnsp_b(spec) if callable(tnsp_b) else tnsp_b)
             for name, n_of, a_regs, tnsp_a, tnsp_b in WARPGROUP_PRODUCTS.get(plan.template, ())),
     }
 

@@ -155,6 +155,18 @@ FAMILIES: tuple[Family, ...] = (
            timed_first=((64, 64, 128, 4), (192, 128, 112, 8), (128, 64, 64, 4)),
            extra_tiles=((128, 112, "Bc = 112 only at d = 192 (and what pads to it), without a mask_mod read through "
                                    "run-time summaries (spills)", lambda spec: not spec.modifiers.summaries),)),
+    # The same template in fp8 (e4m3, FP8 wgmma's k-steps of 32): Q_i and two cp.async stages of K_j and of V_j as
+    # they are in memory, plus V_j^T, which every thread writes from V_j's stage (FP8 wgmma reads B K-major only), so
+    # Bc is whole 64-byte panels of V^T's rows. The plan space is forward_wgmma's.
+    Family("forward_wgmma_fp8", "forward_wgmma.cu.j2", ("forward",),
+           smem_bytes=E * (Br * d + 2 * Bc * (d + Dv) + Bc * Dv) + 1024,
+           registers=Br * Dv / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
+           smem_reads=2 * (d + Dv) * (W / 4) / Br + 2 * d / Bc,
+           warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64,
+           max_block_c=128, packed_registers=4, modifier_registers=12, light_mask_mod_registers=0,
+           key_mask_mod_registers=8, dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
+           archs=("sm_90",), preference=0, occupancy_first=True,
+           rules=(("Bc a multiple of 64 (V^T's rows whole 64-byte panels)", lambda r, c, hd, w: c % 64 == 0),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns
     # at the tensor cores. One block per multiprocessor; the producer gives its registers to the consumers

@@ -19,7 +19,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, ValidationInfo, field_validator,
                       model_validator)
 
-DTYPES = ("fp16", "bf16", "fp32")
+DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
 LOOP_ORDERS = ("fa1", "fa2")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")
@@ -28,7 +28,10 @@ ALL_PASSES = PASSES + ("decode",)         # decode: the split-KV forward for few
 DECODE_MASKS = ("none", "causal", "sliding_window", "padding")
 TILE_POLICIES = ("paper", "auto")
 LAYOUTS = ("padded", "packed")
-DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1}
+#: the dtype of o where it differs from q's: an fp8 forward writes bf16 (FlashAttention-3's interface)
+OUTPUT_DTYPES = {"fp8_e4m3": "bf16"}
+FP8_PASSES = ("forward",)                 # the passes an fp8_e4m3 spec builds (its backward is not built yet)
 INT32_MAX = 2**31 - 1                     # the kernels hold positions, lengths and windows in int
 FLT_MAX = 3.4028234663852886e38           # the largest float32: a scale beyond it is inf on the GPU
 FLT_MIN = 1.1754943508222875e-38          # the smallest normal float32
@@ -83,7 +86,9 @@ class Spec(BaseModel):
         "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2, not "
         "deterministic.",
         json_schema_extra={"minimum": 8, "maximum": 256})
-    dtype: Literal["fp16", "bf16", "fp32"] = Field("fp16", description="Element type of q, k, v and o.")
+    dtype: Literal["fp16", "bf16", "fp32", "fp8_e4m3"] = Field(
+        "fp16", description="Element type of q, k, v and o. fp8_e4m3: q, k, v in e4m3 with run-time descale factors "
+        "(q_descale, k_descale, v_descale), o in bf16; the forward only, on sm_90, head dims 64, 128, 192 or 256.")
     mask: Literal["none", "causal", "sliding_window", "padding", "block_sparse"] = Field(
         "none", description="Which (query, key) pairs are visible.")
     window: Optional[int] = Field(
@@ -107,7 +112,8 @@ class Spec(BaseModel):
     arch: Literal["sm_80", "sm_86", "sm_89", "sm_90"] = Field("sm_90", description="GPU architecture to build for.")
     passes: tuple[Literal["forward", "backward", "decode"], ...] = Field(
         ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
-        "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward).")
+        "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward). Default: forward "
+        "and backward (forward alone for dtype fp8_e4m3).")
     deterministic: bool = Field(False, strict=True, description="Backward without atomics: bitwise-reproducible dq.")
     mask_mod: Optional[str] = Field(
         None, description="A boolean expression over b, h, i, j (sequence, query head, query and key position; "
@@ -230,6 +236,14 @@ class Spec(BaseModel):
                     raise ValueError(str(err)) from None
         return data
 
+    @model_validator(mode="before")
+    @classmethod
+    def _fp8_default_passes(cls, data: Any) -> Any:
+        """An fp8_e4m3 spec that names no passes builds the forward alone: its backward is not built yet."""
+        if isinstance(data, dict) and data.get("dtype") == "fp8_e4m3" and "passes" not in data:
+            return {**data, "passes": list(FP8_PASSES)}
+        return data
+
     @field_validator("mask_mod", "score_mod", mode="before")
     @classmethod
     def _expression_text(cls, value: Any) -> Any:
@@ -297,9 +311,29 @@ class Spec(BaseModel):
                                  f"fp16 or bf16, loop_order fa2, tile_policy auto, not deterministic (got {self.dtype}, "
                                  f"{self.loop_order}, {self.tile_policy}"
                                  + (", deterministic)" if self.deterministic else ")"))
+        if self.dtype == "fp8_e4m3":
+            self._check_fp8()
         if self.deterministic and "backward" not in self.passes:
             raise ValueError("deterministic only changes the backward pass, which passes does not include")
         return self
+
+    def _check_fp8(self) -> None:
+        """What an fp8_e4m3 spec takes: FP8 wgmma's k-steps of 32 bytes and V transposed in shared memory run on
+        the Hopper forward template alone (forward_wgmma's fp8 family)."""
+        where = "dtype fp8_e4m3"
+        if tuple(self.passes) != FP8_PASSES:
+            raise ValueError(f"{where}: passes {list(self.passes)} are not built yet: the fp8 forward alone "
+                             "(passes [forward], the default for fp8_e4m3)")
+        if self.arch != "sm_90":
+            raise ValueError(f"{where} runs on Hopper's FP8 wgmma: arch sm_90, not {self.arch}")
+        if self.head_dim not in (64, 128, 192, 256):
+            raise ValueError(f"{where} takes head_dim 64, 128, 192 or 256 (whole 64-byte rows), not {self.head_dim}")
+        if self.value_head_dim is not None and self.value_head_dim != self.head_dim:
+            raise ValueError(f"{where}: value_head_dim must equal head_dim (got {self.value_head_dim} and "
+                             f"{self.head_dim})")
+        if self.loop_order != "fa2" or self.tile_policy != "auto":
+            raise ValueError(f"{where} runs on the tensor-core forward: loop_order fa2, tile_policy auto (got "
+                             f"{self.loop_order}, {self.tile_policy})")
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -350,9 +384,20 @@ class Spec(BaseModel):
         return DTYPE_BYTES[self.dtype]
 
     @property
+    def output_dtype(self) -> str:
+        """o's dtype: q's, or bf16 for an fp8 forward."""
+        return OUTPUT_DTYPES.get(self.dtype, self.dtype)
+
+    @property
+    def fp8(self) -> bool:
+        """q, k, v in e4m3, read with run-time descale factors."""
+        return self.dtype == "fp8_e4m3"
+
+    @property
     def canonical_name(self) -> str:
         """A readable identifier that is a pure function of every field except `name`."""
-        parts = [f"d{self.head_dim}" + (f"v{self.value_head_dim}" if self.value_head_dim else ""), self.dtype, self.mask.replace("_", "")]
+        parts = [f"d{self.head_dim}" + (f"v{self.value_head_dim}" if self.value_head_dim else ""),
+                 self.dtype.replace("_", ""), self.mask.replace("_", "")]
         if self.window is not None:
             parts[-1] += f"{self.window}"
         if self.block_size is not None:

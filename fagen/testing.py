@@ -22,7 +22,10 @@ from fagen import reference
 from fagen.spec import Spec
 
 #: ||out - ref||_F / ||ref||_F allowed per dtype (design.md); fp32 runs on CUDA cores, no tf32.
-TOLERANCES = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2}
+# fp8_e4m3: e4m3's relative half-ulp (3 mantissa bits), the most that rounding P~ to e4m3 for O += P~ V moves each
+# weight; that rounding alone, emulated in float64 on random inputs, gives 1.3-2.6% (docs/decisions/0013-fp8-forward.md).
+TOLERANCES = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8_e4m3": 2.0**-4}
+TORCH_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
@@ -146,7 +149,7 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
     import torch
 
     rng = np.random.default_rng(case.data_seed)
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    dtype = getattr(torch, TORCH_DTYPE_NAMES[spec.dtype])
     tensors = []
     if case.packed:   # (total rows, heads, d); "bnhd": a strided view of a (heads, total, d) tensor
         for name in names:
@@ -192,6 +195,44 @@ def _to_numpy(tensor) -> np.ndarray:
     return tensor.detach().float().cpu().numpy().astype(np.float64)
 
 
+def _output_like(spec: Spec, q, shape: tuple):
+    """o poisoned with NaN: q's dtype, or bf16 for an fp8 forward."""
+    import torch
+
+    return torch.full(shape, float("nan"), dtype=getattr(torch, TORCH_DTYPE_NAMES[spec.output_dtype]), device=q.device)
+
+
+def fp8_descales(case: Case, sequences: int, kv_heads: int, device) -> dict:
+    """An fp8 case's q_descale, k_descale, v_descale (drawn from its data seed in [1/2, 2]): q's and v's per
+    (sequence, K/V head), k's one number for the tensor, as float32 CUDA tensors."""
+    import torch
+
+    rng = np.random.default_rng(case.data_seed + 7)
+    shapes = {"q_descale": (sequences, kv_heads), "k_descale": (1,), "v_descale": (sequences, kv_heads)}
+    return {name: torch.from_numpy(rng.uniform(0.5, 2.0, shape).astype(np.float32)).to(device)
+            for name, shape in shapes.items()}
+
+
+def _dequantized(arrays: tuple, descales: dict, heads: int, row_sequence=None) -> tuple:
+    """q, k, v as numpy arrays times their descale factors (the values an fp8 call stands for): padded (batch,
+    heads, rows, d), or packed (rows, heads, d) with each row's sequence in `row_sequence` (q's, k's)."""
+    out = []
+    for array, name, rows in zip(arrays, ("q_descale", "k_descale", "v_descale"),
+                                 row_sequence or (None, None, None)):
+        factors = descales[name].cpu().numpy().astype(np.float64)
+        if factors.size == 1:
+            out.append(array * float(factors.reshape(-1)[0]))
+            continue
+        group = heads // factors.shape[1] if name == "q_descale" else 1
+        per_head = np.repeat(factors, group, axis=1)                 # (sequences, heads of this tensor)
+        if rows is None:
+            out.append(array * per_head[:, :, None, None])
+        else:   # rows outside every sequence keep factor 1
+            padded = np.concatenate([per_head, np.ones((1, per_head.shape[1]))])
+            out.append(array * padded[np.minimum(rows, per_head.shape[0])][:, :, None])
+    return tuple(out)
+
+
 _kernels_under_test: dict = {}
 
 
@@ -232,12 +273,15 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
         return _assert_packed_matches_reference(kernel, case, backward)
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
-    o = q.new_full((*q.shape[:-1], spec.value_dim), float("nan"))   # o has v's head dim
+    descales = fp8_descales(case, case.batch, k.shape[1], q.device) if spec.fp8 else {}
+    o = _output_like(spec, q, (*q.shape[:-1], spec.value_dim))   # o has v's head dim
     lse = torch.full((case.batch, case.heads, case.seq_q), float("nan"), device=q.device)
-    kernel.forward(q, k, v, out=(o, lse), **runtime)
+    kernel.forward(q, k, v, out=(o, lse), **runtime, **descales)
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
                 "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
+    if descales:
+        qn, kn, vn = _dequantized((qn, kn, vn), descales, case.heads)
     ref_o, ref_lse = reference.attention_forward(qn, kn, vn, spec, **ref_args)
     errors = {"o": relative_error(_to_numpy(o), ref_o), "lse": _lse_error(_to_numpy(lse), ref_lse)}
     if backward:
@@ -292,11 +336,20 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     spec = kernel.spec
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
-    o = q.new_full((*q.shape[:-1], spec.value_dim), float("nan"))   # o has v's head dim
+    if spec.fp8:
+        runtime.update(fp8_descales(case, len(case.q_lengths), k.shape[1], q.device))
+    o = _output_like(spec, q, (*q.shape[:-1], spec.value_dim))   # o has v's head dim
     lse = torch.full((case.heads, q.shape[0]), float("nan"), device=q.device)
     kernel.forward(q, k, v, out=(o, lse), **runtime)
     cu_q, cu_k = runtime.pop("cu_seqlens_q"), runtime.pop("cu_seqlens_k")
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
+    if spec.fp8:
+        descales = {name: runtime.pop(name) for name in ("q_descale", "k_descale", "v_descale")}
+        rows_q, rows_k = (np.searchsorted(cu[1:], np.arange(t.shape[0]), side="right") for cu, t in ((cu_q, q), (cu_k, k)))
+        qn, kn, vn = _dequantized((qn, kn, vn), descales, case.heads, (rows_q, rows_k, rows_k))
+        fresh_descales = descales
+    else:
+        fresh_descales = {}
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
                 "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     # Rows outside every sequence are the caller's: with out= given, the kernels leave them as they were.
@@ -305,7 +358,7 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     errors = {"o": relative_error(_to_numpy(o)[:covered], ref_o[:covered]),
               "lse": _lse_error(_to_numpy(lse)[:, :covered], ref_lse[:, :covered])}
     # Without out=: fresh outputs, where rows outside every sequence must read o = 0 and lse = -inf.
-    o_new, lse_new = kernel.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime)
+    o_new, lse_new = kernel.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime, **fresh_descales)
     errors["o (new)"] = relative_error(_to_numpy(o_new), ref_o)
     errors["lse (new)"] = _lse_error(_to_numpy(lse_new), ref_lse)
     if backward:

@@ -609,8 +609,12 @@ def dropout_seed(device=None) -> torch.Tensor:
 
 def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset: int = 0,
               return_lse: bool = False, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-              inputs: Optional[dict] = None):
+              inputs: Optional[dict] = None, q_descale=None, k_descale=None, v_descale=None):
     """Attention of q, k, v (batch, heads, seq, head_dim) under `spec`, differentiable in q, k and v.
+
+    dtype fp8_e4m3 specs: q, k, v are torch.float8_e4m3fn, `q_descale`, `k_descale`, `v_descale` (a number, or a
+    float32 CUDA tensor of one element or of shape (batch, kv_heads)) give their true values as e4m3 times
+    descale, and o is bf16. The forward only (no gradient), called eagerly (not yet through torch.compile).
 
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
     torch.compile pass a JSON string (or a Spec made outside the compiled function).
@@ -660,6 +664,17 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         o = out[0] if return_lse else out
         o = _FirstColumns.apply(o, head_dim) if plan is not None and differentiable else o[..., :head_dim]
         return (o, out[1]) if return_lse else o
+    descales = {name: value for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
+                                                ("v_descale", v_descale)) if value is not None}
+    if descales and q.dtype != torch.float8_e4m3fn:
+        raise runtime.ArgumentError(f"q_descale, k_descale, v_descale are for dtype fp8_e4m3 specs (q, k, v of "
+                                    f"torch.float8_e4m3fn), not q of {q.dtype}")
+    if descales or q.dtype == torch.float8_e4m3fn:
+        if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
+            raise runtime.ArgumentError("fp8 attention runs eagerly: not yet through torch.compile or tensor "
+                                        "subclasses")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+            raise runtime.ArgumentError("fp8 attention has no backward yet: q, k, v must not require grad")
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
         seed_tensor, seed = seed, 0
@@ -679,6 +694,7 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
                   "seed": seed if seed_tensor is None else seed_tensor}
         if inputs:
             kwargs["inputs"] = dict(inputs)   # the backward sees this call's inputs even if the caller's dict changes
+        kwargs.update(descales)   # (an fp8 forward's: checked above to need no autograd node)
         if packed:
             kwargs.update(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, max_seqlen_q=max_seqlen_q,
                           max_seqlen_k=max_seqlen_k)

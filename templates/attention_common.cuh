@@ -90,6 +90,11 @@ struct AttentionArgs {
   // partial attentions, a sink logit): it adds dlse_i * P_ij to dS_ij, which is D_i - dlse_i in place of D_i
   // (the _delta kernel subtracts it). nullptr: lse was not used.
   const float* d_lse;
+  // An fp8 forward's descale factors of q, k and v (FlashAttention-3's q_descale, k_descale, v_descale): the
+  // true values are the e4m3 elements times these, per (sequence, K/V head) with these strides (0: broadcast).
+  // nullptr: 1.
+  const float* descale[3];
+  long long descale_stride[3][2];
 };
 
 // The K/V head that query head h reads. A 32-bit division: head counts are small, and a 64-bit divide
@@ -183,6 +188,14 @@ struct Problem {
     return base + entry * stride[0] + h * stride[1] + k_row0 * stride[2];
   }
 };
+
+// An fp8 forward's descale factor of q (0), k (1) or v (2) for this problem's (sequence, K/V head): 1 without one.
+template <typename ProblemT>
+__device__ __forceinline__ float fp8_descale(const AttentionArgs& args, int operand, const ProblemT& problem) {
+  const float* factors = args.descale[operand];
+  return factors == nullptr ? 1.f
+                            : factors[problem.b * args.descale_stride[operand][0] + problem.h_kv * args.descale_stride[operand][1]];
+}
 
 // ---- a paged K/V cache (AttentionArgs::block_table) ----
 // The page holding key j of the sequence whose block-table row is `table_row`. Page numbers arrive in device

@@ -5,6 +5,7 @@
 #pragma once
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 
 namespace fagen {
 namespace tc {
@@ -76,6 +77,23 @@ __device__ __forceinline__ void accumulators_to_a(unsigned (&a)[4], const float 
   a[1] = pack_pair<T>(lo[2], lo[3]);
   a[2] = pack_pair<T>(hi[0], hi[1]);
   a[3] = pack_pair<T>(hi[2], hi[3]);
+}
+
+// Four accumulator n-tiles (keys 32 kk .. 32 kk + 31 of rows group, group + 8) as the e4m3 A operand of FP8 wgmma
+// (m64 k32), rounded to nearest and saturated at e4m3's largest finite. Register r holds 4 keys of one row: byte i
+// of register 0 is row group's key 4 quad + i of the first 16 in the order V^T is written in
+// (wg::transpose_values_fp8): n-tile 0's two keys of this lane, then n-tile 1's. No lane trades values.
+__device__ __forceinline__ unsigned pack_fp8_quad(float k0, float k1, float k2, float k3) {
+  const unsigned lo = __nv_cvt_float2_to_fp8x2(make_float2(k0, k1), __NV_SATFINITE, __NV_E4M3);
+  const unsigned hi = __nv_cvt_float2_to_fp8x2(make_float2(k2, k3), __NV_SATFINITE, __NV_E4M3);
+  return lo | (hi << 16);
+}
+__device__ __forceinline__ void accumulators_to_a_fp8(unsigned (&a)[4], const float (&t0)[4], const float (&t1)[4],
+                                                      const float (&t2)[4], const float (&t3)[4]) {
+  a[0] = pack_fp8_quad(t0[0], t0[1], t1[0], t1[1]);
+  a[1] = pack_fp8_quad(t0[2], t0[3], t1[2], t1[3]);
+  a[2] = pack_fp8_quad(t2[0], t2[1], t3[0], t3[1]);
+  a[3] = pack_fp8_quad(t2[2], t2[3], t3[2], t3[3]);
 }
 
 // 16-byte global -> shared copy that bypasses registers; an invalid source is zero-filled. The L2::128B

@@ -34,11 +34,13 @@ __device__ __forceinline__ unsigned long long descriptor(unsigned address, unsig
 // a head dim that is an odd number of 32-column halves run on wgmma without padding it to 64. A template may ask
 // for 64-byte panels at any multiple of 32 (PANEL_BYTES): backward_wgmma_wide, whose warpgroups read d = 192 in
 // halves of 96 columns, each of which must start on a panel.
-template <int COLUMNS, int PANEL_BYTES = COLUMNS % 64 == 0 ? 128 : 64>
+// ELEMENT_BYTES 1 (fp8; Swizzle8Bit below): the same rule over rows of COLUMNS bytes.
+template <int COLUMNS, int PANEL_BYTES = COLUMNS % 64 == 0 ? 128 : 64, int ELEMENT_BYTES = 2>
 struct Swizzle {
-  static_assert((PANEL_BYTES == 128 || PANEL_BYTES == 64) && COLUMNS % (PANEL_BYTES / 2) == 0, "whole swizzle panels");
+  static_assert((PANEL_BYTES == 128 || PANEL_BYTES == 64) && COLUMNS * ELEMENT_BYTES % PANEL_BYTES == 0,
+                "whole swizzle panels");
   static constexpr int ROW_BYTES = PANEL_BYTES;                    // bytes per row within a panel
-  static constexpr int PANEL_COLUMNS = ROW_BYTES / 2;
+  static constexpr int PANEL_COLUMNS = ROW_BYTES / ELEMENT_BYTES;
   static constexpr int CHUNKS = ROW_BYTES / 16;                    // 16-byte chunks per panel row
   static constexpr int ATOM_BYTES = 8 * ROW_BYTES;                 // the pattern repeats every 8 rows
   static constexpr unsigned long long MODE = ROW_BYTES == 128 ? 1 : 2;
@@ -60,14 +62,54 @@ struct Swizzle {
   static __device__ __forceinline__ unsigned long long mn_major(unsigned address, int rows) {
     return descriptor(address, rows * ROW_BYTES, ATOM_BYTES, MODE);
   }
-  // What a k-step of 16 elements adds to a descriptor (>> 4, never carrying out of the 14-bit address field:
-  // shared addresses stay below 256 KB). K-major: 32 bytes along a swizzled row, past a panel's end the next
-  // panel. MN-major: 16 rows, two 8-row atoms.
+  // What a k-step (16 elements, or 32 fp8 ones: 32 bytes either way) adds to a descriptor (>> 4, never carrying out
+  // of the 14-bit address field: shared addresses stay below 256 KB). K-major: 32 bytes along a swizzled row, past a
+  // panel's end the next panel. MN-major: 16 rows, two 8-row atoms.
   __host__ __device__ static constexpr unsigned long long k_major_step(int rows, int kk) {
-    return ((kk / (PANEL_COLUMNS / 16)) * rows * ROW_BYTES + (kk % (PANEL_COLUMNS / 16)) * 32) >> 4;
+    return ((kk / (ROW_BYTES / 32)) * rows * ROW_BYTES + (kk % (ROW_BYTES / 32)) * 32) >> 4;
   }
   __host__ __device__ static constexpr unsigned long long mn_major_step(int kk) { return (kk * 2 * ATOM_BYTES) >> 4; }
 };
+
+// An fp8 tile's layout: rows of COLUMNS bytes in 128-byte panels, or 64-byte ones where COLUMNS is an odd number of 64.
+template <int COLUMNS>
+using Swizzle8Bit = Swizzle<COLUMNS, COLUMNS % 128 == 0 ? 128 : 64, 1>;
+
+// V_j's KEYS x COLUMNS fp8 tile `raw` (RawLayout: V's rows as in memory) into V_j^T at `transposed` (TLayout:
+// COLUMNS rows of KEYS keys), the B operand of O += P~ V, which FP8 wgmma reads K-major only. Within each 16
+// keys, byte 4 b + i of a row holds key 8 (i / 2) + 2 b + i % 2: the order P~'s accumulators already have as FP8
+// wgmma's register A operand (tc::accumulators_to_a_fp8), so no lane trades values. Each thread moves blocks of
+// 4 x 4 bytes (4 keys' words of 4 columns in, 4 columns' words of 4 keys out: byte permutes between); a warp's
+// lanes take 4 column words x 4 key words x 2 key groups, at most 2 lanes to a bank. All THREADS threads call it.
+template <int KEYS, int COLUMNS, int THREADS, typename RawLayout, typename TLayout>
+__device__ __forceinline__ void transpose_values_fp8(unsigned raw, unsigned transposed) {
+  static_assert(KEYS % 32 == 0 && COLUMNS % 16 == 0, "whole 2 x 16-key groups and 4-word column runs");
+  constexpr int COLUMN_WORDS = COLUMNS / 4, BLOCKS = (KEYS / 4) * COLUMN_WORDS;
+#pragma unroll
+  for (int block = threadIdx.x; block < BLOCKS; block += THREADS) {
+    const int rest = block / 32;
+    const int word = (rest % (COLUMN_WORDS / 4)) * 4 + block % 4;          // the 4 columns 4 word .. 4 word + 3
+    const int group = (rest / (COLUMN_WORDS / 4)) * 2 + (block / 16) % 2;  // keys 16 group .. 16 group + 15
+    const int b = (block / 4) % 4;                                       // their bytes 4 b .. 4 b + 3
+    const int key0 = 16 * group + 2 * b;                                 // keys key0, + 1, + 8, + 9
+    unsigned w[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int key = key0 + (i / 2) * 8 + i % 2;
+      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[i])
+                   : "r"(raw + RawLayout::offset(KEYS, key, word / 4) + (word % 4) * 4) : "memory");
+    }
+    // byte c of w[i] is column 4 word + c of key i: out[c] gathers byte c of each
+    const unsigned lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
+    const unsigned lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
+    const unsigned out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
+                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
+#pragma unroll
+    for (int c = 0; c < 4; ++c)
+      asm volatile("st.shared.b32 [%0], %1;\n"
+                   :: "r"(transposed + TLayout::offset(COLUMNS, 4 * word + c, group) + 4 * b), "r"(out[c]) : "memory");
+  }
+}
 
 // Rows [row0, row0 + ROWS) of one (batch, head) slice into a swizzled shared tile; rows at or past
 // valid_rows are zero-filled so that they add nothing to any product. Each thread copies one fixed
@@ -83,7 +125,7 @@ __device__ __forceinline__ void async_load_rows_swizzled(unsigned tile, const T*
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
+  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES, sizeof(T)>;
   if (valid_cols % PER_CHUNK != 0) {   // rows not whole 16-byte chunks: 4-byte copies (or elements) into the same places
     tc::load_rows_by_words<ROWS, HEAD_DIM, THREADS>(
         [=](int r, int c) { return tile + Layout::offset(ROWS, r, c / PER_CHUNK) + unsigned(c % PER_CHUNK * sizeof(T)); },
@@ -133,7 +175,7 @@ __device__ __forceinline__ void async_load_rows_swizzled_at(unsigned tile, const
   constexpr int CHUNKS_PER_ROW = HEAD_DIM * sizeof(T) / 16;
   constexpr int PER_CHUNK = 16 / sizeof(T);
   constexpr int ROW_STEP = THREADS / CHUNKS_PER_ROW;
-  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES>;
+  using Layout = Swizzle<HEAD_DIM, PANEL_BYTES, sizeof(T)>;
   if constexpr (THREADS % CHUNKS_PER_ROW == 0 && ROWS % ROW_STEP == 0 &&
                 (32 % CHUNKS_PER_ROW == 0 || CHUNKS_PER_ROW % 32 == 0)) {
     constexpr int N = ROWS / ROW_STEP;                                            // rows a thread copies

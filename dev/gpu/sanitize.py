@@ -78,6 +78,10 @@ SPECS = [
     Spec(head_dim=192, value_head_dim=72, dtype="bf16", mask="causal"),
     Spec(head_dim=64, value_head_dim=24, dtype="fp16"),
     Spec(head_dim=96, value_head_dim=64, dtype="bf16", mask="block_sparse", block_size=64),
+    # the fp8 forward (forward_wgmma's e4m3 build): V^T written from V's stage by every thread between two barriers
+    Spec(head_dim=128, dtype="fp8_e4m3", mask="causal"),
+    Spec(head_dim=256, dtype="fp8_e4m3", dropout=0.1),
+    Spec(head_dim=64, dtype="fp8_e4m3", mask="causal", layout="packed"),
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums
@@ -105,7 +109,7 @@ def main():
             cases = [dict(GROUPED, batch=4, q_lengths=(150, 0, 1, 97), k_lengths=(133, 5, 0, 140), spare_rows=3)]
         cases += [DECODE] if "decode" in spec.passes else []
         for case in cases:
-            errors = assert_matches_reference(spec, Case(**case, **extra), backward=True)
+            errors = assert_matches_reference(spec, Case(**case, **extra), backward="backward" in spec.passes)
             print(spec.variant_name, case["heads"], case.get("kv_heads"), {k: f"{v:.2e}" for k, v in errors.items()},
                   flush=True)
     # grouped KV heads folded: every backward block walks its K/V head's group (runtime.kernel.FOLD_WAVES at 0: at any

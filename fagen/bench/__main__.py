@@ -5,6 +5,7 @@
 `varlen` (packed variable-length batches against SDPA on the padded batch),
 `paged` (packed query rows against a paged K/V cache, against the contiguous call and SDPA),
 `mla` (a value head dim unlike the query's, DeepSeek's 192 / 128, against cuDNN, SDPA-flash and Flex),
+`fp8` (the e4m3 forward against cuDNN's and fagen's bf16 forwards on the same values),
 `modifiers` (the mask_mod / score_mod variants of examples/modifiers.yaml against FlexAttention),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
 """
@@ -68,6 +69,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mla.add_argument("--head-dim", type=int, default=192)
     mla.add_argument("--value-dim", type=int, default=128)
     mla.add_argument("--json", dest="json_path")
+    fp8 = sub.add_parser("fp8", help="GPU: the fp8 (e4m3) forward against SDPA's cuDNN and fagen's bf16 forwards "
+                         "on the same values")
+    fp8.add_argument("--seqlens", default="512,2048,8192,16384")
+    fp8.add_argument("--tokens", type=int, default=16384)
+    fp8.add_argument("--head-dims", default="64,128,256")
+    fp8.add_argument("--json", dest="json_path")
     modifiers = sub.add_parser("modifiers", help="GPU: the mask_mod / score_mod variants of examples/modifiers.yaml "
                                "against FlexAttention, forward and backward")
     modifiers.add_argument("--seq-lens", default="2048,8192", help="comma-separated N (q and k alike)")
@@ -116,6 +123,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_mla([int(x) for x in args.seqlens.split(",")], args.tokens, head_dim=args.head_dim,
                 value_dim=args.value_dim, json=args.json_path)
+        return 0
+    if args.command == "fp8":
+        from fagen.bench.fp8 import run_fp8
+
+        run_fp8([int(x) for x in args.seqlens.split(",")], args.tokens,
+                head_dims=[int(x) for x in args.head_dims.split(",")], json=args.json_path)
         return 0
     if args.command == "modifiers":
         from fagen.bench import modifiers as modifiers_bench

@@ -18,7 +18,8 @@ _FIELDS = ([(name, "Q", 1) for name in _POINTERS]
               ("mod_tensor", "Q", 4), ("mod_size", "q", 8), ("mod_stride", "q", 8), ("mod_scalar", "d", 4),
               ("mod_summary", "Q", 4), ("problems", "q", 1), ("seed_pointer", "Q", 1),
               ("block_table", "Q", 1), ("block_table_stride", "q", 1), ("page_size", "q", 1), ("page_count", "q", 1),
-              ("mod_grad", "Q", 4), ("fold_heads", "q", 1), ("d_lse", "Q", 1)])
+              ("mod_grad", "Q", 4), ("fold_heads", "q", 1), ("d_lse", "Q", 1),
+              ("descale", "Q", 3), ("descale_stride", "q", 6)])
 ARGS_STRUCT = struct.Struct("<" + "".join(code * count for _, code, count in _FIELDS))
 _SLOT: dict[str, tuple[int, int]] = {}
 for _name, _code, _count in _FIELDS:
@@ -26,6 +27,8 @@ for _name, _code, _count in _FIELDS:
 for _n in range(4):   # one slot per mod_tensor / mod_summary entry, for the fast path's pointer refills
     _SLOT[f"mod_tensor{_n}"] = (_SLOT["mod_tensor"][0] + _n, 1)
     _SLOT[f"mod_summary{_n}"] = (_SLOT["mod_summary"][0] + _n, 1)
+for _n in range(3):   # q's, k's and v's descale factors (an fp8 forward)
+    _SLOT[f"descale{_n}"] = (_SLOT["descale"][0] + _n, 1)
 _FLOAT_SLOTS = frozenset(range(_SLOT["mod_scalar"][0], _SLOT["mod_scalar"][0] + 4))
 
 

@@ -17,7 +17,8 @@ class CallInputs(NamedTuple):
     - `seed`, `offset`: dropout's (the seed an int or a CUDA tensor holding one int64);
     - `sequences`: a packed batch's `Sequences` (layouts.py), set by the packed paths;
     - `paged`: (the block-table fields of the argument struct, the table) for a paged K/V cache, set by the
-      paged paths."""
+      paged paths;
+    - `descales`: an fp8 forward's (q_descale, k_descale, v_descale), each a number, a tensor or None."""
 
     kv_lengths: Any = None
     block_mask: Any = None
@@ -26,3 +27,4 @@ class CallInputs(NamedTuple):
     offset: int = 0
     sequences: Optional[Sequences] = None
     paged: Optional[tuple] = None
+    descales: Optional[tuple] = None

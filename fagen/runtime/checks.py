@@ -116,6 +116,47 @@ class ArgumentChecks:
         elif block_mask is not None:
             raise ArgumentError(f"block_mask is only for mask block_sparse; this spec's mask is {spec.mask}")
         keep += self._mod_inputs(args, given.inputs, tensors["q"], stream)
+        keep += self._descales(args, given.descales, tensors, batch, stream)
+        return keep
+
+    def _descales(self, args: LaunchArgs, descales, tensors: dict, batch: int, stream: int) -> list:
+        """An fp8 forward's q_descale, k_descale, v_descale into `args` (None: 1). Each a number (put in a
+        one-element tensor), a float32 tensor of one element (broadcast) or of shape (batch, kv_heads), on q's
+        device; `batch` counts a packed call's sequences."""
+        if descales is None:
+            return []
+        if not self.spec.fp8:
+            raise ArgumentError(f"q_descale, k_descale, v_descale are for dtype fp8_e4m3 specs; this spec's dtype is "
+                                f"{self.spec.dtype}")
+        kv_heads = tensors["k"].shape[1]
+        like = tensors["q"]
+        keep, pointers, strides = [], [0, 0, 0], [0] * 6
+        for n, (name, value) in enumerate(zip(("q_descale", "k_descale", "v_descale"), descales)):
+            if value is None:
+                continue
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                if not math.isfinite(value):
+                    raise ArgumentError(f"{name}: expected a finite number, got {value}")
+                value = _allocate(like, (1,), "fp32", stream, fill=float(value)) if value else \
+                    _allocate(like, (1,), "fp32", stream, zero=True)
+            elif not _is_device_array(value):
+                raise ArgumentError(f"{name}: expected a number or a float32 CUDA tensor of one element or of shape "
+                                    f"(batch, kv_heads) = {(batch, kv_heads)}, got {type(value).__name__}")
+            t = as_device_tensor(name, value)
+            if t.dtype != "fp32":
+                raise ArgumentError(f"{name}: expected float32, got {t.dtype}")
+            if t.is_torch and like.is_torch and t.owner.device != like.owner.device:
+                raise ArgumentError(f"{name}: on {t.owner.device}, but q is on {like.owner.device}")
+            if math.prod(t.shape) == 1:
+                pair = (0, 0)
+            elif tuple(t.shape) == (batch, kv_heads):
+                pair = tuple(t.strides)
+            else:
+                raise ArgumentError(f"{name}: expected one element or shape (batch, kv_heads) = {(batch, kv_heads)}, "
+                                    f"got shape {tuple(t.shape)}")
+            keep.append(value)
+            pointers[n], strides[2 * n:2 * n + 2] = t.pointer, pair
+        args["descale"], args["descale_stride"] = pointers, strides
         return keep
 
     def _mod_inputs(self, args: LaunchArgs, inputs, like: DeviceTensor, stream: int) -> list:

@@ -64,13 +64,14 @@ def _default_device() -> int:
     return 0 if current is None else current
 
 
-def empty_in_layout(like, shape: tuple):
+def empty_in_layout(like, shape: tuple, dtype=None):
     """An empty torch tensor of `shape` (`like`'s but for the last dim) whose dimensions lie in memory in `like`'s
-    order: q of (batch, seq, heads, d) viewed as (batch, heads, seq, d) gives o whose transpose back is free."""
+    order: q of (batch, seq, heads, d) viewed as (batch, heads, seq, d) gives o whose transpose back is free.
+    `dtype`: a torch dtype other than `like`'s (an fp8 forward's bf16 o)."""
     if len(shape) != like.dim() or like.stride(-1) != 1:
-        return like.new_empty(shape)
+        return like.new_empty(shape, dtype=dtype)
     order = sorted(range(like.dim() - 1), key=lambda n: -like.stride(n)) + [like.dim() - 1]   # outermost first
-    dense = like.new_empty([shape[n] for n in order])
+    dense = like.new_empty([shape[n] for n in order], dtype=dtype)
     return dense.permute([order.index(n) for n in range(like.dim())])
 
 
@@ -89,6 +90,8 @@ def _allocate(like: DeviceTensor, shape: tuple, dtype: str, stream: int, zero: b
             return torch.empty_like(like.owner)
         if tuple(shape[:-1]) == tuple(like.shape[:-1]) and dtype == like.dtype and not zero and fill is None:
             return empty_in_layout(like.owner, shape)   # o of a narrower value head dim, laid out as q
+        if like.dtype == "fp8_e4m3" and tuple(shape[:-1]) == tuple(like.shape[:-1]) and not zero and fill is None:
+            return empty_in_layout(like.owner, shape, getattr(torch, TORCH_DTYPES[dtype]))   # an fp8 forward's o
         torch_dtype = getattr(torch, TORCH_DTYPES.get(dtype, dtype))
         return _filled(torch.empty(shape, dtype=torch_dtype, device=like.owner.device), stream, zero, fill)
     import numpy as np

@@ -134,7 +134,19 @@ class FastPath:
                     return None
                 inputs_key.append(float(inputs[name]))
             inputs_key = tuple(inputs_key)
-        return (tuple(parts), lengths_key, mask_key, inputs_key)
+        descales_key = None
+        if given.descales:   # tensors by shape and strides (their pointers are refilled); numbers: the full path
+            descales_key = []
+            for value in given.descales:
+                if value is None:
+                    descales_key.append(None)
+                elif (type(value) is tensor_type and value.dtype is torch_types["float32"]
+                      and value.get_device() == device):
+                    descales_key.append((value.shape, value.stride()))
+                else:
+                    return None
+            descales_key = tuple(descales_key)
+        return (tuple(parts), lengths_key, mask_key, inputs_key, descales_key)
 
     def _runtime_pointers(self, given: CallInputs) -> tuple[tuple, list]:
         """(slot names, pointers) of `given`'s run-time tensors, in the order a FastCall fills them."""
@@ -146,6 +158,10 @@ class FastPath:
         if given.inputs:
             for n, (name, _, _) in enumerate(self.modifiers.tensors):
                 names, pointers = names + (f"mod_tensor{n}",), pointers + [given.inputs[name].data_ptr()]
+        if given.descales:   # (numbers take the full path: _signature)
+            for n, value in enumerate(given.descales):
+                if value is not None:
+                    names, pointers = names + (f"descale{n}",), pointers + [value.data_ptr()]
         return names, pointers
 
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
@@ -163,7 +179,8 @@ class FastPath:
         import torch
 
         device = q.get_device()
-        o = torch.empty_like(q) if v.shape[-1] == q.shape[-1] else empty_in_layout(q, self._output_shape(q.shape))
+        o = (torch.empty_like(q) if v.shape[-1] == q.shape[-1] and self._output_torch_dtype is None
+             else empty_in_layout(q, self._output_shape(q.shape), self._output_torch_dtype))
         lse = torch.empty(q.shape[:3], dtype=torch.float32, device=q.device)
         # decode: the splits' partial O and LSE; mask_mod inputs' run-time summaries. Held until the
         # launches are queued

@@ -18,7 +18,7 @@ from fagen.runtime.grids import (_HELPER_KERNELS, FOLD_WAVES, GROUPED_TEMPLATES,
                                  backward_scratch, block_group, decode_splits, grouped_grid, problem_grid,
                                  row_pass_grid)
 from fagen.runtime.layouts import Layouts
-from fagen.runtime.tensors import ELEMENT_BYTES, ArgumentError, DeviceTensor, as_device_tensor
+from fagen.runtime.tensors import ELEMENT_BYTES, TORCH_DTYPES, ArgumentError, DeviceTensor, as_device_tensor
 from fagen.spec import Spec
 from fagen.target import Target
 
@@ -50,6 +50,12 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         self._checks_rows = {name: self._chunked_rows and (plan.stages > 1
                                                             or (name == "forward" and "decode" in self.plans))
                              for name, plan in self.plans.items()}
+        # o's torch dtype where it is not q's (an fp8 forward's bf16), for the fast paths' allocations
+        self._output_torch_dtype = None
+        if spec.output_dtype != spec.dtype:   # (fp8 tensors are torch's: a call of one imports it anyway)
+            import torch
+
+            self._output_torch_dtype = getattr(torch, TORCH_DTYPES[spec.output_dtype])
         self._fast_forward: dict[tuple, FastCall] = {}
         self._fast_backward: dict[tuple, FastCall] = {}
         # the torch autograd path's backwards by their forward's signature (see backward_after)
@@ -163,7 +169,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
     # ---- forward ----
     def forward(self, q, k, v, *, kv_lengths=None, block_mask=None, inputs=None, seed: int = 0, offset: int = 0,
                 out=None, stream=None, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None,
-                block_table=None):
+                block_table=None, q_descale=None, k_descale=None, v_descale=None):
         """(o, lse): o of q's shape with v's head dim (a spec's value_head_dim), laid out as q; lse float32 (batch,
         heads, seq_q), natural log, -inf for rows that see no key.
 
@@ -175,8 +181,14 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
 
         `block_table`: k and v are a paged K/V cache: decoding with a padded spec (see `_forward_paged`), packed
         query rows of any count per sequence with a packed spec (prefill, chunked prefill, speculative decoding:
-        see `_forward_paged_packed`)."""
-        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
+        see `_forward_paged_packed`).
+
+        `q_descale`, `k_descale`, `v_descale` (dtype fp8_e4m3 specs; FlashAttention-3's): the true q, k, v are the
+        e4m3 elements times these. Each a number, a float32 CUDA tensor of one element, or one of shape (batch,
+        kv_heads) (packed: (sequences, kv_heads)); default 1. o is bf16."""
+        descales = None if q_descale is None and k_descale is None and v_descale is None else (q_descale, k_descale,
+                                                                                                v_descale)
+        given = CallInputs(kv_lengths, block_mask, inputs, seed, offset, descales=descales)
         if block_table is not None and self.spec.layout == "packed":
             if cu_seqlens_q is None or cu_seqlens_k is None:
                 raise ArgumentError("block_table with a layout packed spec: pass cu_seqlens_q (the query rows of each "
@@ -274,13 +286,13 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             tensors, shape = self._check_qkv(q, k, v, {})
         like = tensors["q"]
         if out is None:
-            o = _allocate(like, (batch, heads, seq_q, self.spec.value_dim), self.spec.dtype, stream)
+            o = _allocate(like, (batch, heads, seq_q, self.spec.value_dim), self.spec.output_dtype, stream)
             lse = _allocate(like, (batch, heads, seq_q), "fp32", stream)
         else:
             o, lse = out
         ot, lt = as_device_tensor("o", o), as_device_tensor("lse", lse)
-        if ot.shape != self._output_shape(like.shape) or ot.dtype != self.spec.dtype or ot.strides[3] != 1:
-            raise ArgumentError(f"out o: expected {self.spec.dtype} of shape {self._output_shape(like.shape)}, last dim "
+        if ot.shape != self._output_shape(like.shape) or ot.dtype != self.spec.output_dtype or ot.strides[3] != 1:
+            raise ArgumentError(f"out o: expected {self.spec.output_dtype} of shape {self._output_shape(like.shape)}, last dim "
                                 "contiguous")
         if lt.shape != (batch, heads, seq_q) or lt.dtype != "fp32" or tuple(lt.strides) != (heads * seq_q, seq_q, 1):
             raise ArgumentError(f"out lse: expected contiguous fp32 of shape {(batch, heads, seq_q)}")

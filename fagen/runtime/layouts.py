@@ -218,7 +218,7 @@ class Layouts:
         total_q, heads, _ = like.shape
         sequences = self._sequences(like, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, total_q,
                                     tensors["k"].shape[0])
-        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.dtype),
+        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.output_dtype),
                                              "lse": ((heads, total_q), "fp32")},
                                       out, launch_stream,
                                       {"o": None, "lse": None} if sequences.covers_q and sequences.has_work
@@ -279,7 +279,8 @@ class Layouts:
                 device = q.get_device()
                 stream = _TORCH["stream"](device)
                 # offsets on the GPU: which rows they cover is unknown, so the rest must read 0 / -inf
-                o = _filled(torch.empty(self._output_shape(q.shape), dtype=q.dtype, device=q.device), stream, zero=True)
+                o = _filled(torch.empty(self._output_shape(q.shape), dtype=self._output_torch_dtype or q.dtype,
+                                        device=q.device), stream, zero=True)
                 lse = _filled(torch.empty((q.shape[1], q.shape[0]), dtype=torch.float32, device=q.device), stream,
                               fill=-math.inf)
                 _, extra = self._runtime_pointers(given)
@@ -419,7 +420,7 @@ class Layouts:
             if not self._rows_aligned(views[name].pointer, views[name].strides, 16):
                 raise ArgumentError(f"{name}: a paged cache's rows and pages must start on 16-byte boundaries (pointer "
                                     f"and strides); got pointer {views[name].pointer:#x}, strides {views[name].strides}")
-        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.dtype),
+        o, lse = self._packed_outputs(like, {"o": (self._output_shape(like.shape), self.spec.output_dtype),
                                              "lse": ((heads, total_q), "fp32")},
                                       out, launch_stream,
                                       {"o": None, "lse": None} if sequences.covers_q and sequences.has_work

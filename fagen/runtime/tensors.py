@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}
+TORCH_DTYPES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
 CAI_TYPESTRS = {"fp16": ("<f2",), "bf16": ("<V2", "|V2", "<b2"), "fp32": ("<f4",)}
-ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+ELEMENT_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1}
 
 
 class ArgumentError(ValueError):
@@ -23,7 +23,7 @@ class DeviceTensor:
     pointer: int
     shape: tuple
     strides: tuple
-    dtype: str      # fp16 | bf16 | fp32 | int32 | uint8 | bool | other:<x>
+    dtype: str      # fp16 | bf16 | fp32 | fp8_e4m3 | int32 | uint8 | bool | other:<x>
     owner: Any
     is_torch: bool
     stream: Optional[int] = None   # __cuda_array_interface__'s stream, for other arrays
@@ -38,7 +38,7 @@ def _torch_dtype_name(tensor) -> str:
 
         _TORCH_DTYPE_NAMES.update({torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32",
                                    torch.int32: "int32", torch.int64: "int64", torch.uint8: "uint8",
-                                   torch.bool: "bool"})
+                                   torch.bool: "bool", torch.float8_e4m3fn: "fp8_e4m3"})
     return _TORCH_DTYPE_NAMES.get(tensor.dtype) or f"other:{tensor.dtype}"
 
 
