@@ -156,16 +156,18 @@ FAMILIES: tuple[Family, ...] = (
            extra_tiles=((128, 112, "Bc = 112 only at d = 192 (and what pads to it), without a mask_mod read through "
                                    "run-time summaries (spills)", lambda spec: not spec.modifiers.summaries),)),
     # The same template in fp8 (e4m3, FP8 wgmma's k-steps of 32): Q_i and two cp.async stages of K_j and of V_j as
-    # they are in memory, plus V_j^T, which every thread writes from V_j's stage (FP8 wgmma reads B K-major only), so
-    # Bc is whole 64-byte panels of V^T's rows. The plan space is forward_wgmma's.
+    # they are in memory, plus two of V_j^T, which every thread writes from V_j's stage during S_j's softmax (FP8
+    # wgmma reads B K-major only), so Bc is whole 64-byte panels of V^T's rows. The plan space is forward_wgmma's.
     Family("forward_wgmma_fp8", "forward_wgmma.cu.j2", ("forward",),
-           smem_bytes=E * (Br * d + 2 * Bc * (d + Dv) + Bc * Dv) + 1024,
+           smem_bytes=E * (Br * d + 2 * Bc * (d + Dv) + 2 * Bc * Dv) + 1024,
            registers=Br * Dv / (32 * W) + 3 * Br * Bc / (64 * W) + 32,
            smem_reads=2 * (d + Dv) * (W / 4) / Br + 2 * d / Bc,
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64,
            max_block_c=128, packed_registers=4, modifier_registers=12, light_mask_mod_registers=0,
            key_mask_mod_registers=8, dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
            archs=("sm_90",), preference=0, occupancy_first=True,
+           # d = 128 on one warpgroup per 64-row block, two blocks per SM (docs/decisions/0013-fp8-forward.md)
+           timed_first=((128, 64, 128, 4),),
            rules=(("Bc a multiple of 64 (V^T's rows whole 64-byte panels)", lambda r, c, hd, w: c % 64 == 0),)),
     # Hopper warpgroup MMA, warp-specialized: warpgroup 0 loads (cp.async into two stages of K_j and of V_j,
     # handed over by mbarriers), warpgroups 1 and 2 compute 64 rows each as forward_wgmma's do, taking turns

@@ -20,6 +20,7 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSch
                       model_validator)
 
 DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
+DTYPES_EVERY_PASS = ("fp16", "bf16", "fp32")   # the dtypes every pass, arch and loop order takes (fp8_e4m3: _check_fp8)
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
 LOOP_ORDERS = ("fa1", "fa2")
 ARCHS = ("sm_80", "sm_86", "sm_89", "sm_90")

@@ -46,6 +46,8 @@ struct KindMask {
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d128_fp32_causal_fa1_sm90_br64_bc128_w8_config {
 using elem_t = float;
+using out_t = float;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -194,6 +196,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d128_fp32_causal_fa1
 //   dK_j += tau dS^T Q_i,   dQ_i += tau dS K_j   (fp32 atomics, or a second pass when deterministic).
 namespace fagen_bwd_d128_fp32_causal_fa1_sm90_br64_bc64_w8_config {
 using elem_t = float;
+using out_t = float;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

@@ -11,6 +11,8 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_config {
 using elem_t = float;
+using out_t = float;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 32;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 32;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 32;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -159,6 +161,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_fp32_padding_fa1
 //   dK_j += tau dS^T Q_i,   dQ_i += tau dS K_j   (fp32 atomics, or a second pass when deterministic).
 namespace fagen_bwd_d32_fp32_padding_fa1_sm80_br32_bc128_w8_config {
 using elem_t = float;
+using out_t = float;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 32;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 32;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 32;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

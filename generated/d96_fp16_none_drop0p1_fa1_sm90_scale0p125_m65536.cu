@@ -11,6 +11,8 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br16_bc128_w8_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -163,6 +165,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d96_fp16_none_drop0p
 #include "tensor_core.cuh"
 namespace fagen_bwd_d96_fp16_none_drop0p1_fa1_sm90_scale0p125_m65536_br32_bc64_w4_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 96;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 96;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 96;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

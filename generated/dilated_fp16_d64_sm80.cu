@@ -134,6 +134,8 @@ struct SpecMods {
 #include "tensor_core.cuh"
 namespace fagen_fwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br128_bc64_w4_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -401,6 +403,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_fwd_d64_fp16_causal_fa2_
 #include "tensor_core.cuh"
 namespace fagen_bwd_d64_fp16_causal_fa2_sm80_modb65a7c19_br64_bc128_w8_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

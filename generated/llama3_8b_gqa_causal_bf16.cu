@@ -56,6 +56,8 @@ struct KindMask {
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d128_bf16_causal_fa2_sm90_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -93,6 +95,8 @@ static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per 
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
 using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
 using ValueLayout = Layout;                        // V's too (zeros past VALUE_DIM)
+// O += P~ V's operand for k-step kk: V_j read transposed (MN-major)
+__host__ __device__ constexpr unsigned long long value_step(int kk) { return ValueLayout::mn_major_step(kk); }
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 // The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there (docs/decisions/0011-kernel-techniques.md)
 constexpr bool O_STAGED = 4 * CONSUMERS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGES * KV_BYTES;
@@ -223,7 +227,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   const int consumer = warpgroup - 1;
   // dropout's Philox key, once per block: the seed argument, or read from memory where it lives there
   const uint2 philox_key = HAS_DROPOUT ? dropout_key(args) : make_uint2(0u, 0u);
-  elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
+  out_t* o = problem.query_rows(static_cast<out_t*>(args.o), args.o_stride);
   float o_acc[O_TILES][4], s_acc[S_TILES][4];
   unsigned p_frag[P_STEPS][4];                 // P~ of the previous block, the A operand of O += P~ V
   float row_max[2] = {-INFINITY, -INFINITY};   // rows group, group + 8 of the warp's slab; raw score units
@@ -253,9 +257,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     wg::fence_registers(o_acc);
     wg::fence_registers(p_frag);
     wg::fence();
-    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
+    // keys K_STEP kk .. K_STEP (kk + 1) - 1
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ValueLayout::mn_major_step(kk), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + value_step(kk), 1);
     wg::commit();
   };
   // Turns: consumer c issues its products once the other one's scores landed (named barrier 1 + c, over
@@ -277,6 +281,11 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   // A mask_mod that reads inputs at key positions (doc[b, j]) is tested ahead of the tile, as forward_wgmma does at
   // three resident blocks: per score, the 32 keys' values held beside S, P~ and O spilled the consumers' registers
   constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS;
+  // S's raw units: q.k as the tensor cores sum it, which FP8 scales by q's and k's descale factors. Without a
+  // score_mod they ride on the softmax's scale; a score_mod sees true scores (S descaled first).
+  const float score_descale = FP8 ? fp8_descale(args, 0, problem) * fp8_descale(args, 1, problem) : 1.f;
+  const float raw_scale = FP8 && !Mods::HAS_SCORE ? SCALE * score_descale : SCALE;
+  const float raw_scale_log2 = FP8 && !Mods::HAS_SCORE ? SCALE_LOG2 * score_descale : SCALE_LOG2;
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
@@ -286,7 +295,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   // tau m + log l hold for any such m. What it saves, after the first tiles, is almost every tile's
   // O *= e^(tau (m_old - m_new)): HEAD_DIM / 2 multiplies per thread for BLOCK_C / 2 scores, 1.7 a score at
   // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (docs/benchmarks-journal.md).
-  constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
+  // (not in FP8 with dropout, whose kept weights could outgrow e4m3's 448 at P~ <= 2^8)
+  constexpr bool LAZY_RESCALE = HEAD_DIM >= 160 && !(FP8 && HAS_DROPOUT);
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
   // MASK_AHEAD (the including template's): S_j's mask was tested ahead of the tile, into a bit per score
@@ -318,7 +328,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     // two passes, so that an interior tile runs none of the mask's per-element work (in one loop, the mask's
     // tests were predicated rather than skipped: 5 instructions per score more for `score + slope[h]`)
     if (Mods::HAS_SCORE)
-      each_score([&](float& s, int row, int col, float frow, float fcol) { s = visibility.modified_score(s, row, col, frow, fcol); });
+      each_score([&](float& s, int row, int col, float frow, float fcol) {
+        s = visibility.modified_score(FP8 ? s * score_descale : s, row, col, frow, fcol);
+      });
     if (!interior && MASK_AHEAD) {
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
@@ -334,17 +346,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
                           // is NaN, which compares false: a row still without one keeps m = -inf)
       lazy_tile_max[0] = row_tile_max(0);
       lazy_tile_max[1] = row_tile_max(1);
-      rescale_output = __any_sync(0xffffffffu, (lazy_tile_max[0] - row_max[0]) * SCALE_LOG2 > MAX_SLACK_LOG2 ||
-                                                (lazy_tile_max[1] - row_max[1]) * SCALE_LOG2 > MAX_SLACK_LOG2);
+      rescale_output = __any_sync(0xffffffffu, (lazy_tile_max[0] - row_max[0]) * raw_scale_log2 > MAX_SLACK_LOG2 ||
+                                                (lazy_tile_max[1] - row_max[1]) * raw_scale_log2 > MAX_SLACK_LOG2);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float tile_max = LAZY_RESCALE ? lazy_tile_max[half] : row_tile_max(half);
-      float m_scaled = safe_max(row_max[half]) * SCALE_LOG2;   // kept (lazily) or moved to m_new's
+      float m_scaled = safe_max(row_max[half]) * raw_scale_log2;   // kept (lazily) or moved to m_new's
       if (!LAZY_RESCALE || rescale_output) {
         const float m_new = fmaxf(row_max[half], tile_max);
-        m_scaled = safe_max(m_new) * SCALE_LOG2;
-        rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
+        m_scaled = safe_max(m_new) * raw_scale_log2;
+        rescale[half] = exp2f(row_max[half] * raw_scale_log2 - m_scaled);
         row_max[half] = m_new;
         row_sum[half] *= rescale[half];
       }
@@ -352,8 +364,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       // d >= 160 forwards differently, a cubin not yet timed on a GPU)
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        const float p0 = exp2f(fmaf(s_acc[t][2 * half], raw_scale_log2, -m_scaled));
+        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], raw_scale_log2, -m_scaled));
         row_sum[half] += p0 + p1;
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;
@@ -379,9 +391,15 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
         o_acc[t][3] *= rescale[1];
       }
     }
-    // P~'s accumulator layout is already the register A operand of the next wgmma
+    // P~'s accumulator layout is already the register A operand of the next wgmma (FP8's: with V^T's key order)
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
+    for (int kk = 0; kk < P_STEPS; ++kk) {
+      if constexpr (FP8) {
+        tc::accumulators_to_a_fp8(p_frag[kk], s_acc[4 * kk], s_acc[4 * kk + 1], s_acc[4 * kk + 2], s_acc[4 * kk + 3]);
+      } else {
+        tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
+      }
+    }
   };
 
 
@@ -435,17 +453,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   // O goes out through the K, V stages, free once both consumers' last products landed (the producer is done)
   const unsigned o_stage = k_tiles + (warp - 4) * tc::StagedTile<O_TILES>::BYTES;
   auto o_stage_free = [] { wg::named_barrier_sync<4, CONSUMER_THREADS>(); };
-  // O = diag(l)^-1 O, written once; LSE = tau m + log l. Rows that saw no key: O = 0, LSE = -inf.
+  // O = diag(l)^-1 O, written once; LSE = tau m + log l (raw_scale: the softmax's, with FP8's descales). Rows that
+  // saw no key: O = 0, LSE = -inf. FP8's O also takes v's descale factor.
+  const float value_descale = FP8 ? fp8_descale(args, 2, problem) : 1.f;
   float inv_l[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv_l[half] = l > 0.f ? 1.f / l : 0.f;
+    inv_l[half] = l > 0.f ? value_descale / l : 0.f;
     const int row = warp_row0 + group + half * 8;
     if (quad == 0 && row < seq_q)
-      args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
+      args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * raw_scale + logf(l) : -INFINITY;
   }
   if (O_STAGED) {
 #pragma unroll
@@ -453,17 +473,17 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
     o_stage_free();
-    tc::store_tile_staged<elem_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+    tc::store_tile_staged<out_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
                                                       min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + group + half * 8;
       if (row >= seq_q) continue;
-      elem_t* o_row = o + (long long)row * args.o_stride[2];
+      out_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t)
-        tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+        tc::store_pair<out_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
                                           o_acc[t][2 * half + 1] * inv_l[half]);
     }
   }
@@ -488,6 +508,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d128_bf16_causal_fa2_sm90_br64_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 128;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 128;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 128;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

@@ -10,6 +10,8 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d64_fp16_none_fa1_sm90_m49152_paper_for_br64_bc96_w8_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

@@ -11,6 +11,8 @@
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d64_fp16_none_fa1_sm90_br16_bc128_w8_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -170,6 +172,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d64_fp16_none_fa1_sm
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d64_fp16_none_fa1_sm90_br128_bc128_w12_ws_config {
 using elem_t = __half;
+using out_t = __half;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

@@ -98,10 +98,14 @@ struct SpecMods {
 // and O_g accumulates un-normalised in registers, divided by l once at the end. K_j and V_j arrive by
 // cp.async into two swizzled shared-memory stages (128-byte panels, or 64-byte ones where d is an odd
 // number of 32-column halves), so block j+1 loads while block j computes.
+// FP8 (e4m3 q, k, v; o in bf16): k-steps of 32, P~ packed to e4m3, and V_j^T written from V_j's stage by every
+// thread while S_j runs (FP8 wgmma reads B K-major only); the descale factors scale the scores and O.
 // Needs sm_90a (fagen compiles sm_90 targets as sm_90a); for plain sm_90, ptxas rejects the wgmma lines.
 #include "warpgroup_mma.cuh"
 namespace fagen_fwd_d64_bf16_none_fa2_sm90_mod0c03c276_br64_bc128_w4_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -123,13 +127,14 @@ constexpr unsigned DROPOUT_THRESHOLD = 0u;
 constexpr float KEEP_SCALE = 1.000000000e+00f;      // the kept weights' scale (fagen/dropout.py)
 // BLOCK_R: Br = 64 rows per warpgroup
 constexpr int WARPS = THREADS / 32;
-constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
-constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
+constexpr int K_STEP = FP8 ? 32 : 16;               // elements per wgmma k-step: 32 bytes
+constexpr int K_STEPS = HEAD_DIM / K_STEP;          // wgmma k-steps over d for S = Q K^T
+constexpr int P_STEPS = BLOCK_C / K_STEP;           // wgmma k-steps over the keys for O = P V
 constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S per warp
 constexpr int O_TILES = VALUE_TILE_DIM / 8;         // 8-dim column tiles of O per warp
-constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
-constexpr int K_BYTES = BLOCK_C * HEAD_DIM * 2;     // K_j
-constexpr int V_BYTES = BLOCK_C * VALUE_TILE_DIM * 2;   // V_j: MLA's narrower values take narrower tiles
+constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * sizeof(elem_t);
+constexpr int K_BYTES = BLOCK_C * HEAD_DIM * sizeof(elem_t);     // K_j
+constexpr int V_BYTES = BLOCK_C * VALUE_TILE_DIM * sizeof(elem_t);   // V_j: MLA's narrower values take narrower tiles
 constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
@@ -140,9 +145,18 @@ constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
-using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // Q's and K's tiles: d columns
-using ValueLayout = fagen::wg::Swizzle<VALUE_TILE_DIM>;   // V's
-static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
+template <int COLUMNS>
+using TileLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<COLUMNS>, fagen::wg::Swizzle<COLUMNS>>;
+using Layout = TileLayout<HEAD_DIM>;                // Q's and K's tiles: d columns
+using ValueLayout = TileLayout<VALUE_TILE_DIM>;     // V's
+// FP8: V_j^T, d rows of Bc keys (without FP8 unused: V's own, so that no 8-bit layout of Bc is instantiated)
+using TransposedLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<BLOCK_C>, ValueLayout>;
+static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
+static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
+// O += P~ V's operand for k-step kk: V_j read transposed (MN-major), or FP8's V_j^T (K-major)
+__host__ __device__ constexpr unsigned long long value_step(int kk) {
+  return FP8 ? TransposedLayout::k_major_step(VALUE_TILE_DIM, kk) : ValueLayout::mn_major_step(kk);
+}
 // The epilogue's O through shared memory (the K, V stages) where every warp's tile fits there, above d = 64; at
 // d = 64 the other resident blocks already hide the stores (docs/decisions/0011-kernel-techniques.md).
 constexpr bool O_STAGED = HEAD_DIM > 64 && WARPS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGE_BYTES;
@@ -175,6 +189,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // swizzle atoms must start on their own boundaries: the footprint carries 1 KB of slack for this
   const unsigned q_tile = (tc::shared_address(shared_raw) + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned kv_tiles = q_tile + Q_BYTES;                      // 2 stages x (K, V)
+  const unsigned transposed_values = kv_tiles + 2 * STAGE_BYTES;   // FP8: 2 x V_j^T
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
@@ -193,7 +208,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
   const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
   const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-  elem_t* o = problem.query_rows(static_cast<elem_t*>(args.o), args.o_stride);
+  out_t* o = problem.query_rows(static_cast<out_t*>(args.o), args.o_stride);
   const Visibility<MASK, GRAIN, Kind, Mods> visibility(args, problem);
   const int col_blocks = (seq_k + BLOCK_C - 1) / BLOCK_C;
   __shared__ unsigned walk_bits[TileWalk<THREADS, Mods::HAS_MASK>::SHARED_WORDS];
@@ -201,29 +216,39 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   auto next_visible = [&](int j) {  // block-sparse / causal / window / mask_mod skip: never loaded
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
-  // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below).
+  // K and V have two stages each, and V_j travels one iteration behind K_j (see the loop below); in FP8 beside K_j,
+  // so that V_j^T is written during S_j's softmax, for the next iteration's O += P~_j V_j.
   auto k_stage = [&](int i) { return kv_tiles + (i % 2) * STAGE_BYTES; };
   auto v_stage = [&](int i) { return kv_tiles + (i % 2) * STAGE_BYTES + K_BYTES; };
   auto load_keys = [&](unsigned tile, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS>(tile, args, problem.b, k, args.k_stride, col0, min(BLOCK_C, seq_k - col0),
-                                                        DATA_DIM);
+    wg::async_load_key_rows<BLOCK_C, HEAD_DIM, THREADS, Layout::ROW_BYTES>(tile, args, problem.b, k, args.k_stride, col0,
+                                                                          min(BLOCK_C, seq_k - col0), DATA_DIM);
   };
   auto load_values = [&](unsigned tile, int j) {
     const int col0 = j * BLOCK_C;
-    wg::async_load_key_rows<BLOCK_C, VALUE_TILE_DIM, THREADS>(tile, args, problem.b, v, args.v_stride, col0,
-                                                              min(BLOCK_C, seq_k - col0), VALUE_DIM);
+    wg::async_load_key_rows<BLOCK_C, VALUE_TILE_DIM, THREADS, ValueLayout::ROW_BYTES>(tile, args, problem.b, v, args.v_stride,
+                                                                                      col0, min(BLOCK_C, seq_k - col0), VALUE_DIM);
   };
-  // K_{j+1} and V_j into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s)
+  // K_{j+1} and V_j (FP8: V_{j+1}) into the stages no wgmma in flight reads (K_{j-1}'s and V_{j-2}'s; FP8: V_{j-1},
+  // whose transpose every thread finished before the last barrier)
   auto issue_copies = [&](int i, int j, int j_next) {
     if (j_next < col_blocks) load_keys(k_stage(i + 1), j_next);
-    load_values(v_stage(i), j);
+    if (FP8 && j_next < col_blocks) load_values(v_stage(i + 1), j_next);
+    if (!FP8) load_values(v_stage(i), j);
     tc::cp_async_commit();
   };
   auto publish_loads = [&]() {  // every thread's copies landed and are visible to the tensor cores
     tc::cp_async_wait<0>();
     wg::fence_async_proxy();
     __syncthreads();
+  };
+  // FP8: V_j^T from stage i's V_j into V^T buffer i % 2, which O += P~_{j-2} V_{j-2} read and every warpgroup waited
+  // for before the last barrier; published to the tensor cores by the next one (publish_loads)
+  auto transpose_values = [&](int i) {
+    if constexpr (FP8)
+      wg::transpose_values_fp8<BLOCK_C, VALUE_TILE_DIM, THREADS, ValueLayout, TransposedLayout>(
+          v_stage(i), transposed_values + (i % 2) * V_BYTES);
   };
 
   float o_acc[O_TILES][4], s_acc[S_TILES][4];
@@ -240,7 +265,10 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
   const unsigned long long q_desc = Layout::k_major(q_tile + warpgroup * 64 * Layout::ROW_BYTES);
   auto k_desc = [&](int i) { return Layout::k_major(k_stage(0)) + (i % 2) * (STAGE_BYTES >> 4); };
-  auto v_desc = [&](int i) { return ValueLayout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * (STAGE_BYTES >> 4); };
+  auto v_desc = [&](int i) {
+    return FP8 ? TransposedLayout::k_major(transposed_values) + (i % 2) * (V_BYTES >> 4)
+               : ValueLayout::mn_major(v_stage(0), BLOCK_C) + (i % 2) * (STAGE_BYTES >> 4);
+  };
   auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
     const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);
@@ -255,9 +283,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     wg::fence_registers(o_acc);
     wg::fence_registers(p_frag);
     wg::fence();
-    // keys 16 kk .. 16 kk + 15 are two 8-row atoms of every panel
+    // keys K_STEP kk .. K_STEP (kk + 1) - 1
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + ValueLayout::mn_major_step(kk), 1);
+    for (int kk = 0; kk < P_STEPS; ++kk) o_product(o_acc, p_frag[kk], v_tile + value_step(kk), 1);
     wg::commit();
   };
   // A mask_mod that reads its inputs at key positions (doc[b, j]: Mods::MASK_READS_KEYS), tested per score in the
@@ -266,6 +294,11 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // into a bit per score (accumulator_visibility): more instructions (a ballot per row and 32 keys), timed 4-8%
   // slower than the per-score test at two blocks per SM and 6-9% faster for the third block (docs/benchmarks-journal.md).
   constexpr bool MASK_AHEAD = Mods::HAS_MASK && Mods::MASK_READS_KEYS && 3 >= 3;
+  // S's raw units: q.k as the tensor cores sum it, which FP8 scales by q's and k's descale factors. Without a
+  // score_mod they ride on the softmax's scale; a score_mod sees true scores (S descaled first).
+  const float score_descale = FP8 ? fp8_descale(args, 0, problem) * fp8_descale(args, 1, problem) : 1.f;
+  const float raw_scale = FP8 && !Mods::HAS_SCORE ? SCALE * score_descale : SCALE;
+  const float raw_scale_log2 = FP8 && !Mods::HAS_SCORE ? SCALE_LOG2 * score_descale : SCALE_LOG2;
   // Mask, then the online softmax of S_j: m_new = max(m_old, rowmax S), P~ = e^(tau (S - m_new)) in
   // s_acc, l rescaled and extended. Returns (in rescale) e^(tau (m_old - m_new)) per row for O, which
   // may still be in flight.
@@ -275,7 +308,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // tau m + log l hold for any such m. What it saves, after the first tiles, is almost every tile's
   // O *= e^(tau (m_old - m_new)): HEAD_DIM / 2 multiplies per thread for BLOCK_C / 2 scores, 1.7 a score at
   // d = 192. At d = 64 and 128 (one multiply a score or less) it was timed no faster (docs/benchmarks-journal.md).
-  constexpr bool LAZY_RESCALE = HEAD_DIM >= 160;
+  // (not in FP8 with dropout, whose kept weights could outgrow e4m3's 448 at P~ <= 2^8)
+  constexpr bool LAZY_RESCALE = HEAD_DIM >= 160 && !(FP8 && HAS_DROPOUT);
   constexpr float MAX_SLACK_LOG2 = 8.f;
   bool rescale_output = true;   // set by softmax for its warp (lazily: LAZY_RESCALE), read by rescale_output_and_pack
   // MASK_AHEAD (the including template's): S_j's mask was tested ahead of the tile, into a bit per score
@@ -307,7 +341,9 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     // two passes, so that an interior tile runs none of the mask's per-element work (in one loop, the mask's
     // tests were predicated rather than skipped: 5 instructions per score more for `score + slope[h]`)
     if (Mods::HAS_SCORE)
-      each_score([&](float& s, int row, int col, float frow, float fcol) { s = visibility.modified_score(s, row, col, frow, fcol); });
+      each_score([&](float& s, int row, int col, float frow, float fcol) {
+        s = visibility.modified_score(FP8 ? s * score_descale : s, row, col, frow, fcol);
+      });
     if (!interior && MASK_AHEAD) {
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t)
@@ -323,17 +359,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
                           // is NaN, which compares false: a row still without one keeps m = -inf)
       lazy_tile_max[0] = row_tile_max(0);
       lazy_tile_max[1] = row_tile_max(1);
-      rescale_output = __any_sync(0xffffffffu, (lazy_tile_max[0] - row_max[0]) * SCALE_LOG2 > MAX_SLACK_LOG2 ||
-                                                (lazy_tile_max[1] - row_max[1]) * SCALE_LOG2 > MAX_SLACK_LOG2);
+      rescale_output = __any_sync(0xffffffffu, (lazy_tile_max[0] - row_max[0]) * raw_scale_log2 > MAX_SLACK_LOG2 ||
+                                                (lazy_tile_max[1] - row_max[1]) * raw_scale_log2 > MAX_SLACK_LOG2);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const float tile_max = LAZY_RESCALE ? lazy_tile_max[half] : row_tile_max(half);
-      float m_scaled = safe_max(row_max[half]) * SCALE_LOG2;   // kept (lazily) or moved to m_new's
+      float m_scaled = safe_max(row_max[half]) * raw_scale_log2;   // kept (lazily) or moved to m_new's
       if (!LAZY_RESCALE || rescale_output) {
         const float m_new = fmaxf(row_max[half], tile_max);
-        m_scaled = safe_max(m_new) * SCALE_LOG2;
-        rescale[half] = exp2f(row_max[half] * SCALE_LOG2 - m_scaled);
+        m_scaled = safe_max(m_new) * raw_scale_log2;
+        rescale[half] = exp2f(row_max[half] * raw_scale_log2 - m_scaled);
         row_max[half] = m_new;
         row_sum[half] *= rescale[half];
       }
@@ -341,8 +377,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
       // d >= 160 forwards differently, a cubin not yet timed on a GPU)
 #pragma unroll
       for (int t = 0; t < S_TILES; ++t) {
-        const float p0 = exp2f(fmaf(s_acc[t][2 * half], SCALE_LOG2, -m_scaled));
-        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], SCALE_LOG2, -m_scaled));
+        const float p0 = exp2f(fmaf(s_acc[t][2 * half], raw_scale_log2, -m_scaled));
+        const float p1 = exp2f(fmaf(s_acc[t][2 * half + 1], raw_scale_log2, -m_scaled));
         row_sum[half] += p0 + p1;
         s_acc[t][2 * half] = p0;
         s_acc[t][2 * half + 1] = p1;
@@ -368,17 +404,24 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
         o_acc[t][3] *= rescale[1];
       }
     }
-    // P~'s accumulator layout is already the register A operand of the next wgmma
+    // P~'s accumulator layout is already the register A operand of the next wgmma (FP8's: with V^T's key order)
 #pragma unroll
-    for (int kk = 0; kk < P_STEPS; ++kk) tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
+    for (int kk = 0; kk < P_STEPS; ++kk) {
+      if constexpr (FP8) {
+        tc::accumulators_to_a_fp8(p_frag[kk], s_acc[4 * kk], s_acc[4 * kk + 1], s_acc[4 * kk + 2], s_acc[4 * kk + 3]);
+      } else {
+        tc::accumulators_to_a<elem_t>(p_frag[kk], s_acc[2 * kk], s_acc[2 * kk + 1]);
+      }
+    }
   };
 
   // Software pipeline, per visible block j (i counts them): K_{j+1} and V_j load while S_j = Q K_j^T
   // and then O += P~_{j-1} V_{j-1} run on the tensor cores; the softmax of S_j overlaps the second.
   // Q_i and the first visible K_j load together.
-  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
+  wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, THREADS, Layout::ROW_BYTES>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
   int j = next_visible(0);
   if (j < col_blocks) load_keys(k_stage(0), j);
+  if (FP8 && j < col_blocks) load_values(v_stage(0), j);
   tc::cp_async_commit();
   float rescale[2];
   int i = 0;
@@ -398,6 +441,7 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
     }
     wg::fence_registers(s_acc);
     softmax(j * BLOCK_C, mods_full, rescale);
+    if (FP8) transpose_values(i);   // V_j^T, while P~_{j-1} V_{j-1} may still run
     wg::wait<0>();
     wg::fence_registers(o_acc);
     rescale_output_and_pack(rescale);
@@ -414,17 +458,19 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
   // O goes out through the K, V stages, free once every warp's last product landed (all of them compute)
   const unsigned o_stage = kv_tiles + warp * tc::StagedTile<O_TILES>::BYTES;
   auto o_stage_free = [] { __syncthreads(); };
-  // O = diag(l)^-1 O, written once; LSE = tau m + log l. Rows that saw no key: O = 0, LSE = -inf.
+  // O = diag(l)^-1 O, written once; LSE = tau m + log l (raw_scale: the softmax's, with FP8's descales). Rows that
+  // saw no key: O = 0, LSE = -inf. FP8's O also takes v's descale factor.
+  const float value_descale = FP8 ? fp8_descale(args, 2, problem) : 1.f;
   float inv_l[2];
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     float l = row_sum[half];
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
-    inv_l[half] = l > 0.f ? 1.f / l : 0.f;
+    inv_l[half] = l > 0.f ? value_descale / l : 0.f;
     const int row = warp_row0 + group + half * 8;
     if (quad == 0 && row < seq_q)
-      args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * SCALE + logf(l) : -INFINITY;
+      args.lse[problem.row_offset + row] = l > 0.f ? row_max[half] * raw_scale + logf(l) : -INFINITY;
   }
   if (O_STAGED) {
 #pragma unroll
@@ -432,17 +478,17 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
 #pragma unroll
       for (int e = 0; e < 4; ++e) o_acc[t][e] *= inv_l[e / 2];
     o_stage_free();
-    tc::store_tile_staged<elem_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
+    tc::store_tile_staged<out_t, O_TILES, VALUE_DIM>(o + (long long)warp_row0 * args.o_stride[2], args.o_stride[2],
                                                       min(16, seq_q - warp_row0), o_stage, o_acc, 1.f);
   } else {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int row = warp_row0 + group + half * 8;
       if (row >= seq_q) continue;
-      elem_t* o_row = o + (long long)row * args.o_stride[2];
+      out_t* o_row = o + (long long)row * args.o_stride[2];
 #pragma unroll
       for (int t = 0; t < O_TILES; ++t)
-        tc::store_pair<elem_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
+        tc::store_pair<out_t, VALUE_DIM>(o_row, t * 8 + quad * 2, o_acc[t][2 * half] * inv_l[half],
                                           o_acc[t][2 * half + 1] * inv_l[half]);
     }
   }
@@ -467,6 +513,8 @@ extern "C" __global__ void __launch_bounds__(128, 3) fagen_fwd_d64_bf16_none_fa2
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d64_bf16_none_fa2_sm90_mod0c03c276_br128_bc128_w12_ws_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 64;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 64;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 64;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

@@ -50,6 +50,8 @@ struct KindMask {
 // no two blocks ever touch the same O_i.
 namespace fagen_fwd_d32_bf16_slidingwindow128_fa1_sm90_br32_bc128_w8_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 32;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 32;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 32;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it
@@ -206,6 +208,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_fwd_d32_bf16_slidingwind
 #include "warpgroup_mma.cuh"
 namespace fagen_bwd_d32_bf16_slidingwindow128_fa1_sm90_br128_bc128_w8_config {
 using elem_t = __nv_bfloat16;
+using out_t = __nv_bfloat16;                  // o's element type: elem_t, or bf16 from an fp8 forward
+constexpr bool FP8 = false;                  // q, k, v in e4m3, read with run-time descale factors
 constexpr int HEAD_DIM = 32;            // the d the kernel computes with (the plan's)
 constexpr int DATA_DIM = 32;              // q's and k's d: columns DATA_DIM .. HEAD_DIM are zero padding
 constexpr int VALUE_DIM = 32;            // v's and o's d (DATA_DIM unless the spec has a value_head_dim): zeros past it

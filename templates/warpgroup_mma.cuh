@@ -78,36 +78,37 @@ using Swizzle8Bit = Swizzle<COLUMNS, COLUMNS % 128 == 0 ? 128 : 64, 1>;
 // V_j's KEYS x COLUMNS fp8 tile `raw` (RawLayout: V's rows as in memory) into V_j^T at `transposed` (TLayout:
 // COLUMNS rows of KEYS keys), the B operand of O += P~ V, which FP8 wgmma reads K-major only. Within each 16
 // keys, byte 4 b + i of a row holds key 8 (i / 2) + 2 b + i % 2: the order P~'s accumulators already have as FP8
-// wgmma's register A operand (tc::accumulators_to_a_fp8), so no lane trades values. Each thread moves blocks of
-// 4 x 4 bytes (4 keys' words of 4 columns in, 4 columns' words of 4 keys out: byte permutes between); a warp's
-// lanes take 4 column words x 4 key words x 2 key groups, at most 2 lanes to a bank. All THREADS threads call it.
+// wgmma's register A operand (tc::accumulators_to_a_fp8), so no lane trades values. Warp w moves 16 keys x 32
+// columns at a time, of groups w, w + WARPS, ...: ldmatrix.trans reads keys 0-7 and 8-15 of two 16-column chunks as
+// 16-bit pairs (a lane gets keys 2 b, 2 b + 1 of columns 2 c, 2 c + 1), byte permutes make each column's 4 keys a
+// word, and stmatrix writes word b of each column's row. All THREADS threads call it.
 template <int KEYS, int COLUMNS, int THREADS, typename RawLayout, typename TLayout>
 __device__ __forceinline__ void transpose_values_fp8(unsigned raw, unsigned transposed) {
-  static_assert(KEYS % 32 == 0 && COLUMNS % 16 == 0, "whole 2 x 16-key groups and 4-word column runs");
-  constexpr int COLUMN_WORDS = COLUMNS / 4, BLOCKS = (KEYS / 4) * COLUMN_WORDS;
+  constexpr int WARPS = THREADS / 32, GROUPS = KEYS / 16;
+  static_assert(KEYS % 16 == 0 && COLUMNS % 32 == 0 && (WARPS & (WARPS - 1)) == 0 && TLayout::ROW_BYTES == KEYS,
+                "whole 16-key groups, pairs of 16-column chunks, a power-of-2 warp count, V^T's rows one panel");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, matrix = lane / 8, row = lane % 8;
+  // This lane's row of the warp's first unit (group `warp`, columns 0-31). The others are constants away: 16 key rows
+  // keep a row's swizzle phase, and an even chunk pair (of V) or the groups WARPS apart (of V^T: WARPS, a power of 2,
+  // lies above `warp`'s bits) change a chunk's bits alone, which the phase XORs.
+  const unsigned from0 = RawLayout::offset(KEYS, 16 * warp + 8 * (matrix % 2) + row, matrix / 2);  // keys 0-7 / 8-15
+  const unsigned to0 = TLayout::offset(COLUMNS, 16 * (matrix / 2) + 2 * row + matrix % 2, warp);   // V^T rows 2 r, + 1
 #pragma unroll
-  for (int block = threadIdx.x; block < BLOCKS; block += THREADS) {
-    const int rest = block / 32;
-    const int word = (rest % (COLUMN_WORDS / 4)) * 4 + block % 4;          // the 4 columns 4 word .. 4 word + 3
-    const int group = (rest / (COLUMN_WORDS / 4)) * 2 + (block / 16) % 2;  // keys 16 group .. 16 group + 15
-    const int b = (block / 4) % 4;                                       // their bytes 4 b .. 4 b + 3
-    const int key0 = 16 * group + 2 * b;                                 // keys key0, + 1, + 8, + 9
-    unsigned w[4];
+  for (int k = 0; k < (GROUPS + WARPS - 1) / WARPS; ++k) {
+    if (warp + k * WARPS >= GROUPS) break;
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int key = key0 + (i / 2) * 8 + i % 2;
-      asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(w[i])
-                   : "r"(raw + RawLayout::offset(KEYS, key, word / 4) + (word % 4) * 4) : "memory");
+    for (int pair = 0; pair < COLUMNS / 32; ++pair) {
+      constexpr int CHUNKS = RawLayout::CHUNKS;
+      const unsigned from = raw + ((from0 ^ ((2 * pair % CHUNKS) << 4)) + (2 * pair / CHUNKS) * KEYS * RawLayout::ROW_BYTES
+                                   + k * WARPS * 16 * RawLayout::ROW_BYTES);
+      unsigned x[4];
+      asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(x[0]), "=r"(x[1]), "=r"(x[2]), "=r"(x[3]) : "r"(from) : "memory");
+      const unsigned to = transposed + ((to0 ^ ((k * WARPS) << 4)) + 32 * pair * TLayout::ROW_BYTES);
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n"
+                   :: "r"(to), "r"(__byte_perm(x[0], x[1], 0x6420)), "r"(__byte_perm(x[0], x[1], 0x7531)),
+                      "r"(__byte_perm(x[2], x[3], 0x6420)), "r"(__byte_perm(x[2], x[3], 0x7531)) : "memory");
     }
-    // byte c of w[i] is column 4 word + c of key i: out[c] gathers byte c of each
-    const unsigned lo01 = __byte_perm(w[0], w[1], 0x5140), hi01 = __byte_perm(w[0], w[1], 0x7362);
-    const unsigned lo23 = __byte_perm(w[2], w[3], 0x5140), hi23 = __byte_perm(w[2], w[3], 0x7362);
-    const unsigned out[4] = {__byte_perm(lo01, lo23, 0x5410), __byte_perm(lo01, lo23, 0x7632),
-                             __byte_perm(hi01, hi23, 0x5410), __byte_perm(hi01, hi23, 0x7632)};
-#pragma unroll
-    for (int c = 0; c < 4; ++c)
-      asm volatile("st.shared.b32 [%0], %1;\n"
-                   :: "r"(transposed + TLayout::offset(COLUMNS, 4 * word + c, group) + 4 * b), "r"(out[c]) : "memory");
   }
 }
 

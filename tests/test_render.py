@@ -20,7 +20,7 @@ from fagen.render import COMMON_HEADER, TEMPLATE_DIR, kernel_name, kernel_symbol
 from fagen.runtime.grids import GROUPED_TEMPLATES
 from fagen.solver import FAMILIES, InfeasibleSpec, Plan, family_plans, solve
 from fagen.target import target_for
-from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec, load_specs
+from fagen.spec import ARCHS, DTYPES, DTYPES_EVERY_PASS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec, load_specs
 
 ROOT = Path(__file__).resolve().parents[1]
 GENERATED = ROOT / "generated"
@@ -86,7 +86,7 @@ def test_generated_file_begins_with_its_templates_and_spec(path, spec):
 def spec_fields(draw) -> dict:
     fields = {
         "head_dim": draw(st.sampled_from(range(32, 257, 8))),
-        "dtype": draw(st.sampled_from(DTYPES)),
+        "dtype": draw(st.sampled_from(DTYPES_EVERY_PASS)),
         "mask": draw(st.sampled_from(MASKS)),
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
         "dropout": draw(st.one_of(st.just(0.0), st.floats(MIN_DROPOUT, 0.9))),
@@ -163,7 +163,7 @@ def test_kernel_names_are_pure_functions_of_spec_and_plan(fields):
 
 FIELD_VALUES = {
     "head_dim": st.sampled_from(range(32, 257, 8)),
-    "dtype": st.sampled_from(DTYPES),
+    "dtype": st.sampled_from(DTYPES_EVERY_PASS),
     "mask": st.sampled_from(MASKS),
     "window": st.integers(1, 4096),
     "block_size": st.sampled_from([16, 32, 64, 128, 256]),
@@ -397,3 +397,21 @@ def test_backward_folds_kv_groups_only_where_nothing_but_the_rows_is_per_head(fi
     assert f"constexpr bool FOLDS_HEADS = {'true' if folds else 'false'};" in text
     wide = Spec(head_dim=192, dtype="bf16", mask="causal", arch="sm_90")
     assert wide.kv_group_foldable and "constexpr bool FOLDS_HEADS = false;" in render(wide, solve(wide)).pass_texts["backward"]
+
+
+def test_fp8_products_are_k32_e4m3_wgmma_reading_both_operands_k_major():
+    spec = Spec(head_dim=128, dtype="fp8_e4m3")
+    plan = solve(spec).plans["forward"]
+    context = template_context(spec, "forward", plan)
+    products = context["warpgroup_mma_functions"]
+    assert products.count(".f32.e4m3.e4m3") == 2 and "k16" not in products
+    assert "p, 1, 1;" in products                          # no transpose immediates: FP8 takes none
+    assert (context["elem_type"], context["out_type"], context["fp8"]) == ("__nv_fp8_e4m3", "__nv_bfloat16", "true")
+    bf16 = Spec(head_dim=128, dtype="bf16")
+    bf16_context = template_context(bf16, "forward", solve(bf16).plans["forward"])
+    assert bf16_context["fp8"] == "false" and bf16_context["out_type"] == bf16_context["elem_type"]
+
+
+def test_warpgroup_mma_function_refuses_a_transposed_fp8_operand():
+    with pytest.raises(AssertionError, match="K-major"):
+        rendering.warpgroup_mma_function("f", 64, "e4m3", True, 0, 1)

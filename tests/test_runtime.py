@@ -165,12 +165,13 @@ def test_call_inputs_default_to_no_run_time_inputs_and_replace_keeps_the_others(
     none (seed and offset 0), and the packed and paged paths' `_replace` adds their part and keeps the call's."""
     from fagen.runtime.call_inputs import CallInputs
 
-    assert CallInputs() == (None, None, None, 0, 0, None, None)
-    assert CallInputs()._fields == ("kv_lengths", "block_mask", "inputs", "seed", "offset", "sequences", "paged")
+    assert CallInputs() == (None, None, None, 0, 0, None, None, None)
+    assert CallInputs()._fields == ("kv_lengths", "block_mask", "inputs", "seed", "offset", "sequences", "paged",
+                                    "descales")
     given = CallInputs([3, 5], "mask", {"bias": 1.5}, 7, 2)
     packed = given._replace(sequences="sequences")
     assert packed == CallInputs([3, 5], "mask", {"bias": 1.5}, 7, 2, sequences="sequences")
-    assert packed._replace(paged=("fields", "table")) == (*given[:5], "sequences", ("fields", "table"))
+    assert packed._replace(paged=("fields", "table")) == (*given[:5], "sequences", ("fields", "table"), None)
     assert given.sequences is None and given.paged is None   # (a new tuple: the call's own is unchanged)
 
 
@@ -366,3 +367,11 @@ def test_outputs_of_a_narrower_value_head_dim_keep_qs_memory_order():
     o = empty_in_layout(q, (2, 8, 100, 128))
     assert o.shape == (2, 8, 100, 128) and o.transpose(1, 2).is_contiguous()
     assert empty_in_layout(torch.randn(2, 8, 10, 64), (2, 8, 10, 32)).is_contiguous()
+
+
+def test_descale_slots_follow_the_struct_and_take_one_pointer_each():
+    from fagen.runtime.arguments import _SLOT
+
+    start, count = _SLOT["descale"]
+    assert count == 3 and [_SLOT[f"descale{n}"] for n in range(3)] == [(start + n, 1) for n in range(3)]
+    assert _SLOT["descale_stride"] == (start + 3, 6)

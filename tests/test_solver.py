@@ -16,8 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fagen import solver
-from fagen.solver import Bc, Br, InfeasibleSpec, Plan, W, d, evaluate, family_named, solve
-from fagen.spec import ARCHS, DTYPES, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec
+from fagen.solver import FAMILIES, Bc, Br, InfeasibleSpec, Plan, W, d, evaluate, families_for, family_named, solve
+from fagen.spec import ARCHS, DTYPES, DTYPES_EVERY_PASS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec
 from fagen.target import TARGETS, target_for
 
 REGISTER_CEILING = 255
@@ -36,7 +36,7 @@ def spec_fields(draw, policy=None, passes=None, mask=None) -> dict:
     """The fields of a valid spec; every field the solver reads varies."""
     fields = {
         "head_dim": draw(st.sampled_from(range(32, 257, 8))),
-        "dtype": draw(st.sampled_from(DTYPES)),
+        "dtype": draw(st.sampled_from(DTYPES_EVERY_PASS)),
         "mask": mask or draw(st.sampled_from(MASKS)),
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
         "dropout": draw(st.one_of(st.just(0.0), st.floats(MIN_DROPOUT, 0.9))),
@@ -225,7 +225,7 @@ MODIFIER_FIELDS = ({}, {"score_mod": "score * 0.5"}, {"mask_mod": "j < prefix[b]
 
 @settings(max_examples=200)
 @given(st.sampled_from(solver.FAMILIES), st.integers(1, 512), st.integers(1, 1024), st.sampled_from(range(32, 257, 8)),
-       st.sampled_from(DTYPES), st.booleans(), st.booleans(), st.sampled_from(MODIFIER_FIELDS), st.data())
+       st.sampled_from(DTYPES_EVERY_PASS), st.booleans(), st.booleans(), st.sampled_from(MODIFIER_FIELDS), st.data())
 def test_compiled_footprints_equal_sympys_exact_values(family, block_r, block_c, head_dim, dtype, dropout, packed,
                                                        modifiers, data):
     """Candidates are evaluated by functions lambdified once per family, in floats; they must give exactly
@@ -249,7 +249,7 @@ def test_a_solve_substitutes_nothing_into_sympy(monkeypatch):
     """Once a family's functions are compiled, solving a new spec (feasible or not) is plain arithmetic:
     no sympy substitution or lambdify on that path (it made a solve cost ~0.5 s)."""
     for spec in (Spec(head_dim=64, dtype=dtype, loop_order=order, dropout=0.1, tile_policy=policy)
-                 for dtype in DTYPES for order in LOOP_ORDERS for policy in ("auto", "paper")):
+                 for dtype in DTYPES_EVERY_PASS for order in LOOP_ORDERS for policy in ("auto", "paper")):
         solve_or_none(spec)  # compiles every family once
 
     def forbidden(*args, **kwargs):
@@ -674,3 +674,23 @@ def test_a_narrower_value_head_dim_narrows_forward_wgmmas_footprint():
     assert plan.smem_bytes == int(family.smem_bytes.subs(values)) < int(family.smem_bytes.subs({**values, solver.Dv: 192}))
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values)))
     assert solver.value_tile_dim(family_named("backward_wgmma_wide"), spec, 192) == 192   # (V padded there)
+
+
+# ---- fp8_e4m3 ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
+def test_fp8_runs_on_the_fp8_family_with_whole_64_byte_panels(head_dim):
+    from fagen.solver import family_named
+
+    spec = Spec(head_dim=head_dim, dtype="fp8_e4m3", mask="causal")
+    plan = solve(spec).plans["forward"]
+    assert plan.family == "forward_wgmma_fp8" and plan.block_c % 64 == 0 and plan.head_dim in (None, head_dim)
+    family = family_named("forward_wgmma_fp8")
+    assert family.dtypes == ("fp8_e4m3",)
+    # Q, two stages of K and V, two of V^T, in bytes (E = 1), + the swizzle atoms' 1 KB
+    r, c = plan.block_r, plan.block_c
+    assert plan.smem_bytes - 1024 == r * head_dim + 2 * c * 2 * head_dim + 2 * c * head_dim
+    assert all(f.name == "forward_wgmma_fp8" for f in families_for(spec, "forward"))
+
+
+def test_no_16_bit_family_takes_fp8():
+    assert [f.name for f in FAMILIES if "fp8_e4m3" in f.dtypes] == ["forward_wgmma_fp8"]

@@ -10,7 +10,7 @@ import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from fagen.spec import (ARCHS, DTYPES, LAYOUTS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
+from fagen.spec import (ARCHS, DTYPES, DTYPES_EVERY_PASS, LAYOUTS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, TILE_POLICIES, Spec, SpecError, json_schema,
                         load_specs, parse_bytes, spec_from_dict)
 
 def _jsonschema():
@@ -176,7 +176,7 @@ def test_bad_sizes(value):
 def spec_fields(draw) -> dict:
     fields = {
         "head_dim": draw(st.sampled_from(range(32, 257, 8))),
-        "dtype": draw(st.sampled_from(DTYPES)),
+        "dtype": draw(st.sampled_from(DTYPES_EVERY_PASS)),
         "loop_order": draw(st.sampled_from(LOOP_ORDERS)),
         "tile_policy": draw(st.sampled_from(TILE_POLICIES)),
         "arch": draw(st.sampled_from(ARCHS)),
@@ -249,7 +249,8 @@ def test_schema_is_a_valid_json_schema():
 
 def test_examples_exist_and_cover_the_spec():
     specs = [spec for path in EXAMPLES for spec in load_specs(path)]
-    assert 12 <= len(specs) <= 28   # every example compiles twice in CI (sm_80, sm_90): keep the list short
+    # every example compiles twice in CI (sm_80, sm_90; fp8 once, sm_90 alone): keep the list short
+    assert 12 <= len(specs) and sum(1 if s.fp8 else 2 for s in specs) <= 60
     assert {s.mask for s in specs} == set(MASKS)
     assert {s.dtype for s in specs} == set(DTYPES)
     assert {s.loop_order for s in specs} == set(LOOP_ORDERS)
@@ -637,3 +638,27 @@ def test_value_head_dim_loads_from_yaml(tmp_path):
     path.write_text("head_dim: 192\nvalue_head_dim: 128\ndtype: bf16\nmask: causal\n")
     (spec,) = load_specs(path)
     assert spec.value_dim == 128 and spec.head_dim == 192
+
+
+# ---- fp8_e4m3 ---------------------------------------------------------------------------------
+def test_fp8_builds_the_forward_alone_by_default_and_names_itself():
+    spec = Spec(head_dim=128, dtype="fp8_e4m3", mask="causal")
+    assert spec.passes == ("forward",) and spec.fp8 and spec.output_dtype == "bf16" and spec.element_bytes == 1
+    assert "fp8e4m3" in spec.canonical_name
+    assert Spec(**spec.to_dict()) == spec   # (a spec file of it reads back the same)
+    assert Spec(head_dim=128, dtype="bf16").output_dtype == "bf16" and not Spec(head_dim=128, dtype="bf16").fp8
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"passes": ["forward", "backward"]}, "passes .* are not built yet: the fp8 forward alone"),
+    ({"passes": ["forward", "decode"]}, "passes .* are not built yet"),
+    ({"arch": "sm_80"}, "FP8 wgmma: arch sm_90, not sm_80"),
+    ({"head_dim": 96}, "head_dim 64, 128, 192 or 256"),
+    ({"head_dim": 32}, "head_dim 64, 128, 192 or 256"),
+    ({"value_head_dim": 64}, "value_head_dim must equal head_dim"),
+    ({"loop_order": "fa1"}, "loop_order fa2, tile_policy auto"),
+    ({"tile_policy": "paper"}, "loop_order fa2, tile_policy auto"),
+])
+def test_fp8_refuses_what_its_forward_does_not_take(fields, message):
+    with pytest.raises(SpecError, match=message):
+        Spec(**{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
