@@ -390,7 +390,7 @@ class Layouts:
         if plan.template not in PAGED_FORWARD_TEMPLATES:
             raise ArgumentError(f"{self.spec.variant_name}: its forward kernel ({plan.template}) does not read paged "
                                 f"K/V caches; Hopper's warpgroup-MMA forwards do ({', '.join(sorted(PAGED_FORWARD_TEMPLATES))}: "
-                                f"arch sm_90, fp16 / bf16, loop_order fa2)")
+                                f"arch sm_90, fp16 / bf16 / fp8_e4m3, loop_order fa2)")
         if self.spec.head_dim % 8:
             raise ArgumentError(f"{self.spec.variant_name}: a paged K/V cache's rows are copied in 16-byte pieces, so "
                                 f"head_dim must be a multiple of 8 (got {self.spec.head_dim})")
