@@ -152,7 +152,8 @@ WARPGROUP_PRODUCTS = {
     # d > 128: the warpgroups split S^T by queries and dK, dV, dQ by dims; P_drop^T, dS^T from shared memory
     "backward_wgmma_wide.cu.j2": (
         ("scores_product", lambda spec, plan: plan.block_r // (plan.warps // 4), False, 0, 0),    # S^T, dP^T
-        ("key_grad_product", lambda spec, plan: plan.head_dim // (plan.warps // 4), False, 0, 1),  # dV, dK
+        ("key_grad_product", lambda spec, plan: plan.head_dim // (plan.warps // 4), False, 0, 1),  # dK
+        ("value_grad_product", lambda spec, plan: value_tile_dim(spec, plan) // (plan.warps // 4), False, 0, 1),  # dV
         ("dq_product", lambda spec, plan: plan.head_dim // (plan.warps // 4), False, 1, 1),        # dQ
     ),
 }

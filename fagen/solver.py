@@ -285,7 +285,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_bytes=E * (2 * Bc * d + 2 * 2 * Br * d + 2 * Bc * Br) + 2 * 2 * 4 * Br + 1024,
            # dK, dV (64 keys x d/G each over a warpgroup's 128 lanes, G = W/4 warpgroups) + the larger of S^T,
            # dP^T (64 keys x Br/G each) and the dQ tile (Br x d/G), which do not live at once, + 40 of state
-           registers=2 * Bc * d / (32 * W) + sp.Max(2 * Bc * Br / (32 * W), Br * d / (32 * W)) + 40,
+           registers=Bc * (d + Dv) / (32 * W) + sp.Max(2 * Bc * Br / (32 * W), Br * d / (32 * W)) + 40,
            # S^T, dP^T: K_j, V_j per warpgroup and Q, dO once; dV, dK: P^T, dS^T per warpgroup and Q, dO once;
            # dQ: dS per warpgroup and K_j once
            smem_reads=E * (W / 4 * (2 * Bc * d + 2 * Bc * Br + Br * Bc) + 2 * Br * d + 2 * Br * d + Bc * d) / (Br * Bc),
@@ -293,6 +293,8 @@ FAMILIES: tuple[Family, ...] = (
            dropout_registers=4, packed_registers=4, modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
            archs=("sm_90",), preference=0, weighed_padding_up_to=256,
+           # dV's accumulators as wide as a narrower value_head_dim, each warpgroup's share on a panel (value_tile_dim)
+           options=(("narrow_values", "per_warpgroup"),),
            # at d = 97-128 also for block-sparse masks of 64-key blocks, which backward_wgmma's 128 keys there do not
            # divide (docs/decisions/0006-backward-wgmma-wide-block-sparse.md)
            # (The user's d, where the tile rule it replaced read the padded one: no d <= 128 reaches 192 or 256 here.)
@@ -561,11 +563,17 @@ def family_named(name: str) -> Family:
 
 
 def value_tile_dim(family: Family, spec: Spec, head_dim: int) -> int:
-    """The columns of V's tiles (and O's accumulators) in `family` computing at `head_dim`: head_dim, or, where the
-    family takes V narrower (its option narrow_values), a narrower value_head_dim padded to whole 32-column panels."""
-    if spec.value_head_dim is None or spec.value_dim >= head_dim or not dict(family.options).get("narrow_values"):
+    """The columns of V's tiles (and O's or dV's accumulators) in `family` computing at `head_dim`: head_dim, or, where
+    the family takes V narrower (its option narrow_values), a narrower value_head_dim padded to whole 32-column panels;
+    "per_warpgroup" (backward_wgmma_wide, whose warpgroups split dV's dims): to a panel of dO_i per warpgroup."""
+    option = dict(family.options).get("narrow_values")
+    if spec.value_head_dim is None or spec.value_dim >= head_dim or not option:
         return head_dim
-    return -(-spec.value_dim // 32) * 32
+    unit = 32
+    if option == "per_warpgroup":
+        groups = max(family.warps) // 4
+        unit = groups * (64 if (head_dim // groups) % 64 == 0 else 32)   # (its Layout's panel columns)
+    return min(head_dim, -(-spec.value_dim // unit) * unit)
 
 
 def padded_head_dim(family: Family, head_dim: int) -> int:

@@ -494,6 +494,9 @@ constexpr int R_STEPS = BLOCK_R / 16;               // k-steps over the queries 
 constexpr int C_STEPS = BLOCK_C / 16;               // k-steps over the keys (dQ)
 constexpr int R_TILES = WARP_ROWS / 8;              // 8-query column tiles of S^T per warp
 constexpr int D_TILES = GROUP_DIMS / 8;             // 8-dim column tiles of dK, dV, dQ per warp
+// dV's dims per warpgroup: GROUP_DIMS, or where v's head dim is narrower (MLA) the value tile's share, whole panels
+constexpr int VALUE_GROUP_DIMS = VALUE_TILE_DIM / GROUPS;
+constexpr int DV_TILES = VALUE_GROUP_DIMS / 8;
 constexpr bool DROPOUT_SHUFFLED = true;             // dropout's draws shared across the warp (shuffles)
 constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
 constexpr int QB_BYTES = BLOCK_R * HEAD_DIM * 2;    // one of Q_i, dO_i
@@ -517,11 +520,13 @@ static_assert(BLOCK_R % 64 == 0, "whole 128-byte panels of queries in P^T, dS^T"
 using Layout = fagen::wg::Swizzle<HEAD_DIM, GROUP_DIMS % 64 == 0 ? 128 : 64>;   // K_j, V_j, Q_i, dO_i
 using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // P_drop^T, dS^T: one row of Br queries per key
 static_assert(GROUP_DIMS % Layout::PANEL_COLUMNS == 0 && D_TILES % 2 == 0, "every warpgroup's dims start on a panel, in pairs of tiles");
+static_assert(VALUE_GROUP_DIMS % Layout::PANEL_COLUMNS == 0 && DV_TILES % 2 == 0 && DV_TILES <= D_TILES,
+              "every warpgroup's dV dims start on a panel of dO_i, in pairs of tiles");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
-// scores_product: S^T (dP^T) += K_j Q_g^T (V_j dO_g^T), m64 x WARP_ROWS; key_grad_product: dV (dK) += P_drop^T
-// dO_i (dS^T Q_i) over the warpgroup's dims, A from shared memory, B transposed; dq_product: dQ += dS K_j over
-// the warpgroup's dims, both read transposed.
+// scores_product: S^T (dP^T) += K_j Q_g^T (V_j dO_g^T), m64 x WARP_ROWS; key_grad_product: dK += dS^T Q_i over
+// the warpgroup's dims (value_grad_product: dV += P_drop^T dO_i over its dV dims), A from shared memory, B
+// transposed; dq_product: dQ += dS K_j over the warpgroup's dims, both read transposed.
 __device__ __forceinline__ void scores_product(float (&d)[4][4], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %18, 0;\n"
@@ -531,6 +536,14 @@ __device__ __forceinline__ void scores_product(float (&d)[4][4], unsigned long l
       : "l"(a), "l"(b), "r"(accumulate));
 }
 __device__ __forceinline__ void key_grad_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 1;\n}\n"
+      : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]), "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]), "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]), "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3]), "+f"(d[4][0]), "+f"(d[4][1]), "+f"(d[4][2]), "+f"(d[4][3]), "+f"(d[5][0]), "+f"(d[5][1]), "+f"(d[5][2]), "+f"(d[5][3]), "+f"(d[6][0]), "+f"(d[6][1]), "+f"(d[6][2]), "+f"(d[6][3]), "+f"(d[7][0]), "+f"(d[7][1]), "+f"(d[7][2]), "+f"(d[7][3]), "+f"(d[8][0]), "+f"(d[8][1]), "+f"(d[8][2]), "+f"(d[8][3]), "+f"(d[9][0]), "+f"(d[9][1]), "+f"(d[9][2]), "+f"(d[9][3]), "+f"(d[10][0]), "+f"(d[10][1]), "+f"(d[10][2]), "+f"(d[10][3]), "+f"(d[11][0]), "+f"(d[11][1]), "+f"(d[11][2]), "+f"(d[11][3]), "+f"(d[12][0]), "+f"(d[12][1]), "+f"(d[12][2]), "+f"(d[12][3]), "+f"(d[13][0]), "+f"(d[13][1]), "+f"(d[13][2]), "+f"(d[13][3]), "+f"(d[14][0]), "+f"(d[14][1]), "+f"(d[14][2]), "+f"(d[14][3]), "+f"(d[15][0]), "+f"(d[15][1]), "+f"(d[15][2]), "+f"(d[15][3])
+      : "l"(a), "l"(b), "r"(accumulate));
+}
+__device__ __forceinline__ void value_grad_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
   asm volatile(
       "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
@@ -664,14 +677,18 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   tc::cp_async_commit();
   const int warp_col0 = col0 + warp_in_group * 16;                 // this warp's 16 keys (of S^T and of dK, dV)
   const int dim0 = warpgroup * GROUP_DIMS;                         // the warpgroup's first dim of dK, dV, dQ
+  const int value_dim0 = warpgroup * VALUE_GROUP_DIMS;             // ... of dV (dim0 but for a narrower v)
 
-  float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // keys group, group + 8 of the warp's 16; dims dim0 + 8 n + 2 quad, + 1
+  float dk_acc[D_TILES][4], dv_acc[DV_TILES][4];  // keys group, group + 8 of the warp's 16; dims dim0 + 8 n + 2 quad, + 1
   float s_acc[R_TILES][4], dp_acc[R_TILES][4];
   float dq_acc[D_TILES][4];                      // queries 16 warp_in_group + group, + 8 of the row block
 #pragma unroll
   for (int n = 0; n < D_TILES; ++n)
 #pragma unroll
-    for (int e = 0; e < 4; ++e) dk_acc[n][e] = dv_acc[n][e] = 0.f;
+    for (int e = 0; e < 4; ++e) {
+      dk_acc[n][e] = 0.f;
+      if (n < DV_TILES) dv_acc[n][e] = 0.f;
+    }
 
   // Descriptors, built once; a k-step adds a compile-time offset (>> 4) to the start address field.
   //   K-major (d contiguous): K_j, V_j as A and the warpgroup's rows of Q_i, dO_i as B of the score products;
@@ -685,7 +702,8 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   const unsigned long long do_rows0 = Layout::k_major(do_tile(0) + group_rows);
   const unsigned dim_panels = dim0 / Layout::PANEL_COLUMNS;
   const unsigned long long q_cols0 = Layout::mn_major(q_tile(0) + dim_panels * BLOCK_R * Layout::ROW_BYTES, BLOCK_R);
-  const unsigned long long do_cols0 = Layout::mn_major(do_tile(0) + dim_panels * BLOCK_R * Layout::ROW_BYTES, BLOCK_R);
+  const unsigned value_panels = value_dim0 / Layout::PANEL_COLUMNS;
+  const unsigned long long do_cols0 = Layout::mn_major(do_tile(0) + value_panels * BLOCK_R * Layout::ROW_BYTES, BLOCK_R);
   const unsigned long long k_cols = Layout::mn_major(k_tile + dim_panels * BLOCK_C * Layout::ROW_BYTES, BLOCK_C);
   const unsigned long long p_rows = ScoreLayout::k_major(p_tile), ds_rows = ScoreLayout::k_major(ds_tile);
   const unsigned long long ds_cols = ScoreLayout::mn_major(ds_tile, BLOCK_C);
@@ -844,7 +862,7 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     for (int kk = 0; kk < C_STEPS; ++kk) dq_product(dq_acc, ds_cols + ScoreLayout::mn_major_step(kk), k_cols + Layout::mn_major_step(kk), kk > 0);
     wg::commit();
 #pragma unroll
-    for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dv_acc, p_rows + ScoreLayout::k_major_step(BLOCK_C, kk), do_cols + Layout::mn_major_step(kk), 1);
+    for (int kk = 0; kk < R_STEPS; ++kk) value_grad_product(dv_acc, p_rows + ScoreLayout::k_major_step(BLOCK_C, kk), do_cols + Layout::mn_major_step(kk), 1);
 #pragma unroll
     for (int kk = 0; kk < R_STEPS; ++kk) key_grad_product(dk_acc, ds_rows + ScoreLayout::k_major_step(BLOCK_C, kk), q_cols + Layout::mn_major_step(kk), 1);
     wg::commit();
@@ -896,8 +914,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   if (keys_here > 0) {
     tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
                                                      keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
-    tc::store_tile_staged<elem_t, D_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
-                                                      keys_here, key_grads_stage, dv_acc, 1.f, VALUE_DIM - dim0);
+    tc::store_tile_staged<elem_t, DV_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + value_dim0,
+                                                       args.dv_stride[2], keys_here, key_grads_stage, dv_acc, 1.f,
+                                                       VALUE_DIM - value_dim0);
   }
 }
 

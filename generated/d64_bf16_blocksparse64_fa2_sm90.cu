@@ -458,6 +458,7 @@ constexpr int R_TILES = BLOCK_R / 8;                // 8-query column tiles of S
 constexpr bool DROPOUT_SHUFFLED = true;             // dropout's draws shared across the warp (shuffles)
 constexpr int WARP_ROWS = BLOCK_R;                 // queries of a warp's S^T: all of them
 constexpr int D_TILES = HEAD_DIM / 8;               // 8-dim column tiles of dK, dV per warp
+constexpr int DV_TILES = D_TILES;                   // (dV as wide as dK here: zeros past VALUE_DIM)
 // dQ_i = dS K_j: each warpgroup computes 64 query rows x all dims, or (Br = 64) all rows x 64 dims. Where d is an
 // odd number of 32-column halves (d = 96 over two warpgroups) the last warpgroup's 64 dims end at d, overlapping
 // the previous warpgroup's by 32, and it leaves the atomics of those to that one: the same instructions in every
@@ -653,7 +654,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   auto row_block_read = [](int) {};
   auto next_head = [](int&) { return false; };
   const int warp_col0 = col0 + mma_warp * 16;                          // this warp's 16 keys
-  constexpr int dim0 = 0;                                          // the warp's dK, dV: every dim
+  constexpr int dim0 = 0, value_dim0 = 0;                          // the warp's dK, dV: every dim
 
   float dk_acc[D_TILES][4], dv_acc[D_TILES][4];  // rows group, group + 8 of the warp's keys
   float s_acc[R_TILES][4], dp_acc[R_TILES][4];
@@ -926,8 +927,9 @@ extern "C" __global__ void __launch_bounds__(128) fagen_bwd_d64_bf16_blocksparse
   if (keys_here > 0) {
     tc::store_tile_staged<elem_t, D_TILES, DATA_DIM>(dk + (long long)warp_col0 * args.dk_stride[2] + dim0, args.dk_stride[2],
                                                      keys_here, key_grads_stage, dk_acc, SCALE, DATA_DIM - dim0);
-    tc::store_tile_staged<elem_t, D_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + dim0, args.dv_stride[2],
-                                                      keys_here, key_grads_stage, dv_acc, 1.f, VALUE_DIM - dim0);
+    tc::store_tile_staged<elem_t, DV_TILES, VALUE_DIM>(dv + (long long)warp_col0 * args.dv_stride[2] + value_dim0,
+                                                       args.dv_stride[2], keys_here, key_grads_stage, dv_acc, 1.f,
+                                                       VALUE_DIM - value_dim0);
   }
 }
 

@@ -673,14 +673,22 @@ def test_a_narrower_value_head_dim_narrows_forward_wgmmas_footprint():
     values = {Br: 128, Bc: 112, d: 192, W: 8, solver.E: 2, solver.Dv: 96}
     assert plan.smem_bytes == int(family.smem_bytes.subs(values)) < int(family.smem_bytes.subs({**values, solver.Dv: 192}))
     assert plan.registers_estimate == int(sp.ceiling(family.registers.subs(values)))
-    assert solver.value_tile_dim(family_named("backward_wgmma_wide"), spec, 192) == 192   # (V padded there)
+    assert solver.value_tile_dim(family_named("backward_wgmma_ws"), spec, 192) == 192   # (V padded there)
+
+
+def test_the_wide_backward_narrows_dv_in_whole_panels_per_warpgroup():
+    """backward_wgmma_wide splits dV's dims between its two warpgroups: each share must start on a panel of dO_i's
+    tile (32 columns at d = 192's 64-byte panels, 64 at d = 256's 128-byte ones)."""
+    wide = family_named("backward_wgmma_wide")
+    for (head_dim, value_dim), tile in {(192, 128): 128, (192, 72): 128, (192, 24): 64, (256, 128): 128,
+                                        (256, 200): 256, (192, 192): 192}.items():
+        spec = Spec(head_dim=head_dim, value_head_dim=value_dim, dtype="bf16")
+        assert solver.value_tile_dim(wide, spec, head_dim) == tile, (head_dim, value_dim)
 
 
 # ---- fp8_e4m3 ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("head_dim", [64, 128, 192, 256])
 def test_fp8_runs_on_the_fp8_family_with_whole_64_byte_panels(head_dim):
-    from fagen.solver import family_named
-
     spec = Spec(head_dim=head_dim, dtype="fp8_e4m3", mask="causal")
     plan = solve(spec).plans["forward"]
     assert plan.family == "forward_wgmma_fp8" and plan.block_c % 64 == 0 and plan.head_dim in (None, head_dim)
