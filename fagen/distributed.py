@@ -268,6 +268,8 @@ def _check_ring_spec(spec) -> None:
         unsupported.append("layout packed")
     if spec.value_head_dim is not None:
         unsupported.append("value_head_dim (v and o of their own head dim)")
+    if spec.fp8:
+        unsupported.append("dtype fp8_e4m3 (its forward alone, with bf16 o)")
     if unsupported:
         raise NotImplementedError("ring_attention does not implement " + ", ".join(unsupported) + " yet "
                                   "(docs/distributed.md)")
@@ -791,6 +793,8 @@ def _check_ulysses_spec(spec) -> None:
         unsupported.append("mask block_sparse")
     if spec.value_head_dim is not None:
         unsupported.append("value_head_dim (v and o of their own head dim)")
+    if spec.fp8:
+        unsupported.append("dtype fp8_e4m3 (its forward alone, with bf16 o)")
     if unsupported:
         raise NotImplementedError("ulysses_attention does not implement " + ", ".join(unsupported) + " yet "
                                   "(docs/distributed.md)")

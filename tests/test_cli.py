@@ -649,3 +649,11 @@ def test_bench_model_without_transformers_names_the_extra(run, monkeypatch):
     monkeypatch.setattr("fagen.cli._gpu_entry", lambda *args: (lambda **kwargs: None))
     monkeypatch.setitem(sys.modules, "transformers", None)
     assert_one_line_error(run("bench-model"), 2, "pip install 'fagen[transformers]'")
+
+
+def test_bench_refuses_fp8_variants_by_name_and_says_what_times_them(run, tmp_path):
+    spec_file = tmp_path / "fp8.yaml"
+    spec_file.write_text("- {head_dim: 128, dtype: fp8_e4m3}\n- {head_dim: 64, dtype: bf16}\n")
+    result = run("bench", spec_file)
+    assert result.exit_code == 2
+    assert "d128_fp8e4m3_none_fa2_sm90_for is fp8_e4m3" in result.stderr and "python -m fagen.bench fp8" in result.stderr

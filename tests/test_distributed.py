@@ -272,6 +272,8 @@ def test_refusals():
         fd.ring_attention(q, q, q[..., :8], mla, kernel=fd.ReferenceKernel(fagen.Spec(head_dim=D)))
     with pytest.raises(NotImplementedError, match="value_head_dim"):
         fd.ReferenceKernel(mla)
+    with pytest.raises(NotImplementedError, match="dtype fp8_e4m3"):
+        fd.ReferenceKernel(fagen.Spec(head_dim=64, dtype="fp8_e4m3"))
     causal = {"head_dim": D, "dtype": "fp32", "mask": "causal"}
     with pytest.raises(ValueError, match="odd"):
         fd.ring_attention(q[:, :, :7], q[:, :, :7], q[:, :, :7], causal, layout="zigzag",
@@ -629,7 +631,8 @@ def test_ulysses_refuses_what_it_would_compute_differently():
                         (fagen.Spec(head_dim=D, dtype="fp32", score_mod="score * w[h]", inputs={"w": "float32"}),
                          "reads h"),
                         (fagen.Spec(head_dim=D, dtype="fp32", mask="block_sparse", block_size=16), "block_sparse"),
-                        (fagen.Spec(head_dim=16, value_head_dim=8, dtype="bf16"), "value_head_dim")):
+                        (fagen.Spec(head_dim=16, value_head_dim=8, dtype="bf16"), "value_head_dim"),
+                        (fagen.Spec(head_dim=64, dtype="fp8_e4m3"), "dtype fp8_e4m3")):
         with pytest.raises(NotImplementedError, match=match):
             fd.ulysses_attention(q, k, v, spec, ring)
     spec = ULYSSES_SPECS["none"]
