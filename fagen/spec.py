@@ -335,6 +335,9 @@ class Spec(BaseModel):
         if self.loop_order != "fa2" or self.tile_policy != "auto":
             raise ValueError(f"{where} runs on the tensor-core forward: loop_order fa2, tile_policy auto (got "
                              f"{self.loop_order}, {self.tile_policy})")
+        if self.mask == "block_sparse" and self.block_size < 64:
+            raise ValueError(f"{where}: mask block_sparse takes block_size 64, 128 or 256 (its key blocks are whole "
+                             f"64-key panels of V^T), not {self.block_size}")
 
     # ---- derived values -------------------------------------------------------------------
     @property

@@ -670,11 +670,13 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         raise runtime.ArgumentError(f"q_descale, k_descale, v_descale are for dtype fp8_e4m3 specs (q, k, v of "
                                     f"torch.float8_e4m3fn), not q of {q.dtype}")
     if descales or q.dtype == torch.float8_e4m3fn:
-        if torch.compiler.is_compiling() or type(q) is not torch.Tensor:
-            raise runtime.ArgumentError("fp8 attention runs eagerly: not yet through torch.compile or tensor "
-                                        "subclasses")
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-            raise runtime.ArgumentError("fp8 attention has no backward yet: q, k, v must not require grad")
+        # (the custom ops take no descales: fp8 calls run the eager path alone)
+        if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not EAGER_FAST_PATH:
+            raise runtime.ArgumentError("fp8 attention runs eagerly (fagen.torch.EAGER_FAST_PATH on): not yet "
+                                        "through torch.compile, the custom ops or tensor subclasses")
+        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_inputs):
+            raise runtime.ArgumentError("fp8 attention has no backward yet: q, k, v and the inputs must not require "
+                                        "grad")
     seed_tensor = None
     if isinstance(seed, torch.Tensor):   # drawn on the GPU: see the docstring
         seed_tensor, seed = seed, 0

@@ -658,6 +658,7 @@ def test_fp8_builds_the_forward_alone_by_default_and_names_itself():
     ({"value_head_dim": 64}, "value_head_dim must equal head_dim"),
     ({"loop_order": "fa1"}, "loop_order fa2, tile_policy auto"),
     ({"tile_policy": "paper"}, "loop_order fa2, tile_policy auto"),
+    ({"mask": "block_sparse", "block_size": 32}, "block_size 64, 128 or 256"),
 ])
 def test_fp8_refuses_what_its_forward_does_not_take(fields, message):
     with pytest.raises(SpecError, match=message):

@@ -703,3 +703,19 @@ def test_the_cuda_kernel_of_the_forward_op_restores_what_the_dispatcher_dropped(
     assert seen.pop()["inputs"] == {"cap": 0.0}
     fagen_torch._forward_cuda(q, k, v, plain, None, None, 0, 3)   # a run-time argument: the full keywords
     assert seen.pop()["offset"] == 3
+
+
+def test_fp8_attention_refuses_what_it_cannot_run_before_touching_a_gpu(monkeypatch):
+    """fp8 runs on the eager path alone (the custom ops take no descales) and has no backward: both are refused by
+    name, before any device is needed; so are descales for a 16-bit q."""
+    from fagen.runtime import ArgumentError
+
+    spec = {"head_dim": 128, "dtype": "fp8_e4m3"}
+    q8 = torch.randn(1, 2, 16, 128).to(torch.float8_e4m3fn)
+    with pytest.raises(ArgumentError, match="no backward yet"):
+        fagen.attention(q8.clone().requires_grad_(), q8, q8, spec)
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    with pytest.raises(ArgumentError, match="fp8 attention runs eagerly"):
+        fagen.attention(q8, q8, q8, spec, q_descale=0.5)
+    with pytest.raises(ArgumentError, match="are for dtype fp8_e4m3 specs"):
+        fagen.attention(q8.bfloat16(), q8.bfloat16(), q8.bfloat16(), {"head_dim": 128, "dtype": "bf16"}, k_descale=2.0)

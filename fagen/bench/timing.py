@@ -131,6 +131,13 @@ class Inputs:
     runtime_args: dict
 
 
+def refuse_fp8(spec: Spec, what: str) -> None:
+    """The benches and the autotuner time 16-bit and fp32 calls against SDPA's, which takes no e4m3 inputs."""
+    if spec.fp8:
+        raise ValueError(f"{what}: {spec.variant_name} is fp8_e4m3, which this timing does not take; python -m "
+                         "fagen.bench fp8 times the fp8 forward against fagen's and cuDNN's bf16 forwards")
+
+
 def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0, kv_heads: Optional[int] = None) -> Inputs:
     """Fresh torch.randn inputs on the GPU (never zeros: zeros make every kernel look fast); k and v
     with `kv_heads` heads (grouped KV heads) when given.
@@ -139,6 +146,7 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0,
     count; dropout gets a fixed seed and offset."""
     import torch
 
+    refuse_fp8(spec, "timing inputs")
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     # (v and do of the spec's value_dim: its value_head_dim where it has one)

@@ -120,9 +120,9 @@ class ArgumentChecks:
         return keep
 
     def _descales(self, args: LaunchArgs, descales, tensors: dict, batch: int, stream: int) -> list:
-        """An fp8 forward's q_descale, k_descale, v_descale into `args` (None: 1). Each a number (put in a
+        """An fp8 forward's q_descale, k_descale, v_descale into `args` (None: 1). Each a positive number (put in a
         one-element tensor), a float32 tensor of one element (broadcast) or of shape (batch, kv_heads), on q's
-        device; `batch` counts a packed call's sequences."""
+        device (its values, unread on the host, must be positive too); `batch` counts a packed call's sequences."""
         if descales is None:
             return []
         if not self.spec.fp8:
@@ -135,8 +135,8 @@ class ArgumentChecks:
             if value is None:
                 continue
             if isinstance(value, (int, float)) and not isinstance(value, bool):
-                if not math.isfinite(value):
-                    raise ArgumentError(f"{name}: expected a finite number, got {value}")
+                if not (math.isfinite(value) and value > 0):
+                    raise ArgumentError(f"{name}: expected a positive finite number, got {value}")
                 value = _allocate(like, (1,), "fp32", stream, fill=float(value)) if value else \
                     _allocate(like, (1,), "fp32", stream, zero=True)
             elif not _is_device_array(value):

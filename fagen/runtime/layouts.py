@@ -367,6 +367,9 @@ class Layouts:
         With a padded spec only the decode pass reads pages (the spec's passes must include it, and a call must
         fit its rows); a page must hold whole tiles of the decode plan's keys. (Packed specs: _forward_paged_packed.)"""
         decode = self.plans.get("decode")
+        if decode is None and self.spec.fp8:
+            raise ArgumentError(f"{self.spec.variant_name}: an fp8_e4m3 spec has no decode pass; it reads paged K/V "
+                                "caches with layout packed (query rows per sequence by cu_seqlens_q)")
         if decode is None:
             raise ArgumentError(f"{self.spec.variant_name}: with a layout padded spec, paged K/V caches are read by the "
                                 f"decode pass; build the spec with passes including \"decode\" (passes: "
