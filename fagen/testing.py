@@ -19,13 +19,13 @@ import numpy as np
 from hypothesis import strategies as st
 
 from fagen import reference
+from fagen.runtime.tensors import TORCH_DTYPES   # the spec dtypes' torch names (the runtime's, which takes them)
 from fagen.spec import Spec
 
 #: ||out - ref||_F / ||ref||_F allowed per dtype (design.md); fp32 runs on CUDA cores, no tf32.
 # fp8_e4m3: e4m3's relative half-ulp (3 mantissa bits), the most that rounding P~ to e4m3 for O += P~ V moves each
 # weight; that rounding alone, emulated in float64 on random inputs, gives 1.3-2.6% (docs/decisions/0013-fp8-forward.md).
 TOLERANCES = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8_e4m3": 2.0**-4}
-TORCH_DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32", "fp8_e4m3": "float8_e4m3fn"}
 HEAD_DIMS = (32, 64, 96, 128, 256)
 
 
@@ -149,7 +149,7 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
     import torch
 
     rng = np.random.default_rng(case.data_seed)
-    dtype = getattr(torch, TORCH_DTYPE_NAMES[spec.dtype])
+    dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
     tensors = []
     if case.packed:   # (total rows, heads, d); "bnhd": a strided view of a (heads, total, d) tensor
         for name in names:
@@ -199,7 +199,7 @@ def _output_like(spec: Spec, q, shape: tuple):
     """o poisoned with NaN: q's dtype, or bf16 for an fp8 forward."""
     import torch
 
-    return torch.full(shape, float("nan"), dtype=getattr(torch, TORCH_DTYPE_NAMES[spec.output_dtype]), device=q.device)
+    return torch.full(shape, float("nan"), dtype=getattr(torch, TORCH_DTYPES[spec.output_dtype]), device=q.device)
 
 
 def fp8_descales(case: Case, sequences: int, kv_heads: int, device) -> dict:
