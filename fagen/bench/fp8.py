@@ -10,7 +10,7 @@ import json as json_module
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fagen.bench.peers import _backend
+from fagen.bench.peers import sdpa_with
 from fagen.bench.report import environment, make_console, reason
 from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, attention_flops, relative_error, time_cuda
 from fagen.spec import Spec
@@ -22,8 +22,6 @@ def run_fp8(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
             head_dims: Sequence[int] = (64, 128, 256), warmup: int = 3, repeats: int = 10,
             json: Optional[str] = None) -> list[dict]:
     import torch
-    import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     from fagen import jit, runtime
 
@@ -54,7 +52,7 @@ def run_fp8(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
                 row["us"]["fagen fp8"] = 1e3 * time_cuda(lambda: fp8.forward(q, k, v, **descale), warmup, repeats,
                                                          MAX_SECONDS_PER_MEASUREMENT)
                 peers = {"fagen bf16": lambda: bf16.forward(q16, k16, v16)[0],
-                         "cudnn bf16": lambda: _sdpa(F, sdpa_kernel, _backend("cudnn"), causal, q16, k16, v16)}
+                         "cudnn bf16": lambda: sdpa_with("cudnn", causal, q16, k16, v16)}
                 for name, call in peers.items():
                     try:
                         with torch.no_grad():
@@ -66,8 +64,8 @@ def run_fp8(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
                     except Exception as err:  # the backend refuses these shapes
                         row["notes"][name] = reason(err, 120)
                 try:
-                    with torch.no_grad(), sdpa_kernel(_backend("cudnn")):
-                        F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+                    with torch.no_grad():
+                        sdpa_with("cudnn", causal, q, k, v)
                     row["notes"]["cudnn fp8"] = "ran (not timed: no descale interface)"
                 except Exception as err:  # what SDPA says to fp8 inputs
                     row["notes"]["cudnn fp8"] = reason(err, 120)
@@ -82,8 +80,3 @@ def run_fp8(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
     if json:
         Path(json).write_text(json_module.dumps({"meta": meta, "rows": rows}, indent=1))
     return rows
-
-
-def _sdpa(F, sdpa_kernel, backend, causal: bool, q, k, v):
-    with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)

@@ -12,7 +12,7 @@ import json as json_module
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fagen.bench.peers import _backend, allow_flex_recompiles
+from fagen.bench.peers import allow_flex_recompiles, sdpa_with
 from fagen.bench.report import environment, make_console, reason
 from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, attention_flops, relative_error, time_cuda
 from fagen.spec import Spec
@@ -31,7 +31,6 @@ def run_mla(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
             json: Optional[str] = None) -> list[dict]:
     import torch
     import torch.nn.functional as F
-    from torch.nn.attention import sdpa_kernel
 
     from fagen import jit, runtime
 
@@ -72,7 +71,7 @@ def run_mla(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
             leaves = [t.detach().requires_grad_() for t in (q, k, v)]
             peers = {}
             for name in ("cudnn", "flash"):
-                peers[name] = (lambda backend: lambda *t: _sdpa(F, sdpa_kernel, backend, causal, *t))(_backend(name))
+                peers[name] = (lambda backend: lambda *t: sdpa_with(backend, causal, *t))(name)
             peers["sdpa default"] = lambda *t: F.scaled_dot_product_attention(*t, is_causal=causal)
             if flex is not None:
                 mask = (create_block_mask(lambda b, h, i, j: i >= j, None, None, seq, seq, device=DEVICE) if causal
@@ -109,11 +108,6 @@ def run_mla(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
     if json:
         Path(json).write_text(json_module.dumps({"meta": meta, "rows": rows}, indent=1))
     return rows
-
-
-def _sdpa(F, sdpa_kernel, backend, causal: bool, q, k, v):
-    with sdpa_kernel(backend):
-        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
 
 
 def _no_grad(torch, call, *tensors):

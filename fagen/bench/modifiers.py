@@ -35,6 +35,7 @@ from typing import Any, Callable, NamedTuple, Optional, Sequence
 from fagen.bench.report import environment, make_console, reason, strict_json
 from fagen.bench.peers import allow_flex_recompiles
 from fagen.bench.timing import DEVICE, DROPOUT_SEED, relative_error, time_us_after_first_call
+from fagen.runtime.tensors import TORCH_DTYPES
 from fagen.spec import Spec
 
 TOLERANCE = 2e-2
@@ -161,7 +162,7 @@ class Case:
 def make_case(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0) -> Case:
     import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     q, k, v, do = (torch.randn(batch, heads, seq_len, spec.head_dim if name in "qk" else spec.value_dim, dtype=dtype,
                                device=DEVICE, generator=generator) for name in "qkvd")

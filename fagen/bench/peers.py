@@ -20,6 +20,15 @@ def _backend(name: str):
             "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}[name]
 
 
+def sdpa_with(backend: str, causal: bool, q, k, v):
+    """SDPA held to one backend (`_backend`'s names) on q, k, v: the benches' peer call where no mask is written out."""
+    import torch.nn.functional as F
+    from torch.nn.attention import sdpa_kernel
+
+    with sdpa_kernel(_backend(backend)):
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+
 def _sdpa_kwargs(spec: Spec, inputs: Inputs, dropout: bool = True) -> dict:
     kwargs = {"is_causal": spec.mask == "causal", "dropout_p": spec.dropout if dropout else 0.0, "scale": spec.scale}
     if inputs.k.shape[1] != inputs.q.shape[1]:

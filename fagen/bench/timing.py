@@ -12,6 +12,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
+from fagen.runtime.tensors import TORCH_DTYPES
 from fagen.spec import Spec
 
 #: One measurement is cut to fewer timed runs (at least MIN_REPEATS) when it would take longer than this.
@@ -147,7 +148,7 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0,
     import torch
 
     refuse_fp8(spec, "timing inputs")
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[spec.dtype]
+    dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     # (v and do of the spec's value_dim: its value_head_dim where it has one)
     shapes = {"q": (batch, heads, seq_len, spec.head_dim), "k": (batch, kv_heads or heads, seq_len, spec.head_dim),
