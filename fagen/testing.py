@@ -336,20 +336,15 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     spec = kernel.spec
     q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
-    if spec.fp8:
-        runtime.update(fp8_descales(case, len(case.q_lengths), k.shape[1], q.device))
+    descales = fp8_descales(case, len(case.q_lengths), k.shape[1], q.device) if spec.fp8 else {}
     o = _output_like(spec, q, (*q.shape[:-1], spec.value_dim))   # o has v's head dim
     lse = torch.full((case.heads, q.shape[0]), float("nan"), device=q.device)
-    kernel.forward(q, k, v, out=(o, lse), **runtime)
+    kernel.forward(q, k, v, out=(o, lse), **runtime, **descales)
     cu_q, cu_k = runtime.pop("cu_seqlens_q"), runtime.pop("cu_seqlens_k")
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))
-    if spec.fp8:
-        descales = {name: runtime.pop(name) for name in ("q_descale", "k_descale", "v_descale")}
+    if descales:   # each row takes its sequence's factors
         rows_q, rows_k = (np.searchsorted(cu[1:], np.arange(t.shape[0]), side="right") for cu, t in ((cu_q, q), (cu_k, k)))
         qn, kn, vn = _dequantized((qn, kn, vn), descales, case.heads, (rows_q, rows_k, rows_k))
-        fresh_descales = descales
-    else:
-        fresh_descales = {}
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
                 "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     # Rows outside every sequence are the caller's: with out= given, the kernels leave them as they were.
@@ -358,7 +353,7 @@ def _assert_packed_matches_reference(kernel, case: Case, backward: bool) -> dict
     errors = {"o": relative_error(_to_numpy(o)[:covered], ref_o[:covered]),
               "lse": _lse_error(_to_numpy(lse)[:, :covered], ref_lse[:, :covered])}
     # Without out=: fresh outputs, where rows outside every sequence must read o = 0 and lse = -inf.
-    o_new, lse_new = kernel.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime, **fresh_descales)
+    o_new, lse_new = kernel.forward(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, **runtime, **descales)
     errors["o (new)"] = relative_error(_to_numpy(o_new), ref_o)
     errors["lse (new)"] = _lse_error(_to_numpy(lse_new), ref_lse)
     if backward:
