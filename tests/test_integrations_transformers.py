@@ -95,11 +95,12 @@ def tiny(config_class, **overrides):
     return config_class(**fields)
 
 
-def model_pair(config):
-    """The same random weights with attn_implementation "eager" and "fagen" (float32, CPU, eval)."""
+def model_pair(config, dtype=None):
+    """The same random weights with attn_implementation "eager" and "fagen" (float32 unless `dtype`, CPU, eval)."""
     torch.manual_seed(0)  # each model gets its own config: from_config records the implementation on it
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager").eval()
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen").eval()
+    extra = {} if dtype is None else {"dtype": dtype}
+    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager", **extra).eval()
+    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen", **extra).eval()
     assert eager.config._attn_implementation == "eager" and ours.config._attn_implementation == "fagen"
     ours.load_state_dict(eager.state_dict())
     return eager, ours
@@ -853,13 +854,7 @@ def _deepseek_v3(**overrides):
 def test_deepseek_v3_mla_runs_on_fagen_with_its_value_head_dim(calls):
     """MLA's q, k of 48 dims (32 + 16 rope dims) and v of 32 go to fagen as they are, with value_head_dim in the
     spec: bf16 logits and a training step's gradients as eager's (to bf16's rounding), no fallback."""
-    torch.manual_seed(0)
-    config = _deepseek_v3()
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
-                                             dtype=torch.bfloat16).eval()
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen",
-                                            dtype=torch.bfloat16).eval()
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = model_pair(_deepseek_v3(), dtype=torch.bfloat16)
     x = tokens(seq=20)
     expected, got = eager(x, labels=x), ours(x, labels=x)
     scale = expected.logits.float().abs().max().item()
@@ -888,13 +883,7 @@ def test_deepseek_v3_in_float32_falls_back_naming_the_value_head_dim(calls):
 def test_deepseek_v3_cached_generation_asks_for_the_decode_kernel_with_its_value_head_dim(calls):
     """Generation with a cache: the prefill as a plain causal spec, each step (one query) as the spec with the decode
     pass, both with value_head_dim (valid specs: the fixture builds each); the prefill's logits eager's."""
-    torch.manual_seed(0)
-    config = _deepseek_v3()
-    eager = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="eager",
-                                             dtype=torch.bfloat16).eval()
-    ours = AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="fagen",
-                                            dtype=torch.bfloat16).eval()
-    ours.load_state_dict(eager.state_dict())
+    eager, ours = model_pair(_deepseek_v3(), dtype=torch.bfloat16)
     prompt = tokens(batch=1, seq=12)
     out = {name: net.generate(prompt, max_new_tokens=4, do_sample=False, pad_token_id=0, output_logits=True,
                               return_dict_in_generate=True) for name, net in (("eager", eager), ("fagen", ours))}
