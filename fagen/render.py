@@ -188,6 +188,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "block_r": plan.block_r,
         "block_c": plan.block_c,
         "threads": threads,
+        "stages": plan.stages,
         # the blocks per multiprocessor the solver ranked this plan by (its register estimate), for
         # templates that hold ptxas to it with __launch_bounds__
         "resident_blocks": max(1, plan.resident_warps // plan.warps),

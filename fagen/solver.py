@@ -116,6 +116,9 @@ _forward_tiles = E * (Br * d + 2 * Bc * d) + 4 * Bc + 4 * Br * Bc   # Q_i, K_j, 
 # O_i accumulators, about twice over once ptxas unrolls the P V loop (d=256, Br=128: 255 and spills)
 _forward_registers = 2 * sp.ceiling(Br * d / (32 * W)) + REGISTER_OVERHEAD
 
+# A latent_kv spec's v is k's first columns: decode_latent_mma alone reads it so.
+_NOT_LATENT = ("not latent_kv (decode_latent_mma reads a latent cache)", lambda spec: not spec.latent_kv)
+
 # The CUDA-core templates take any head dim. Their fp32 tiles follow the 2-byte Q/K/V tiles in shared
 # memory, so with an odd d an odd Br or Bc would leave them off 4-byte alignment.
 _EVEN_TILES_FOR_ODD_DIMS = ("Br and Bc even when d is odd (the fp32 tiles stay 4-byte aligned)",
@@ -341,6 +344,18 @@ FAMILIES: tuple[Family, ...] = (
                   ("the two warps of a 16-key slab take half the queries each, in pairs of 8-wide tiles: Br a "
                    "multiple of 32", lambda r, c, hd, w: r % 32 == 0),
                   _DQ_TILES_OVER_WARPS)),
+    # Split-KV decoding from a latent cache (MLA: v is k's first Dv columns): 16 query rows per block (a K/V head's
+    # group in chunks of 16), Q and STAGES cp.async stages of K_j in shared memory, P~ shared between the warps:
+    # warp w scores keys [w Bc/W, (w+1) Bc/W) and accumulates O's columns [w Dv/W, (w+1) Dv/W).
+    Family("decode_latent_mma", "decode_latent_mma.cu.j2", ("decode",),
+           smem_bytes=E * (Br * (d + 8) + 2 * Bc * (d + 8) + Br * (Bc + 8)) + 4 * W * Br,
+           # O's columns of the warp (Dv / 2W), S of its keys (Bc / 2W), a Q and a P fragment
+           registers=Dv / (2 * W) + Bc / (2 * W) + 8 + REGISTER_OVERHEAD,
+           warps=(4,), stages=2, tensor_cores=True, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16,
+           loop_orders=("fa2",), preference=0, options=(("narrow_values", True),),
+           rules=(("Br = 16: one MMA row slab", lambda r, c, hd, w: r == 16),
+                  ("Bc / W = 16 keys per warp (one ldmatrix of K per k-step)", lambda r, c, hd, w: c == 16 * w)),
+           spec_rules=(("latent_kv specs (v is k's first columns)", lambda spec: spec.latent_kv),)),
     # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
     # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of
     # K_j, V_j (rows padded by 16 bytes); the warps' (m, l, O) merge over the K/V tiles at the end.
@@ -352,7 +367,8 @@ FAMILIES: tuple[Family, ...] = (
            # a decode block streams K/V: more resident warps hide more of the memory latency
            preference=0, occupancy_first=True,
            rules=(("Br = 16: one MMA row slab", lambda r, c, hd, w: r == 16),
-                  ("Bc / W in (16, 32, 64) keys per warp", lambda r, c, hd, w: c in (16 * w, 32 * w, 64 * w)))),
+                  ("Bc / W in (16, 32, 64) keys per warp", lambda r, c, hd, w: c in (16 * w, 32 * w, 64 * w))),
+           spec_rules=(_NOT_LATENT,)),
     # Split-KV decoding (Nq small): Br = the rows of the largest instance (group x Nq <= 16), one key per
     # thread (Bc = 32 W); two cp.async stages of K_j, V_j with rows padded by 16 bytes, Q in fp32; the
     # warps' (m, l, O) merge over the K/V tiles once the loop is done. Per thread: S and O of every row.
@@ -360,7 +376,8 @@ FAMILIES: tuple[Family, ...] = (
            smem_bytes=sp.Max(2 * 2 * Bc * (E * d + 16), 4 * W * Br * (d + 2)) + 4 * Br * d,
            registers=Br * sp.ceiling(d / 32) + 3 * Br + REGISTER_OVERHEAD,
            warps=(2, 4), stages=2, keys_per_warp=32, any_tile=False, head_dim_multiple=8,
-           rules=(("Br = 16: the largest instance holds 16 rows", lambda r, c, hd, w: r == 16),)),
+           rules=(("Br = 16: the largest instance holds 16 rows", lambda r, c, hd, w: r == 16),),
+           spec_rules=(_NOT_LATENT,)),
     # FlashAttention-2 order: O accumulates in registers; m, l and the rescale factor per row.
     Family("forward_fa2_simt", "forward_fa2_simt.cu.j2", ("forward",),
            smem_bytes=_forward_tiles + 3 * 4 * Br, registers=_forward_registers,
@@ -439,7 +456,7 @@ class Solution:
 
     @property
     def primary(self) -> Plan:
-        return self.plans["forward"] if "forward" in self.plans else self.plans["backward"]
+        return self.plans[_primary_pass(self.plans)]
 
     def to_dict(self) -> dict:
         primary = self.primary
@@ -462,7 +479,8 @@ class Solution:
 
 
 def _primary_pass(plans: dict) -> str:
-    return "forward" if "forward" in plans else "backward"
+    """The pass a report leads with: the forward, else the backward, else the decode pass (a latent_kv spec's)."""
+    return next(p for p in ("forward", "backward", "decode") if p in plans)
 
 
 # ---- the families' expressions, compiled once ------------------------------------------------
@@ -545,8 +563,9 @@ def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = R
     e, hd = spec.element_bytes, spec.compute_dim
     row_blocks, col_blocks = math.ceil(n / block_r), math.ceil(n / block_c)
     if pass_name == "decode":
-        # K and V read once per K/V head group, Q read and O, LSE written once (the split partials are small).
-        return 2 * e * n * hd + e * n * hd * 2 + 4 * n
+        # K and V (a latent cache: K alone) read once per K/V head group, Q read and O, LSE written once (the
+        # split partials are small).
+        return (1 if spec.latent_kv else 2) * e * n * hd + e * n * hd * 2 + 4 * n
     if pass_name == "forward" and spec.loop_order == "fa2":
         # Q read and O, LSE written once; K and V read once per Q row block.
         return e * n * hd * 2 + 4 * n + row_blocks * 2 * e * n * hd
@@ -593,7 +612,7 @@ def padded_head_dims(family: Family, head_dim: int) -> list[int]:
     where no family of the tier fits a tile plan at less padding (on sm_80, d = 200 fits the wide
     backward's shared memory and dQ split only as 256): more padded columns, still far ahead of the CUDA cores."""
     first = padded_head_dim(family, head_dim)
-    if not first or not family.tensor_cores:
+    if not first or not family.tensor_cores or first > 256:   # (above 256: a latent cache's d, computed as it is)
         return [first] if first else []
     return list(range(first, 257, family.head_dim_multiple))
 

@@ -33,6 +33,9 @@ DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4, "fp8_e4m3": 1}
 #: the dtype of o where it differs from q's: an fp8 forward writes bf16 (FlashAttention-3's interface)
 OUTPUT_DTYPES = {"fp8_e4m3": "bf16"}
 FP8_PASSES = ("forward",)                 # the passes an fp8_e4m3 spec builds (its backward is not built yet)
+LATENT_PASSES = ("decode",)               # a latent_kv spec's: the decode kernel takes any number of query rows
+LATENT_MAX_HEAD_DIM = 576                 # latent_kv's widest k (MLA: 512 latent + 64 rope columns)
+LATENT_MAX_VALUE_DIM = 512
 INT32_MAX = 2**31 - 1                     # the kernels hold positions, lengths and windows in int
 FLT_MAX = 3.4028234663852886e38           # the largest float32: a scale beyond it is inf on the GPU
 FLT_MIN = 1.1754943508222875e-38          # the smallest normal float32
@@ -80,13 +83,18 @@ class Spec(BaseModel):
             raise SpecError(_validation_message(err, data), where="Spec") from None
 
     name: Optional[str] = Field(None, strict=True, description="Variant name; default derived from every other field.")
-    head_dim: int = Field(..., strict=True, description="Head dimension d: any from 1 to 256.",
-                          json_schema_extra={"minimum": 1, "maximum": 256})
+    head_dim: int = Field(..., strict=True, description="Head dimension d: any from 1 to 256 (up to 576 with "
+                          "latent_kv).", json_schema_extra={"minimum": 1, "maximum": LATENT_MAX_HEAD_DIM})
     value_head_dim: Optional[int] = Field(
         None, strict=True, description="Head dimension of v and o when it differs from q's and k's (DeepSeek's MLA: "
         "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2, not "
         "deterministic.",
-        json_schema_extra={"minimum": 8, "maximum": 256})
+        json_schema_extra={"minimum": 8, "maximum": LATENT_MAX_VALUE_DIM})
+    latent_kv: bool = Field(
+        False, strict=True, description="Keys and values are one latent cache (DeepSeek's MLA decoding: head_dim 576, "
+        "value_head_dim 512): k holds head_dim columns, the latent then the rope part, and v is k's first "
+        "value_head_dim columns, so calls pass no v. Decoding only (passes [decode]): any number of query rows, fp16 "
+        "or bf16, masks none, causal, sliding_window or padding, padded or paged caches.")
     dtype: Literal["fp16", "bf16", "fp32", "fp8_e4m3"] = Field(
         "fp16", description="Element type of q, k, v and o. fp8_e4m3: q, k, v in e4m3 with run-time descale factors "
         "(q_descale, k_descale, v_descale), o in bf16; the forward only, on sm_90, head dims 64, 128, 192 or 256.")
@@ -137,8 +145,9 @@ class Spec(BaseModel):
     @field_validator("head_dim")
     @classmethod
     def _head_dim(cls, value: int) -> int:
-        if isinstance(value, bool) or not (1 <= value <= 256):
-            raise ValueError(f"{_short(value)} is not allowed: head_dim must be from 1 to 256")
+        if isinstance(value, bool) or not (1 <= value <= LATENT_MAX_HEAD_DIM):
+            raise ValueError(f"{_short(value)} is not allowed: head_dim must be from 1 to 256 (up to "
+                             f"{LATENT_MAX_HEAD_DIM} with latent_kv)")
         return value
 
     @field_validator("value_head_dim")
@@ -146,8 +155,9 @@ class Spec(BaseModel):
     def _value_head_dim(cls, value: Optional[int], info: ValidationInfo) -> Optional[int]:
         if value is None:
             return None
-        if isinstance(value, bool) or not (1 <= value <= 256):
-            raise ValueError(f"{_short(value)} is not allowed: value_head_dim must be from 8 to 256 (a multiple of 8)")
+        if isinstance(value, bool) or not (1 <= value <= LATENT_MAX_VALUE_DIM):
+            raise ValueError(f"{_short(value)} is not allowed: value_head_dim must be from 8 to 256 (a multiple of 8; "
+                             f"up to {LATENT_MAX_VALUE_DIM} with latent_kv)")
         return None if value == info.data.get("head_dim") else value   # the same d: the same spec as without it
 
     @field_validator("dropout")
@@ -239,10 +249,14 @@ class Spec(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _fp8_default_passes(cls, data: Any) -> Any:
-        """An fp8_e4m3 spec that names no passes builds the forward alone: its backward is not built yet."""
-        if isinstance(data, dict) and data.get("dtype") == "fp8_e4m3" and "passes" not in data:
-            return {**data, "passes": list(FP8_PASSES)}
+    def _default_passes(cls, data: Any) -> Any:
+        """A spec that names no passes builds its kind's: an fp8_e4m3 spec the forward alone (its backward is not
+        built yet), a latent_kv spec the decode pass alone."""
+        if isinstance(data, dict) and "passes" not in data:
+            if data.get("latent_kv") is True:
+                return {**data, "passes": list(LATENT_PASSES)}
+            if data.get("dtype") == "fp8_e4m3":
+                return {**data, "passes": list(FP8_PASSES)}
         return data
 
     @field_validator("mask_mod", "score_mod", mode="before")
@@ -288,7 +302,7 @@ class Spec(BaseModel):
                              "(fp16 and bf16 take any)")
         if "decode" in self.passes and self.tile_policy == "paper":
             raise ValueError("the decode pass has no paper tiles: use tile_policy auto")
-        if "decode" in self.passes and "forward" not in self.passes:
+        if "decode" in self.passes and "forward" not in self.passes and not self.latent_kv:
             raise ValueError("the decode pass serves forward calls with few query rows: passes must include forward")
         if self.layout == "packed" and "decode" in self.passes:
             raise ValueError("the decode pass reads a padded KV cache: use layout padded (with mask padding for "
@@ -303,6 +317,14 @@ class Spec(BaseModel):
                 _modifiers(self.mask_mod, self.score_mod, self.inputs).cuda_struct("SpecMods", self.scale)
             except ExpressionError as err:
                 raise ValueError(str(err)) from None
+        if self.latent_kv:
+            self._check_latent()
+        elif self.head_dim > 256:
+            raise ValueError(f"head_dim {self.head_dim}: head_dim must be from 1 to 256 (up to {LATENT_MAX_HEAD_DIM} "
+                             "only with latent_kv, the MLA decoding cache)")
+        elif self.value_dim > 256:
+            raise ValueError(f"value_head_dim {self.value_dim}: value_head_dim must be from 8 to 256 (up to "
+                             f"{LATENT_MAX_VALUE_DIM} only with latent_kv, the MLA decoding cache)")
         if self.value_head_dim is not None:
             dims = f"head_dim {self.head_dim}, value_head_dim {self.value_head_dim}"
             if self.head_dim % 8 or self.value_head_dim % 8:
@@ -338,6 +360,26 @@ class Spec(BaseModel):
         if self.mask == "block_sparse" and self.block_size < 64:
             raise ValueError(f"{where}: mask block_sparse takes block_size 64, 128 or 256 (its key blocks are whole "
                              f"64-key panels of V^T), not {self.block_size}")
+
+    def _check_latent(self) -> None:
+        """What a latent_kv spec takes: the decode kernel that reads V as K's first columns (decode_latent_mma)."""
+        where = "latent_kv"
+        if self.value_head_dim is None or self.value_head_dim >= self.head_dim:
+            raise ValueError(f"{where}: v is k's first value_head_dim columns, so value_head_dim must be set and below "
+                             f"head_dim (MLA: head_dim 576, value_head_dim 512; got {self.head_dim}, "
+                             f"{self.value_head_dim})")
+        if self.head_dim % 16 or self.value_head_dim % 64:
+            raise ValueError(f"{where}: head_dim a multiple of 16 and value_head_dim of 64 (tensor-core tiles split over "
+                             f"4 warps; got {self.head_dim}, {self.value_head_dim})")
+        if tuple(self.passes) != LATENT_PASSES:
+            raise ValueError(f"{where}: the latent cache is read by the decode pass alone, for any number of query rows: "
+                             f"passes [decode] (got {list(self.passes)})")
+        if self.dtype not in ("fp16", "bf16"):
+            raise ValueError(f"{where} runs on tensor cores: dtype fp16 or bf16, not {self.dtype}")
+        if self.layout != "padded":
+            raise ValueError(f"{where}: layout padded (a paged cache through block_table), not {self.layout}")
+        if self.dropout:
+            raise ValueError(f"{where} is for inference: dropout 0, not {self.dropout}")
 
     # ---- derived values -------------------------------------------------------------------
     @property
@@ -421,6 +463,8 @@ class Spec(BaseModel):
             parts.append("det")
         if self.layout != "padded":
             parts.append(self.layout)
+        if self.latent_kv:
+            parts.append("latent")
         if self.mask_mod is not None or self.score_mod is not None or self.inputs:
             # the expressions are too long for a name: a digest of their text stands for them
             text = json.dumps([self.mask_mod, self.score_mod, self.inputs])
@@ -438,6 +482,8 @@ class Spec(BaseModel):
         for field in ("mask_mod", "score_mod", "inputs", "value_head_dim"):   # a spec without them reads as before them
             if data[field] is None:
                 del data[field]
+        if not data["latent_kv"]:   # (likewise: specs before latent_kv keep their cache keys)
+            del data["latent_kv"]
         if self.inputs:
             data["inputs"] = dict(self.inputs)
         return data

@@ -271,12 +271,16 @@ def assert_matches_reference(spec_or_kernel, case: Case, backward: bool = False)
     spec = kernel.spec
     if case.packed:
         return _assert_packed_matches_reference(kernel, case, backward)
-    q, k, v = make_inputs(spec, case)
+    if spec.latent_kv:   # v is k's first value_dim columns, which the kernel reads from k itself
+        q, k = make_inputs(spec, case, names=("q", "k"))
+        v = k[..., :spec.value_dim]
+    else:
+        q, k, v = make_inputs(spec, case)
     runtime = case.runtime_args()
     descales = fp8_descales(case, case.batch, k.shape[1], q.device) if spec.fp8 else {}
     o = _output_like(spec, q, (*q.shape[:-1], spec.value_dim))   # o has v's head dim
     lse = torch.full((case.batch, case.heads, case.seq_q), float("nan"), device=q.device)
-    kernel.forward(q, k, v, out=(o, lse), **runtime, **descales)
+    kernel.forward(q, k, None if spec.latent_kv else v, out=(o, lse), **runtime, **descales)
     ref_args = {"kv_lengths": runtime.get("kv_lengths"), "block_mask": runtime.get("block_mask"),
                 "inputs": runtime.get("inputs"), "seed": case.seed, "offset": case.offset}
     qn, kn, vn = (_to_numpy(t) for t in (q, k, v))

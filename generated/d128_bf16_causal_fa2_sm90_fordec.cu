@@ -576,6 +576,13 @@ __device__ __forceinline__ const T* kv_tile_rows(const fagen::AttentionArgs& arg
   return static_cast<const T*>(base) + page * stride[0] + h_kv * stride[1];
 }
 
+// The index of block row r's partial (O, LSE) among the splits' workspaces (o_accum, row_max): this split's
+// for its (sequence, query head, position).
+__device__ __forceinline__ long long split_part(const fagen::AttentionArgs& args, int group, long long b, long long h_kv,
+                                                int r) {
+  return ((b * args.heads + row_head(h_kv, group, r)) * args.seq_q + row_position(group, r)) * gridDim.x + blockIdx.x;
+}
+
 // The warps' (m_w, l_w, O_w) in `merged` (slot per warp and row, m in log2 units) merge into this
 // split's normalised O and natural-log LSE: M = max m_w, L = sum l_w 2^(m_w - M), O = sum O_w 2^(m_w - M) / L.
 template <int WARPS_, int MAX_ROWS_, int THREADS_>
@@ -593,8 +600,7 @@ __device__ __forceinline__ void store_split(const fagen::AttentionArgs& args, co
       l += slot[HEAD_DIM + 1] * weight;
       o += slot[e] * weight;
     }
-    const long long part = ((b * args.heads + row_head(h_kv, group, r)) * args.seq_q + row_position(group, r)) * gridDim.x
-                           + blockIdx.x;
+    const long long part = split_part(args, group, b, h_kv, r);
     args.o_accum[part * HEAD_DIM + e] = l > 0.f ? o / l : 0.f;
     if (e == 0) args.row_max[part] = l > 0.f ? (m + log2f(l)) * LN2 : -INFINITY;
   }

@@ -229,6 +229,8 @@ def test_every_template_fills_values_only(family):
                 # (the warp-specialized backward is not offered with dropout on a block-sparse mask)
                 **(dict(mask="causal") if decode or family.name == "backward_wgmma_ws"
                    else dict(mask="block_sparse", block_size=128)))
+    if family.name == "decode_latent_mma":   # (a latent cache's own spec: decoding alone)
+        spec = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="causal")
     plan = _feasible_plan(family, spec)
     context = template_context(spec, family.passes[0], plan)
     assert jinja2.meta.find_undeclared_variables(tree) <= set(context)

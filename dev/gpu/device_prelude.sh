@@ -11,10 +11,10 @@ precompile_suite() {
 import sys
 import tests.test_runtime_gpu as t, tests.test_decode_gpu as d, tests.test_modifiers_gpu as m, dev.gpu.sanitize as s
 import tests.test_varlen_gpu as v, tests.test_padding_clamp_gpu as p, tests.test_paged_prefill_gpu as g
-import tests.test_value_head_dim_gpu as vd, tests.test_fp8_gpu as f8
+import tests.test_value_head_dim_gpu as vd, tests.test_fp8_gpu as f8, tests.test_latent_decode_gpu as lat
 from fagen.jit import precompile
 from fagen.spec import load_specs
-precompile(g.SPECS + vd.SPECS + f8.SPECS + t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + d.SPECS + d.PAGED_SPECS + m.SPECS + v.SPECS + p.SPECS
+precompile(g.SPECS + vd.SPECS + f8.SPECS + lat.SPECS + t.SPECS + t.GRAD_SPECS + t.AUTOGRAD_SPECS + d.SPECS + d.PAGED_SPECS + m.SPECS + v.SPECS + p.SPECS
            + s.SPECS + [spec for path in sys.argv[1:] for spec in load_specs(path)], jobs=16)
 PY
 }

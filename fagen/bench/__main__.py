@@ -5,6 +5,7 @@
 `varlen` (packed variable-length batches against SDPA on the padded batch),
 `paged` (packed query rows against a paged K/V cache, against the contiguous call and SDPA),
 `mla` (a value head dim unlike the query's, DeepSeek's 192 / 128, against cuDNN, SDPA-flash and Flex),
+`mla-decode` (decoding from MLA's latent cache, 576 / 512, paged, as bandwidth against the copy rate and peers),
 `fp8` (the e4m3 forward against cuDNN's and fagen's bf16 forwards on the same values),
 `modifiers` (the mask_mod / score_mod variants of examples/modifiers.yaml against FlexAttention),
 `plot` (redraw a PNG from a saved JSON) and `markdown` (the tables of BENCHMARKS.md from a saved JSON).
@@ -69,6 +70,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     mla.add_argument("--head-dim", type=int, default=192)
     mla.add_argument("--value-dim", type=int, default=128)
     mla.add_argument("--json", dest="json_path")
+    mla_decode = sub.add_parser("mla-decode", help="GPU: decoding from MLA's latent cache (576 / 512, paged), as "
+                                "bandwidth against the copy rate, SDPA and FlexAttention")
+    mla_decode.add_argument("--batches", default="1,32,128")
+    mla_decode.add_argument("--kv-lens", default="4096,32768")
+    mla_decode.add_argument("--heads", default="16,128")
+    mla_decode.add_argument("--queries", default="1,2")
+    mla_decode.add_argument("--no-peers", action="store_true", help="fagen alone (paged and contiguous)")
+    mla_decode.add_argument("--json", dest="json_path")
     fp8 = sub.add_parser("fp8", help="GPU: the fp8 (e4m3) forward against SDPA's cuDNN and fagen's bf16 forwards "
                          "on the same values")
     fp8.add_argument("--seqlens", default="512,2048,8192,16384")
@@ -123,6 +132,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
         run_mla([int(x) for x in args.seqlens.split(",")], args.tokens, head_dim=args.head_dim,
                 value_dim=args.value_dim, json=args.json_path)
+        return 0
+    if args.command == "mla-decode":
+        from fagen.bench.mla_decode import run_mla_decode
+
+        numbers = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+        run_mla_decode(numbers(args.batches), numbers(args.kv_lens), numbers(args.heads), numbers(args.queries),
+                       peers=not args.no_peers, json=args.json_path)
         return 0
     if args.command == "fp8":
         from fagen.bench.fp8 import run_fp8

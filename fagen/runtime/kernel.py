@@ -50,6 +50,8 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         self._checks_rows = {name: self._chunked_rows and (plan.stages > 1
                                                             or (name == "forward" and "decode" in self.plans))
                              for name, plan in self.plans.items()}
+        if spec.latent_kv:   # (forward calls run the decode pass, which copies k to align it)
+            self._checks_rows["forward"] = self._chunked_rows
         # o's torch dtype where it is not q's (an fp8 forward's bf16), for the fast paths' allocations
         self._output_torch_dtype = None
         if spec.output_dtype != spec.dtype:   # (fp8 tensors are torch's: a call of one imports it anyway)
@@ -158,6 +160,10 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             except driver.CudaError as err:
                 raise RuntimeError(f"{symbol} failed on the GPU: {err}") from None
 
+    def _forward_plan(self) -> Optional[LaunchPlan]:
+        """The plan forward calls start from: the forward's, or a latent_kv spec's decode plan (its only pass)."""
+        return self.plans.get("decode" if self.spec.latent_kv else "forward")
+
     def _pass(self, pass_name: str) -> LaunchPlan:
         plan = self.plans.get(pass_name)
         if plan is None:
@@ -186,6 +192,8 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         `q_descale`, `k_descale`, `v_descale` (dtype fp8_e4m3 specs; FlashAttention-3's): the true q, k, v are the
         e4m3 elements times these. Each a number, a float32 CUDA tensor of one element, or one of shape (batch,
         kv_heads) (packed: (sequences, kv_heads)); default 1. o is bf16."""
+        if self.spec.latent_kv:
+            v = self._latent_values(k, v)
         descales = None if q_descale is None and k_descale is None and v_descale is None else (q_descale, k_descale,
                                                                                                 v_descale)
         given = CallInputs(kv_lengths, block_mask, inputs, seed, offset, descales=descales)
@@ -211,10 +219,23 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                                         stream)[:2]
         return self._padded_forward(q, k, v, given, out, stream)[:2]
 
+    def _latent_values(self, k, v):
+        """A latent_kv spec's v: k's first value_head_dim columns, as a view (the kernel reads them from K's tile)."""
+        if v is not None:
+            raise ArgumentError(f"{self.spec.variant_name} reads a latent cache (latent_kv): v is k's first "
+                                f"{self.spec.value_dim} columns; pass v=None")
+        if not type(k).__module__.startswith("torch"):
+            raise ArgumentError(f"{self.spec.variant_name} reads a latent cache (latent_kv) from a torch tensor k "
+                                f"(its first {self.spec.value_dim} columns are v); got {type(k).__name__}")
+        if k.dim() != 4 or k.shape[3] != self.spec.head_dim:
+            raise ArgumentError(f"k: a latent cache of 4 dimensions whose last is head_dim {self.spec.head_dim} (the "
+                                f"latent, then the rope columns); got shape {tuple(k.shape)}")
+        return k[..., :self.spec.value_dim]
+
     def _padded_forward(self, q, k, v, given: CallInputs, out, stream) -> tuple:
         """(o, lse, the call's fast-path signature or None) of a (batch, heads, seq, d) call."""
         signature = None
-        if out is None and stream is None and self.spec.loop_order != "fa1" and "forward" in self.plans:
+        if out is None and stream is None and self.spec.loop_order != "fa1" and self._forward_plan() is not None:
             signature = self._signature("forward", (q, k, v), (q, k, v), given)
             call = self._fast_forward.get(signature) if signature is not None else None
             if call is not None:
@@ -272,7 +293,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         """The full forward path (everything the fast path skips); `given.sequences` for packed batches,
         whose q, k, v arrive here as (1, heads, total, d) views; `given.paged` for a paged cache, whose k, v
         arrive as views (_forward_paged)."""
-        plan = self._pass("forward")
+        plan = self._forward_plan() or self._pass("forward")
         tensors, shape = self._check_qkv(q, k, v, {})
         if stream is not None and tensors["q"].is_torch:
             with _caller_stream(tensors["q"], stream):
@@ -310,14 +331,15 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                 args[name] = value
             keep.append(table)
         elif paged is not None:
-            if group * seq_q > decode.block_r:
+            if group * seq_q > decode.block_r and not self.spec.latent_kv:
                 raise ArgumentError(f"a paged K/V cache is read by the decode kernel, which holds at most {decode.block_r} "
                                     f"query rows per K/V head (query heads per K/V head x Nq); got {group} x {seq_q}")
             fields, table = paged
             for name, value in fields.items():
                 args[name] = value
             keep.append(table)
-        if decode is not None and group * seq_q <= decode.block_r and not (paged is not None and sequences is not None):
+        if decode is not None and (group * seq_q <= decode.block_r or self.spec.latent_kv) and not (
+                paged is not None and sequences is not None):
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature, given)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(problems[2] / plan.block_r)
@@ -361,7 +383,8 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                 device: int, stream: int, signature, given: CallInputs):
         """The split-KV forward for few query rows (templates/decode_splitkv.cu.j2): one block per
         (split of the keys, batch, K/V head) holds every query row of the head's group, then
-        _combine merges the splits by LSE into o and lse; `given.paged` for a paged cache."""
+        _combine merges the splits by LSE into o and lse; `given.paged` for a paged cache. A latent cache's kernel
+        (templates/decode_latent_mma.cu.j2) takes the group's rows in chunks of 16, a block per chunk."""
         batch, heads, seq_q, seq_k = shape
         for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
             aligned = self._aligned(tensors[name], 16) if self._chunked_rows else tensors[name].owner
@@ -373,7 +396,9 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         rows = 1 << max(0, group * seq_q - 1).bit_length()
         main = next((symbol for symbol in plan.symbols if symbol.endswith(f"_r{rows}")), plan.symbols[0])
         combine = plan.symbols[-1]
-        base = batch * (heads // group)
+        # a latent cache's decode kernel takes the group's rows in chunks of block_r (one block per chunk)
+        chunks = math.ceil(group * seq_q / plan.block_r) if self.spec.latent_kv else 1
+        base = batch * (heads // group) * chunks
         splits = decode_splits(base, math.ceil(seq_k / plan.block_c), self.target.sm_count,
                                max(1, self.target.smem_per_block // max(plan.smem_bytes, 1)))
         workspaces = ((batch, heads, seq_q, splits, plan.head_dim), (batch, heads, seq_q, splits))
