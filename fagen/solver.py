@@ -350,11 +350,11 @@ FAMILIES: tuple[Family, ...] = (
     Family("decode_latent_mma", "decode_latent_mma.cu.j2", ("decode",),
            smem_bytes=E * (Br * (d + 8) + 2 * Bc * (d + 8) + Br * (Bc + 8)) + 4 * W * Br,
            # O's columns of the warp (Dv / 2W), S of its keys (Bc / 2W), a Q and a P fragment
-           registers=Dv / (2 * W) + Bc / (2 * W) + 8 + REGISTER_OVERHEAD,
-           warps=(4,), stages=2, tensor_cores=True, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=16,
-           loop_orders=("fa2",), preference=0, options=(("narrow_values", True),),
+           registers=Dv / (2 * W) + Bc / W + 16 + REGISTER_OVERHEAD,
+           warps=(4, 8), stages=2, tensor_cores=True, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32,
+           loop_orders=("fa2",), preference=0, occupancy_first=True, options=(("narrow_values", True),),
            rules=(("Br = 16: one MMA row slab", lambda r, c, hd, w: r == 16),
-                  ("Bc / W = 16 keys per warp (one ldmatrix of K per k-step)", lambda r, c, hd, w: c == 16 * w)),
+                  ("Bc = 64: a 64-row page holds whole tiles", lambda r, c, hd, w: c == 64)),
            spec_rules=(("latent_kv specs (v is k's first columns)", lambda spec: spec.latent_kv),)),
     # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
     # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of

@@ -368,9 +368,9 @@ class Spec(BaseModel):
             raise ValueError(f"{where}: v is k's first value_head_dim columns, so value_head_dim must be set and below "
                              f"head_dim (MLA: head_dim 576, value_head_dim 512; got {self.head_dim}, "
                              f"{self.value_head_dim})")
-        if self.head_dim % 16 or self.value_head_dim % 64:
-            raise ValueError(f"{where}: head_dim a multiple of 16 and value_head_dim of 64 (tensor-core tiles split over "
-                             f"4 warps; got {self.head_dim}, {self.value_head_dim})")
+        if self.head_dim % 32 or self.value_head_dim % 128:
+            raise ValueError(f"{where}: head_dim a multiple of 32 and value_head_dim of 128 (O's columns split over 8 "
+                             f"warps in 16-column tiles; got {self.head_dim}, {self.value_head_dim})")
         if tuple(self.passes) != LATENT_PASSES:
             raise ValueError(f"{where}: the latent cache is read by the decode pass alone, for any number of query rows: "
                              f"passes [decode] (got {list(self.passes)})")

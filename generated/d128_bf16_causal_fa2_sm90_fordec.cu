@@ -576,6 +576,38 @@ __device__ __forceinline__ const T* kv_tile_rows(const fagen::AttentionArgs& arg
   return static_cast<const T*>(base) + page * stride[0] + h_kv * stride[1];
 }
 
+// Q's rows [row0, row0 + ROWS) of the group (row r: query head row_head, position row_position of sequence b) into a
+// padded shared tile, 16-byte cp.async pieces where q's rows are whole aligned pieces (the caller's next commit group
+// takes them), else plain loads; rows past `rows` and columns past DATA_DIM are zero. The copies are all issued
+// before any is waited for: loaded one element after another, the 16 rows of d = 576 took longer than a split's keys.
+template <int ROWS, int PITCH, int THREADS_>
+__device__ __forceinline__ void load_query_rows(const fagen::AttentionArgs& args, elem_t* q_tile, long long b,
+                                                long long h_kv, int group, int row0, int rows) {
+  const elem_t* q = static_cast<const elem_t*>(args.q);
+  auto row_of = [&](int r) {
+    const int row = row0 + r;
+    return q + b * args.q_stride[0] + row_head(h_kv, group, row) * args.q_stride[1]
+           + (long long)row_position(group, row) * args.q_stride[2];
+  };
+  constexpr int PER_PIECE = 16 / sizeof(elem_t);
+  const bool aligned = ((reinterpret_cast<unsigned long long>(q) | (unsigned long long)args.q_stride[0]
+                         | (unsigned long long)args.q_stride[1] | (unsigned long long)args.q_stride[2])
+                        * sizeof(elem_t)) % 16 == 0;
+  if (DATA_DIM % PER_PIECE == 0 && HEAD_DIM % PER_PIECE == 0 && aligned) {
+    constexpr int PIECES = HEAD_DIM / PER_PIECE;
+    for (int idx = threadIdx.x; idx < ROWS * PIECES; idx += THREADS_) {
+      const int r = idx / PIECES, e = (idx % PIECES) * PER_PIECE;
+      const bool valid = row0 + r < rows && e < DATA_DIM;
+      fagen::tc::cp_async_16(q_tile + r * PITCH + e, valid ? row_of(r) + e : q, valid);
+    }
+    return;
+  }
+  for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS_) {
+    const int r = idx / HEAD_DIM, e = idx % HEAD_DIM;
+    q_tile[r * PITCH + e] = row0 + r < rows && e < DATA_DIM ? row_of(r)[e] : fagen::from_float<elem_t>(0.f);
+  }
+}
+
 // The index of block row r's partial (O, LSE) among the splits' workspaces (o_accum, row_max): this split's
 // for its (sequence, query head, position).
 __device__ __forceinline__ long long split_part(const fagen::AttentionArgs& args, int group, long long b, long long h_kv,
@@ -607,9 +639,10 @@ __device__ __forceinline__ void store_split(const fagen::AttentionArgs& args, co
 }
 }  // namespace fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_split
 
-// Merge the splits of each query row by their LSE: one block of 128 threads per (batch, head, query)
-// row, a thread per head dimension; the loads over the splits are unrolled so that several are in
-// flight at once (one after another, a 33-split merge waited out 33 memory latencies per dimension).
+// Merge the splits of each query row by their LSE: one block of 128 threads per (batch, head, query) row. Where v's
+// rows are whole float4s, a thread sums 4 dims over a share of the splits (the threads' split groups summed in shared
+// memory at the end), so that a row of 512 dims is read 16 bytes per load with many loads in flight; else a thread
+// per dim over every split, unrolled (one after another, a 33-split merge waited out 33 memory latencies per dim).
 extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_combine(const fagen::AttentionArgs args) {
   using namespace fagen_dec_d128_bf16_causal_fa2_sm90_fordec_br16_bc64_w4_config;
   using namespace fagen;
@@ -626,11 +659,42 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   total = warp_sum(total);
   const float inv_total = total > 0.f ? 1.f / total : 0.f;
   elem_t* o = static_cast<elem_t*>(args.o) + b * args.o_stride[0] + h * args.o_stride[1] + i * args.o_stride[2];
-  for (int e = threadIdx.x; e < VALUE_DIM; e += blockDim.x) {   // the partials' rows are HEAD_DIM long
-    float acc = 0.f;
+  constexpr int QUADS = VALUE_DIM % 4 == 0 && HEAD_DIM % 4 == 0 && VALUE_DIM <= 4 * 128 ? VALUE_DIM / 4 : 0;
+  if constexpr (QUADS > 0) {
+    constexpr int GROUPS = 128 / (QUADS > 0 ? QUADS : 1);   // split groups; threads past GROUPS * QUADS idle
+    __shared__ float4 partial[128];
+    const int quad = threadIdx.x % QUADS, split_group = threadIdx.x / QUADS;
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (split_group < GROUPS) {
+#pragma unroll 4
+      for (int s = split_group; s < splits; s += GROUPS) {
+        const float weight = __expf(lse_parts[s] - m);
+        const float4 part = reinterpret_cast<const float4*>(o_parts + s * HEAD_DIM)[quad];
+        acc.x = fmaf(weight, part.x, acc.x);
+        acc.y = fmaf(weight, part.y, acc.y);
+        acc.z = fmaf(weight, part.z, acc.z);
+        acc.w = fmaf(weight, part.w, acc.w);
+      }
+    }
+    partial[threadIdx.x] = acc;
+    __syncthreads();
+    if (split_group == 0) {
+      for (int g = 1; g < GROUPS; ++g) {
+        const float4 other = partial[g * QUADS + quad];
+        acc.x += other.x, acc.y += other.y, acc.z += other.z, acc.w += other.w;
+      }
+      o[4 * quad] = from_float<elem_t>(acc.x * inv_total);
+      o[4 * quad + 1] = from_float<elem_t>(acc.y * inv_total);
+      o[4 * quad + 2] = from_float<elem_t>(acc.z * inv_total);
+      o[4 * quad + 3] = from_float<elem_t>(acc.w * inv_total);
+    }
+  } else {
+    for (int e = threadIdx.x; e < VALUE_DIM; e += blockDim.x) {   // the partials' rows are HEAD_DIM long
+      float acc = 0.f;
 #pragma unroll 8
-    for (int s = 0; s < splits; ++s) acc = fmaf(__expf(lse_parts[s] - m), o_parts[s * HEAD_DIM + e], acc);
-    o[e] = from_float<elem_t>(acc * inv_total);
+      for (int s = 0; s < splits; ++s) acc = fmaf(__expf(lse_parts[s] - m), o_parts[s * HEAD_DIM + e], acc);
+      o[e] = from_float<elem_t>(acc * inv_total);
+    }
   }
   if (threadIdx.x == 0) args.lse[row] = total > 0.f ? m + logf(total) : -INFINITY;
 }
@@ -656,13 +720,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
   const int2 keys = split_keys(visibility.key_count, BLOCK_C);
   const int key0 = keys.x, key_end = keys.y;
 
-  // Q: the group's rows gathered from their heads (plain loads: 16 rows, once); rows past `rows` are 0
-  for (int idx = tid; idx < MAX_ROWS * HEAD_DIM; idx += THREADS) {
-    const int r = idx / HEAD_DIM, e = idx % HEAD_DIM;
-    q_tile[r * PITCH + e] = r < rows && e < DATA_DIM ? static_cast<const elem_t*>(args.q)[
-        b * args.q_stride[0] + row_head(h_kv, group, r) * args.q_stride[1] +
-        (long long)row_position(group, r) * args.q_stride[2] + e] : from_float<elem_t>(0.f);
-  }
+  // Q: the group's rows gathered from their heads, in the first tile's commit group; rows past `rows` are 0
+  load_query_rows<MAX_ROWS, PITCH, THREADS>(args, q_tile, b, h_kv, group, 0, rows);
   // score_mod: this thread's two rows (frag_row, frag_row + 8) are each a query head and position of their own
   const Mods mods_low(args, b, row_head(h_kv, group, frag_row), seq_q, (int)args.seq_k);
   const Mods mods_high(args, b, row_head(h_kv, group, frag_row + 8), seq_q, (int)args.seq_k);
@@ -805,6 +864,7 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
     col0 = col_next;
   }
 
+  tc::cp_async_wait<0>();   // (Q's copies, where the split has no key)
   // merge the warps over the K/V tiles, free now: the loop ends on a barrier after its last cp.async landed
 #pragma unroll
   for (int half = 0; half < 2; ++half) {

@@ -185,6 +185,27 @@ __device__ __forceinline__ void async_load_rows(T* tile, const T* slice, long lo
   }
 }
 
+// The same copy with whole rows per warp: warp w takes rows w, w + WARPS, ..., its lanes the row's 16-byte pieces,
+// so each row's address is formed once rather than per piece. Rows at or past valid_rows are zero.
+template <int ROWS, int COLS, int PITCH, int WARPS, typename T>
+__device__ __forceinline__ void async_load_rows_by_warps(T* tile, const T* slice, long long row_stride, int row0,
+                                                         int valid_rows) {
+  constexpr int PIECES = COLS * sizeof(T) / 16, PER_PIECE = 16 / sizeof(T);
+  static_assert(COLS * sizeof(T) % 16 == 0 && ROWS % WARPS == 0, "whole 16-byte pieces, rows over the warps");
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+#pragma unroll
+  for (int i = 0; i < ROWS / WARPS; ++i) {
+    const int r = warp + i * WARPS;
+    const bool valid = r < valid_rows;
+    const T* row = slice + (valid ? (long long)(row0 + r) * row_stride : 0);
+#pragma unroll
+    for (int j = 0; j < (PIECES + 31) / 32; ++j) {
+      const int piece = lane + 32 * j;
+      if (PIECES % 32 == 0 || piece < PIECES) cp_async_16(tile + r * PITCH + piece * PER_PIECE, row + piece * PER_PIECE, valid);
+    }
+  }
+}
+
 // Two adjacent output columns (dim, dim + 1) of one row, from fp32: one 32-bit store where the row's
 // pairs are 4-byte aligned (DATA_DIM even), else element by element; columns past DATA_DIM (the head
 // dim's padding) are never stored.

@@ -19,11 +19,11 @@ MLA = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask=
 SPECS = [
     MLA,
     Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="causal"),
-    Spec(head_dim=80, value_head_dim=64, latent_kv=True, dtype="fp16"),
-    Spec(head_dim=144, value_head_dim=128, latent_kv=True, dtype="bf16", mask="sliding_window", window=90),
-    Spec(head_dim=80, value_head_dim=64, latent_kv=True, dtype="bf16", score_mod="cap * tanh(score / cap)",
+    Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="fp16"),
+    Spec(head_dim=288, value_head_dim=256, latent_kv=True, dtype="bf16", mask="sliding_window", window=90),
+    Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="bf16", score_mod="cap * tanh(score / cap)",
          inputs={"cap": "scalar"}),
-    Spec(head_dim=80, value_head_dim=64, latent_kv=True, dtype="fp16", mask="causal", arch="sm_80"),
+    Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="fp16", mask="causal", arch="sm_80"),
 ]
 
 
