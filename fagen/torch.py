@@ -636,6 +636,9 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     cu_seqlens_q / cu_seqlens_k (int32, batch + 1 offsets) and, when those are CUDA tensors,
     max_seqlen_q / max_seqlen_k (the longest sequence). CUDA offsets are what CUDA graphs and
     torch.compile need; host ones (lists, CPU tensors) are checked and copied over each call."""
+    if v is None:
+        raise runtime.ArgumentError("v: fagen.attention takes q, k and v; a latent_kv spec's cache (v = k's first "
+                                    "columns) is read by fagen.compile(spec).forward(q, k, None, ...)")
     grad_inputs = _inputs_wanting_grads(_key_of(spec), inputs) if inputs and torch.is_grad_enabled() else ()
     # a head dim that is not a multiple of 8 (what q's shape says; the spec decides, see padded_spec_key);
     # a compiled Kernel given as the spec is run as it is

@@ -24,6 +24,8 @@ SPECS = [
     Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="bf16", score_mod="cap * tanh(score / cap)",
          inputs={"cap": "scalar"}),
     Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="fp16", mask="causal", arch="sm_80"),
+    # sm_80's plan for 576 (its shared memory fits 32-key tiles on 4 warps), compiled for this GPU
+    Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding", arch="sm_80"),
 ]
 
 

@@ -702,3 +702,15 @@ def test_fp8_runs_on_the_fp8_family_with_whole_64_byte_panels(head_dim):
 
 def test_no_16_bit_family_takes_fp8():
     assert [f.name for f in FAMILIES if "fp8_e4m3" in f.dtypes] == ["forward_wgmma_fp8"]
+
+
+def test_a_latent_spec_runs_on_the_latent_decode_with_its_footprint():
+    """576 / 512: 8 warps over 64-key tiles; shared memory is Q, two K stages (V is their first 512 columns, no tile
+    of its own), the P~ tile and the warps' row statistics, byte for byte the template's carve-up."""
+    spec = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding")
+    plan = solve(spec).plans["decode"]
+    assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("decode_latent_mma", 16, 64, 8, 576)
+    assert plan.smem_bytes == 2 * (16 * 584 + 2 * 64 * 584 + 16 * 72) + 4 * 8 * 16
+    # the other decode templates are not offered a latent cache, nor this one a plain decode spec
+    plain = Spec(head_dim=128, dtype="bf16", passes=["forward", "decode"])
+    assert solve(plain).plans["decode"].family != "decode_latent_mma"

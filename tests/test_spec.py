@@ -663,3 +663,31 @@ def test_fp8_builds_the_forward_alone_by_default_and_names_itself():
 def test_fp8_refuses_what_its_forward_does_not_take(fields, message):
     with pytest.raises(SpecError, match=message):
         Spec(**{"head_dim": 128, "dtype": "fp8_e4m3", **fields})
+
+
+# ---- latent_kv: MLA decoding's shared cache ----------------------------------------------------------------------
+def test_a_latent_spec_decodes_alone_and_names_itself():
+    spec = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding")
+    assert spec.passes == ("decode",) and spec.value_dim == 512 and spec.compute_dim == 576
+    assert "latent" in spec.canonical_name
+    assert spec.canonical_name != Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="bf16").canonical_name
+    # a spec without latent_kv keeps the JSON (and the cache key) it had before the field existed
+    assert "latent_kv" not in Spec(head_dim=64).to_dict() and spec.to_dict()["latent_kv"] is True
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(head_dim=576, value_head_dim=512), "head_dim must be from 1 to 256 .up to 576 only with latent_kv"),
+    (dict(head_dim=128, value_head_dim=384), "value_head_dim must be from 8 to 256 .up to 512 only with latent_kv"),
+    (dict(head_dim=576, latent_kv=True), "value_head_dim must be set and below head_dim"),
+    (dict(head_dim=512, value_head_dim=576, latent_kv=True), "value_head_dim must be"),
+    (dict(head_dim=200, value_head_dim=128, latent_kv=True), "head_dim a multiple of 32"),
+    (dict(head_dim=576, value_head_dim=448, latent_kv=True), "value_head_dim of 128"),
+    (dict(head_dim=576, value_head_dim=512, latent_kv=True, passes=["forward", "decode"]), "passes \\[decode\\]"),
+    (dict(head_dim=576, value_head_dim=512, latent_kv=True, dtype="fp32"), "fp16 or bf16"),
+    (dict(head_dim=576, value_head_dim=512, latent_kv=True, dropout=0.1), "dropout 0"),
+    (dict(head_dim=576, value_head_dim=512, latent_kv=True, mask="block_sparse", block_size=64), "decode pass takes"),
+    (dict(head_dim=576, value_head_dim=512, latent_kv=True, mask_mod="j <= i"), "does not take mask_mod"),
+])
+def test_latent_refusals_say_what_is_allowed(fields, message):
+    with pytest.raises(SpecError, match=message):
+        Spec(**fields)

@@ -85,6 +85,7 @@ SPECS = [
     # decoding from a latent cache (MLA): one K tile serves both products, P~ and the row maxes shared by the warps
     Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding"),
     Spec(head_dim=160, value_head_dim=128, latent_kv=True, dtype="fp16", mask="causal"),
+    Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", arch="sm_80"),   # 32-key tiles, 4 warps
 ]
 CASE = dict(batch=2, heads=2, seq_q=150, seq_k=133, layout="bnhd", data_seed=1, seed=7, offset=3)
 GROUPED = dict(CASE, heads=4, kv_heads=1)                       # MQA: the backward's group sums

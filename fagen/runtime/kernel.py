@@ -223,7 +223,8 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         """A latent_kv spec's v: k's first value_head_dim columns, as a view (the kernel reads them from K's tile)."""
         if v is not None:
             raise ArgumentError(f"{self.spec.variant_name} reads a latent cache (latent_kv): v is k's first "
-                                f"{self.spec.value_dim} columns; pass v=None")
+                                f"{self.spec.value_dim} columns; pass v=None (Kernel.forward: fagen.attention does "
+                                "not take latent_kv specs yet)")
         if not type(k).__module__.startswith("torch"):
             raise ArgumentError(f"{self.spec.variant_name} reads a latent cache (latent_kv) from a torch tensor k "
                                 f"(its first {self.spec.value_dim} columns are v); got {type(k).__name__}")
