@@ -308,7 +308,8 @@ def test_a_left_padded_batch_runs_on_fagen_on_the_gpu():
     with warnings.catch_warnings(record=True) as records, torch.no_grad():
         warnings.simplefilter("always")
         got = nets["fagen"](x, attention_mask=mask).logits
-    assert not [r for r in records if "fagen" in str(r.message)], [str(r.message) for r in records]
+    # (the integration's fallback warning; on a cold cache PyCUDA also passes on nvcc's remarks, which name kernels)
+    assert not [r for r in records if "fagen attention:" in str(r.message)], [str(r.message) for r in records]
     with torch.no_grad():
         expected = nets["sdpa"](x, attention_mask=mask).logits
     valid = mask.bool()
