@@ -561,7 +561,7 @@ def paper_report(head_dim: int, m_elements: int, block_r: int, block_c: int) -> 
 
 # ---- traffic models -------------------------------------------------------------------------
 def hbm_bytes(spec: Spec, pass_name: str, block_r: int, block_c: int, n: int = RANKING_SEQ_LEN) -> int:
-    """Bytes the loop order moves through HBM for one (batch, head) at Nq = Nk = n (design.md)."""
+    """Bytes the loop order moves through HBM for one (batch, head) at Nq = Nk = n."""
     e, hd = spec.element_bytes, spec.compute_dim
     row_blocks, col_blocks = math.ceil(n / block_r), math.ceil(n / block_c)
     if pass_name == "decode":

@@ -22,7 +22,7 @@ from fagen import reference
 from fagen.runtime.tensors import TORCH_DTYPES   # the spec dtypes' torch names (the runtime's, which takes them)
 from fagen.spec import Spec
 
-#: ||out - ref||_F / ||ref||_F allowed per dtype (design.md); fp32 runs on CUDA cores, no tf32.
+#: ||out - ref||_F / ||ref||_F allowed per dtype (docs/design.md, "Checking a kernel"); fp32 runs on CUDA cores, no tf32.
 # fp8_e4m3: e4m3's relative half-ulp (3 mantissa bits), the most that rounding P~ to e4m3 for O += P~ V moves each
 # weight; that rounding alone, emulated in float64 on random inputs, gives 1.3-2.6% (docs/decisions/0013-fp8-forward.md).
 TOLERANCES = {"fp32": 1e-5, "fp16": 1e-2, "bf16": 1e-2, "fp8_e4m3": 2.0**-4}

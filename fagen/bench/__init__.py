@@ -1,4 +1,4 @@
-"""Benchmarks: fagen against PyTorch's attention, at the three levels of design.md's "Measuring speed".
+"""Benchmarks: fagen against PyTorch's attention, at the three levels of docs/design.md's "Measuring speed".
 
     timing.py   how a call is timed (CUDA events), FLOP counts, fresh inputs, the error measure
     peers.py    the implementations fagen is compared with (SDPA: flash, cuDNN, memory-efficient)

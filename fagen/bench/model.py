@@ -1,6 +1,6 @@
 """`fagen bench-model`: fagen as a user meets it, against PyTorch SDPA, on one GPU.
 
-Two of design.md's three levels of "Measuring speed" (the kernel level is `fagen bench`):
+Two of docs/design.md's three levels of "Measuring speed" (the kernel level is `fagen bench`):
 
     model   a training step (forward, backward, AdamW) of a small Llama built from a LlamaConfig with
             random weights, attn_implementation="fagen" against "sdpa" forced to the flash backend and

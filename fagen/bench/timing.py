@@ -1,7 +1,7 @@
 """How `fagen bench` measures: FLOP counts, CUDA-event timing, inputs and the error measure.
 
 One process, the same inputs for every implementation, CUDA events around each call, warm-up runs
-first, the median of the timed runs (design.md, "Measuring speed"). The FLOP counts and the timing
+first, the median of the timed runs (docs/design.md, "Measuring speed"). The FLOP counts and the timing
 helper's logic run without a GPU (tests/test_bench.py gives it a fake torch).
 """
 from __future__ import annotations
