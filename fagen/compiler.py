@@ -19,15 +19,16 @@ from pathlib import Path
 from typing import Optional
 
 from fagen.cache import CACHE_ENV, DiskCache, cache_dir, digest  # noqa: F401 (cache_dir, CACHE_ENV: re-exported)
+from fagen.target import arch_features
 
 NVCC_OPTIONS = ("-O3", "-std=c++17", "--use_fast_math")
 
 
 def nvcc_arch(arch: str) -> str:
-    """The architecture nvcc builds for: sm_90 targets compile as sm_90a, Hopper's arch-specific
-    profile, so that the wgmma templates can use warpgroup MMA (the cubin runs on H100/H200 only,
+    """The architecture nvcc builds for (fagen/target.py ARCH_FEATURES): sm_90 targets compile as sm_90a, Hopper's
+    arch-specific profile, so that the wgmma templates can use warpgroup MMA (the cubin runs on H100/H200 only,
     which is every sm_90 part); every other arch as named."""
-    return "sm_90a" if arch == "sm_90" else arch
+    return arch_features(arch).nvcc_arch
 
 
 class CompileError(RuntimeError):

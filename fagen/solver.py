@@ -92,7 +92,7 @@ class Family:
     rules: tuple = ()                # extra (description, predicate(Br, Bc, d, W)) tile rules of the template
     options: tuple = ()              # (name, value) pairs the template reads: variants of one template
     tag: str = ""                    # kernel-name suffix that tells such variants apart
-    archs: tuple[str, ...] = ()      # the targets the template runs on; (): every one
+    needs: tuple[str, ...] = ()      # the ArchFeatures (fagen/target.py) the template uses; (): every target
     preference: int = 1              # within a tier, lower ranks first: a newer instruction family beats an older one
     occupancy_first: bool = False    # rank resident warps ahead of shared-memory reads and tile size
     # (head dim, Br, Bc, W) of plans timed faster than the cost model's first choice: ranked ahead of it. The head
@@ -146,7 +146,7 @@ FAMILIES: tuple[Family, ...] = (
            modifier_registers=12,
            light_mask_mod_registers=0,   # prefix-LM, window + sinks, dilated: three resident blocks at d = 64
            key_mask_mod_registers=8,     # documents: tested ahead of the tile (MASK_AHEAD) at three blocks
-           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, needs=("warpgroup_mma",),
            # warpgroups of other blocks fill the tensor cores while one runs its softmax: a second resident block
            # before a larger Bc
            preference=0, occupancy_first=True,
@@ -168,7 +168,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64,
            max_block_c=128, packed_registers=4, modifier_registers=12, light_mask_mod_registers=0,
            key_mask_mod_registers=8, dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
-           archs=("sm_90",), preference=0, occupancy_first=True,
+           needs=("warpgroup_mma",), preference=0, occupancy_first=True,
            # d = 128 on one warpgroup per 64-row block, two blocks per SM (docs/decisions/0013-fp8-forward.md)
            timed_first=((128, 64, 128, 4),),
            rules=(("Bc a multiple of 64 (V^T's rows whole 64-byte panels)", lambda r, c, hd, w: c % 64 == 0),)),
@@ -183,7 +183,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
-           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, archs=("sm_90",),
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, needs=("warpgroup_mma",),
            preference=-1, occupancy_first=True, tag="_ws",
            walk_warps=4,   # the producer warpgroup walks alone (templates/forward_wgmma_ws.cu.j2)
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
@@ -236,7 +236,7 @@ FAMILIES: tuple[Family, ...] = (
            # this plan's spills (docs/decisions/0004-backward-wgmma-registers.md)
            packed_registers=4 * _BELOW_128, modifier_registers=4 * _BELOW_128,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, keys_per_warp=16, deterministic=False,
-           archs=("sm_90",), preference=0,
+           needs=("warpgroup_mma",), preference=0,
            rules=(("dQ splits over warpgroups: Br = 64 per warpgroup, or Br = 64 and d = 64 per warpgroup (the "
                    "last one 32: d = 96 over two)", lambda r, c, hd, w: r == 16 * w or (r == 64 and 16 * w - 32 <= hd <= 16 * w)),)),
     # backward_wgmma warp-specialized (FlashAttention-3's split of roles): warpgroup 0 loads (K_j, V_j once, Q_i,
@@ -253,7 +253,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
-           archs=("sm_90",), preference=-1, occupancy_first=True, tag="_ws",
+           needs=("warpgroup_mma",), preference=-1, occupancy_first=True, tag="_ws",
            # a mask_mod's elements tested ahead of the score products (templates/backward_wgmma_rows.cu.j2): beside
            # S^T and dP^T its loads spilled the consumers' 232 registers
            options=(("mask_bits_ahead", True),),
@@ -295,7 +295,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(8,), min_block_c=64, max_block_c=64, stages=2, tensor_cores=True, tile_walk=True,
            dropout_registers=4, packed_registers=4, modifier_registers=4,
            dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=64, deterministic=False,
-           archs=("sm_90",), preference=0, weighed_padding_up_to=256,
+           needs=("warpgroup_mma",), preference=0, weighed_padding_up_to=256,
            # dV's accumulators as wide as a narrower value_head_dim, each warpgroup's share on a panel (value_tile_dim)
            options=(("narrow_values", "per_warpgroup"),),
            # at d = 97-128 also for block-sparse masks of 64-key blocks, which backward_wgmma's 128 keys there do not
@@ -423,7 +423,7 @@ class Plan:
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
         # Not for an odd d (its rows load element by element), nor above 128 but for the wide backward (its
         # weighed_padding_up_to: d = 129-160 run as 192, d = 193-224 as 256): 0009-head-dim-padding.md.
-        weighed = (family.archs == ("sm_90",) and family.tensor_cores and data_dim % 2 == 0
+        weighed = ("warpgroup_mma" in family.needs and family.tensor_cores and data_dim % 2 == 0
                    and self.head_dim <= family.weighed_padding_up_to)
         head_dim = Fraction(self.head_dim) / (PREFERRED_PADDING if weighed else 1)
         # a plan timed faster than the cost model's choice (Family.timed_first) goes ahead of the cost model
@@ -674,8 +674,9 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     broken = []
     if regs > target.registers_per_thread:
         broken.append(f"registers {compiled.registers_text} = {regs} <= {target.registers_per_thread}")
-    if family.archs and target.arch not in family.archs:
-        broken.append(f"target arch in {family.archs} (is {target.arch})")
+    missing = [need for need in family.needs if not getattr(target.features, need)]
+    if missing:
+        broken.append(f"a target with {', '.join(missing)} (is {target.arch})")
     if family.m_tiles and block_r not in [16 * warps * m for m in family.m_tiles]:
         broken.append(f"Br = 16*W*m, m in {family.m_tiles}")
     if family.keys_per_warp and block_c != family.keys_per_warp * warps:

@@ -19,6 +19,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, WithJsonSchema, ValidationInfo, field_validator,
                       model_validator)
 
+from fagen.target import arch_features
+
 DTYPES = ("fp16", "bf16", "fp32", "fp8_e4m3")
 DTYPES_EVERY_PASS = ("fp16", "bf16", "fp32")   # the dtypes every pass, arch and loop order takes (fp8_e4m3: _check_fp8)
 MASKS = ("none", "causal", "sliding_window", "padding", "block_sparse")
@@ -347,7 +349,7 @@ class Spec(BaseModel):
         if tuple(self.passes) != FP8_PASSES:
             raise ValueError(f"{where}: passes {list(self.passes)} are not built yet: the fp8 forward alone "
                              "(passes [forward], the default for fp8_e4m3)")
-        if self.arch != "sm_90":
+        if not arch_features(self.arch).fp8_mma:
             raise ValueError(f"{where} runs on Hopper's FP8 wgmma: arch sm_90, not {self.arch}")
         if self.head_dim not in (64, 128, 192, 256):
             raise ValueError(f"{where} takes head_dim 64, 128, 192 or 256 (whole 64-byte rows), not {self.head_dim}")

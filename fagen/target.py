@@ -19,6 +19,10 @@ class Target:
     sm_count: int
     name: str = "table"
 
+    @property
+    def features(self) -> ArchFeatures:
+        return arch_features(self.arch)
+
     def with_sm_count(self, sm_count: int) -> "Target":
         return replace(self, sm_count=sm_count)
 
@@ -31,6 +35,31 @@ TARGETS: dict[str, Target] = {
     "sm_89": Target("sm_89", 101376, 102400, 255, 65536, 1536, 128, "AD10x (table)"),
     "sm_90": Target("sm_90", 232448, 233472, 255, 65536, 2048, 132, "H100 (table)"),
 }
+
+
+@dataclass(frozen=True)
+class ArchFeatures:
+    """What an architecture's instructions allow, as the templates and the compiler use it."""
+
+    nvcc_arch: str               # what nvcc builds for: sm_90 as sm_90a, Hopper's arch-specific profile
+    warpgroup_mma: bool = False  # wgmma.mma_async (the forward_wgmma / backward_wgmma families)
+    fp8_mma: bool = False        # e4m3 operands of warpgroup MMA (dtype fp8_e4m3)
+    setmaxnreg: bool = False     # registers moved between warpgroups (the warp-specialized families)
+    tma: bool = False            # cp.async.bulk.tensor with tensor maps (no template uses it yet)
+
+
+#: The one table of architecture facts. An arch it does not list (a newer GPU's) has none of the features and
+#: builds for its own name.
+ARCH_FEATURES: dict[str, ArchFeatures] = {
+    "sm_80": ArchFeatures("sm_80"),
+    "sm_86": ArchFeatures("sm_86"),
+    "sm_89": ArchFeatures("sm_89"),
+    "sm_90": ArchFeatures("sm_90a", warpgroup_mma=True, fp8_mma=True, setmaxnreg=True, tma=True),
+}
+
+
+def arch_features(arch: str) -> ArchFeatures:
+    return ARCH_FEATURES.get(arch) or ArchFeatures(arch)
 
 
 def target_for(arch: str) -> Target:

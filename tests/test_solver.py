@@ -16,7 +16,8 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from fagen import solver
-from fagen.solver import FAMILIES, Bc, Br, InfeasibleSpec, Plan, W, d, evaluate, families_for, family_named, solve
+from fagen.solver import (FAMILIES, Bc, Br, InfeasibleSpec, Plan, W, d, evaluate, families_for, family_named,
+                          family_plans, solve)
 from fagen.spec import ARCHS, DTYPES, DTYPES_EVERY_PASS, LOOP_ORDERS, MASKS, MIN_DROPOUT, PASSES, Spec
 from fagen.target import TARGETS, target_for
 
@@ -406,6 +407,25 @@ def test_targets_are_plain_data():
     for arch, target in TARGETS.items():
         assert target.arch == arch and target.registers_per_thread == REGISTER_CEILING
         assert target.smem_per_block <= target.smem_per_sm
+
+
+def test_architecture_facts_are_one_table_that_the_families_read():
+    """ARCH_FEATURES says what each arch's instructions allow; a family that needs a feature is offered only on the
+    targets that have it, the compiler builds for the table's nvcc arch, and an arch it lacks has no feature."""
+    from fagen.compiler import nvcc_arch
+    from fagen.target import ARCH_FEATURES, ArchFeatures, arch_features
+
+    assert set(ARCH_FEATURES) == set(ARCHS)
+    assert [nvcc_arch(a) for a in ARCHS] == [ARCH_FEATURES[a].nvcc_arch for a in ARCHS]
+    assert arch_features("sm_120") == ArchFeatures("sm_120")   # (a newer GPU: its own name, no feature assumed)
+    features = {name for name in vars(ArchFeatures("x")) if name != "nvcc_arch"}
+    for family in FAMILIES:
+        assert set(family.needs) <= features, family.name
+        for arch, target in TARGETS.items():
+            plans = list(family_plans(family, Spec(head_dim=64, dtype="bf16"), target, family.passes[0]))
+            missing = [need for need in family.needs if not getattr(target.features, need)]
+            assert all(any(b.startswith("a target with") for b in broken) == bool(missing) for _, broken in plans), \
+                (family.name, arch)
 
 
 @pytest.mark.parametrize("head_dim, arch, family, computed", [
