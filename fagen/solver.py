@@ -168,7 +168,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(4, 8), stages=2, tensor_cores=True, tile_walk=True, m_tiles=(1,), dropout_registers=8, min_block_c=64,
            max_block_c=128, packed_registers=4, modifier_registers=12, light_mask_mod_registers=0,
            key_mask_mod_registers=8, dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
-           needs=("warpgroup_mma",), preference=0, occupancy_first=True,
+           needs=("warpgroup_mma", "fp8_mma"), preference=0, occupancy_first=True,
            # d = 128 on one warpgroup per 64-row block, two blocks per SM (docs/decisions/0013-fp8-forward.md)
            timed_first=((128, 64, 128, 4),),
            rules=(("Bc a multiple of 64 (V^T's rows whole 64-byte panels)", lambda r, c, hd, w: c % 64 == 0),)),
@@ -183,7 +183,8 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
-           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32, needs=("warpgroup_mma",),
+           dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32,
+           needs=("warpgroup_mma", "setmaxnreg"),
            preference=-1, occupancy_first=True, tag="_ws",
            walk_warps=4,   # the producer warpgroup walks alone (templates/forward_wgmma_ws.cu.j2)
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
@@ -253,7 +254,7 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
-           needs=("warpgroup_mma",), preference=-1, occupancy_first=True, tag="_ws",
+           needs=("warpgroup_mma", "setmaxnreg"), preference=-1, occupancy_first=True, tag="_ws",
            # a mask_mod's elements tested ahead of the score products (templates/backward_wgmma_rows.cu.j2): beside
            # S^T and dP^T its loads spilled the consumers' 232 registers
            options=(("mask_bits_ahead", True),),
@@ -416,8 +417,9 @@ class Plan:
     head_dim: int = 0                # the d the template computes with: the spec's, padded up to the family's multiple
 
     def rank_fields(self, data_dim: int = 0) -> tuple[tuple[str, object], ...]:
-        """(name, value) pairs, lower is better, compared in order: HBM traffic, shared-memory reads per row, occupancy and bigger tiles (for
-        tensor-core plans the other way round: fewer barriers per key), fewer warps. `data_dim`: the spec's
+        """(name, value) pairs, lower is better, compared in order: head-dim padding, the family's preference, timed
+        first, HBM traffic, then shared-memory reads per row, occupancy and bigger tiles (for tensor-core plans bigger
+        tiles before occupancy: fewer barriers per key; occupancy_first families occupancy first), fewer warps. `data_dim`: the spec's
         head dim (0: not known, taken as even)."""
         family = family_named(self.family)
         # first the head-dim padding, weighed by the family (PREFERRED_PADDING): d = 72 computes as 96 on wgmma.
