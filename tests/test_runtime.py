@@ -375,3 +375,29 @@ def test_descale_slots_follow_the_struct_and_take_one_pointer_each():
     start, count = _SLOT["descale"]
     assert count == 3 and [_SLOT[f"descale{n}"] for n in range(3)] == [(start + n, 1) for n in range(3)]
     assert _SLOT["descale_stride"] == (start + 3, 6)
+
+
+def test_a_latent_call_takes_v_from_k_and_names_what_it_refuses():
+    """Kernel._latent_values (latent_kv specs): v is a view of k's first value_head_dim columns; a v given, a k of the
+    wrong width or rank, and a k that is not a torch tensor are refused by name; the autograd path refuses the spec.
+    (No GPU: the checks run before any launch.)"""
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    from fagen.runtime import Kernel
+
+    kernel = object.__new__(Kernel)
+    kernel.spec = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding")
+    k = torch.zeros(2, 1, 64, 576, dtype=torch.bfloat16)
+    v = kernel._latent_values(k, None)
+    assert v.shape == (2, 1, 64, 512) and v.stride() == k.stride() and v.data_ptr() == k.data_ptr()
+    with pytest.raises(ArgumentError, match="pass v=None"):
+        kernel._latent_values(k, v)
+    with pytest.raises(ArgumentError, match="last is head_dim 576"):
+        kernel._latent_values(k[..., :512], None)
+    with pytest.raises(ArgumentError, match="last is head_dim 576"):
+        kernel._latent_values(k[0], None)
+    with pytest.raises(ArgumentError, match="from a torch tensor k"):
+        kernel._latent_values(np.zeros((2, 1, 64, 576), np.float16), None)
+    with pytest.raises(ArgumentError, match="fagen.attention and autograd do not take yet"):
+        kernel.forward_keyed(torch.zeros(2, 16, 1, 576, dtype=torch.bfloat16), k, v)

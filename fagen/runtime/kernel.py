@@ -248,6 +248,9 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                       offset: int = 0, cu_seqlens_q=None, cu_seqlens_k=None, max_seqlen_q=None, max_seqlen_k=None):
         """(o, lse, key): `forward` for an autograd node, with the key that `backward_after` takes for its
         backward (the call's fast-path signature, padded or packed: None where it has none)."""
+        if self.spec.latent_kv:   # (an autograd node would pass a v the kernel never reads)
+            raise ArgumentError(f"{self.spec.variant_name} reads a latent cache (latent_kv), which fagen.attention and "
+                                "autograd do not take yet: call fagen.compile(spec).forward(q, k, None, ...)")
         given = CallInputs(kv_lengths, block_mask, inputs, seed, offset)
         if self._is_packed_call(cu_seqlens_q, cu_seqlens_k):
             return self._packed_forward(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, given, None,
@@ -387,7 +390,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         _combine merges the splits by LSE into o and lse; `given.paged` for a paged cache. A latent cache's kernel
         (templates/decode_latent_mma.cu.j2) takes the group's rows in chunks of 16, a block per chunk."""
         batch, heads, seq_q, seq_k = shape
-        for name in ("k", "v"):   # cp.async moves 16-byte chunks of K and V
+        for name in ("q", "k", "v"):   # cp.async moves 16-byte chunks of Q, K and V (q: where no forward plan aligned it)
             aligned = self._aligned(tensors[name], 16) if self._chunked_rows else tensors[name].owner
             if aligned is not tensors[name].owner:
                 keep.append(aligned)
