@@ -101,6 +101,32 @@ def test_many_rows_and_long_caches():
     assert errors["o"] > 0
 
 
+def test_partial_chunks_the_fast_path_and_skipped_window_tiles():
+    """24 query heads on the latent head (a last chunk of 8 rows), paged, called twice without `out` (the second call
+    takes the fast path, on new queries); and a sliding window over 3,000 keys, whose tiles out of reach never load.
+    (Added from a review, after this session's last GPU run: first run next session.)"""
+    import numpy as np
+    import torch
+
+    from fagen import jit, reference
+    from fagen.testing import TOLERANCES, Case, _lse_error, assert_matches_reference, relative_error
+
+    kernel = jit.compile(MLA)
+    lengths = torch.tensor([700, 0, 1], dtype=torch.int32, device="cuda")
+    generator = torch.Generator(device="cuda").manual_seed(24)
+    as64 = lambda t: t.double().cpu().numpy()  # noqa: E731
+    for _ in range(2):
+        q, cache, table, o, lse = _paged_latent_call(kernel, 3, 24, 1, 64, 12, lengths, generator)
+        gathered = cache[table.long()].reshape(3, 12 * 64, 1, MLA.head_dim).transpose(1, 2)
+        ref_o, ref_lse = reference.attention_forward(as64(q), as64(gathered), as64(gathered[..., :MLA.value_dim]),
+                                                     MLA, kv_lengths=lengths.tolist())
+        assert relative_error(as64(o), ref_o) <= TOLERANCES["bf16"] and np.isfinite(as64(o)).all()
+        assert _lse_error(as64(lse), ref_lse) <= TOLERANCES["bf16"]
+    errors = assert_matches_reference(SPECS[3], Case(batch=1, heads=8, seq_q=2, seq_k=3000, layout="bhnd", data_seed=9,
+                                                     seed=0, offset=0, kv_heads=1))
+    assert errors["o"] > 0
+
+
 def test_latent_arguments_get_clear_errors():
     import numpy as np
     import torch
