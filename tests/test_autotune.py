@@ -172,6 +172,11 @@ def test_compile_tuned_swaps_the_winner_into_the_runtime_kernel(monkeypatch):
     assert autotune.compile_tuned(SPEC) is kernel and len(built) == 1  # built once per process
 
 
+def test_autotune_refuses_a_latent_cache_by_name_before_timing_anything():
+    with pytest.raises(ValueError, match="latent cache .latent_kv.*python -m fagen.bench mla-decode"):
+        autotune.autotune(Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16"))
+
+
 def test_autotune_refuses_fp8_by_name_before_timing_anything():
     with pytest.raises(ValueError, match="fp8_e4m3, which this timing does not take; python -m fagen.bench fp8"):
         autotune.autotune(Spec(head_dim=128, dtype="fp8_e4m3"))

@@ -657,3 +657,12 @@ def test_bench_refuses_fp8_variants_by_name_and_says_what_times_them(run, tmp_pa
     result = run("bench", spec_file)
     assert result.exit_code == 2
     assert "d128_fp8e4m3_none_fa2_sm90_for is fp8_e4m3" in result.stderr and "python -m fagen.bench fp8" in result.stderr
+
+
+def test_bench_refuses_a_latent_cache_by_name_and_says_what_times_it(run, tmp_path):
+    spec_file = tmp_path / "mla.yaml"
+    spec_file.write_text("- {head_dim: 576, value_head_dim: 512, latent_kv: true, dtype: bf16}\n")
+    result = run("bench", spec_file)
+    assert result.exit_code == 2
+    assert "d576v512_bf16_none_fa2_sm90_dec_latent reads a latent cache" in result.stderr
+    assert "python -m fagen.bench mla-decode" in result.stderr

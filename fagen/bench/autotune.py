@@ -158,9 +158,9 @@ def autotune(spec: Spec, top: int = 4, seqlen: int = 4096, batch: Optional[int] 
              path: Optional[Path] = None, console=None) -> dict:
     """Time the solver's `top` candidates per pass at (batch, heads, seqlen) on this GPU, cache and
     return the entry. batch defaults to 16384 // seqlen tokens' worth, heads to 2048 // head_dim."""
-    from fagen.bench.timing import refuse_fp8
+    from fagen.bench.timing import refuse_timed_elsewhere
 
-    refuse_fp8(spec, "autotune")
+    refuse_timed_elsewhere(spec, "autotune")
     batch = batch or max(1, 16384 // seqlen)
     heads = heads or max(1, 2048 // spec.head_dim)
     session = open_session(spec, seqlen, batch, heads, warmup, repeats)

@@ -132,11 +132,23 @@ class Inputs:
     runtime_args: dict
 
 
-def refuse_fp8(spec: Spec, what: str) -> None:
-    """The benches and the autotuner time 16-bit and fp32 calls against SDPA's, which takes no e4m3 inputs."""
+def timed_elsewhere(spec: Spec) -> Optional[str]:
+    """Why the benches and the autotuner, which time forward and backward calls on q, k, v against SDPA's, do not take
+    `spec`, and what times it instead; None where they do."""
     if spec.fp8:
-        raise ValueError(f"{what}: {spec.variant_name} is fp8_e4m3, which this timing does not take; python -m "
-                         "fagen.bench fp8 times the fp8 forward against fagen's and cuDNN's bf16 forwards")
+        return (f"{spec.variant_name} is fp8_e4m3, which this timing does not take; python -m fagen.bench fp8 times "
+                "the fp8 forward against fagen's and cuDNN's bf16 forwards")
+    if spec.latent_kv:
+        return (f"{spec.variant_name} reads a latent cache (latent_kv: the decode pass alone, v from k), which this "
+                "timing does not take; python -m fagen.bench mla-decode times it")
+    return None
+
+
+def refuse_timed_elsewhere(spec: Spec, what: str) -> None:
+    """timed_elsewhere's reason as an error."""
+    reason = timed_elsewhere(spec)
+    if reason:
+        raise ValueError(f"{what}: {reason}")
 
 
 def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0, kv_heads: Optional[int] = None) -> Inputs:
@@ -147,7 +159,7 @@ def make_inputs(spec: Spec, batch: int, heads: int, seq_len: int, seed: int = 0,
     count; dropout gets a fixed seed and offset."""
     import torch
 
-    refuse_fp8(spec, "timing inputs")
+    refuse_timed_elsewhere(spec, "timing inputs")
     dtype = getattr(torch, TORCH_DTYPES[spec.dtype])
     generator = torch.Generator(device=DEVICE).manual_seed(seed)
     # (v and do of the spec's value_dim: its value_head_dim where it has one)
