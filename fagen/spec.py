@@ -75,7 +75,10 @@ def parse_bytes(value: Union[int, str]) -> int:
 class Spec(BaseModel):
     """One attention variant. Field docs become the JSON Schema's descriptions (`fagen schema`)."""
 
-    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True)
+    # (the schema's head dims: up to 576 / 512 only with latent_kv, as the validators say)
+    model_config = ConfigDict(frozen=True, extra="forbid", validate_default=True, json_schema_extra={
+        "if": {"properties": {"latent_kv": {"const": True}}, "required": ["latent_kv"]},
+        "else": {"properties": {"head_dim": {"maximum": 256}, "value_head_dim": {"maximum": 256}}}})
 
     def __init__(self, **data: Any) -> None:
         """Spec(head_dim=64, ...): a bad field raises SpecError, one line, as a spec file's does."""
@@ -90,7 +93,7 @@ class Spec(BaseModel):
     value_head_dim: Optional[int] = Field(
         None, strict=True, description="Head dimension of v and o when it differs from q's and k's (DeepSeek's MLA: "
         "head_dim 192, value_head_dim 128); default head_dim. Both multiples of 8, fp16 or bf16, loop_order fa2, not "
-        "deterministic.",
+        "deterministic. At most 256 (512 with latent_kv).",
         json_schema_extra={"minimum": 8, "maximum": LATENT_MAX_VALUE_DIM})
     latent_kv: bool = Field(
         False, strict=True, description="Keys and values are one latent cache (DeepSeek's MLA decoding: head_dim 576, "
@@ -124,7 +127,7 @@ class Spec(BaseModel):
     passes: tuple[Literal["forward", "backward", "decode"], ...] = Field(
         ("forward", "backward"), description="Which kernels to generate: forward, backward, and decode (the "
         "split-KV forward that calls with few query rows, group x Nq <= 16, take instead of forward). Default: forward "
-        "and backward (forward alone for dtype fp8_e4m3).")
+        "and backward (forward alone for dtype fp8_e4m3, decode alone for latent_kv).")
     deterministic: bool = Field(False, strict=True, description="Backward without atomics: bitwise-reproducible dq.")
     mask_mod: Optional[str] = Field(
         None, description="A boolean expression over b, h, i, j (sequence, query head, query and key position; "
@@ -297,6 +300,14 @@ class Spec(BaseModel):
                 raise ValueError(f"mask block_sparse needs `block_size`, a power of 2 from 16 to 256 (got {size})")
         elif self.block_size is not None:
             raise ValueError(f"block_size is only for mask block_sparse, not {self.mask}")
+        if self.latent_kv:
+            self._check_latent()
+        elif self.head_dim > 256:
+            raise ValueError(f"head_dim {self.head_dim}: head_dim must be from 1 to 256 (up to {LATENT_MAX_HEAD_DIM} "
+                             "only with latent_kv, the MLA decoding cache)")
+        elif self.value_dim > 256:
+            raise ValueError(f"value_head_dim {self.value_dim}: value_head_dim must be from 8 to 256 (up to "
+                             f"{LATENT_MAX_VALUE_DIM} only with latent_kv, the MLA decoding cache)")
         if "decode" in self.passes and self.mask not in DECODE_MASKS:
             raise ValueError(f"the decode pass takes masks {', '.join(DECODE_MASKS)}, not {self.mask}")
         if "decode" in self.passes and self.dtype == "fp32" and self.head_dim % 8:
@@ -319,14 +330,6 @@ class Spec(BaseModel):
                 _modifiers(self.mask_mod, self.score_mod, self.inputs).cuda_struct("SpecMods", self.scale)
             except ExpressionError as err:
                 raise ValueError(str(err)) from None
-        if self.latent_kv:
-            self._check_latent()
-        elif self.head_dim > 256:
-            raise ValueError(f"head_dim {self.head_dim}: head_dim must be from 1 to 256 (up to {LATENT_MAX_HEAD_DIM} "
-                             "only with latent_kv, the MLA decoding cache)")
-        elif self.value_dim > 256:
-            raise ValueError(f"value_head_dim {self.value_dim}: value_head_dim must be from 8 to 256 (up to "
-                             f"{LATENT_MAX_VALUE_DIM} only with latent_kv, the MLA decoding cache)")
         if self.value_head_dim is not None:
             dims = f"head_dim {self.head_dim}, value_head_dim {self.value_head_dim}"
             if self.head_dim % 8 or self.value_head_dim % 8:
@@ -382,6 +385,8 @@ class Spec(BaseModel):
             raise ValueError(f"{where}: layout padded (a paged cache through block_table), not {self.layout}")
         if self.dropout:
             raise ValueError(f"{where} is for inference: dropout 0, not {self.dropout}")
+        if self.deterministic:
+            raise ValueError(f"{where} decodes alone, with no backward for deterministic to change")
 
     # ---- derived values -------------------------------------------------------------------
     @property

@@ -691,3 +691,18 @@ def test_a_latent_spec_decodes_alone_and_names_itself():
 def test_latent_refusals_say_what_is_allowed(fields, message):
     with pytest.raises(SpecError, match=message):
         Spec(**fields)
+
+
+def test_the_schema_bounds_head_dims_as_the_validators_do():
+    """The JSON Schema takes head dims above 256 only with latent_kv, as Spec does."""
+    jsonschema = pytest.importorskip("jsonschema")
+    validator = jsonschema.Draft202012Validator(json_schema())
+    for fields in (dict(head_dim=300), dict(head_dim=64, value_head_dim=384),
+                   dict(head_dim=576, value_head_dim=512, latent_kv=False),
+                   dict(head_dim=576, value_head_dim=512, latent_kv=True), dict(head_dim=256, value_head_dim=128)):
+        try:
+            Spec(**fields)
+            accepted = True
+        except SpecError:
+            accepted = False
+        assert validator.is_valid(fields) == accepted, fields
