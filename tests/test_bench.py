@@ -479,3 +479,21 @@ def test_bench_inputs_and_flops_take_a_value_head_dim(monkeypatch):
     assert timing.spec_flops(plain, 1, 1, 10, "backward") == timing.attention_flops(1, 1, 10, 10, 64,
                                                                                     pass_name="backward")
     assert torch.is_tensor(inputs.v)
+
+
+def test_the_mla_decode_bench_checks_outputs_against_the_float64_reference_s_answer():
+    """bench/mla_decode.py's fp32 reference on the first sequence (v = k's first 512 columns, every key visible) is
+    the float64 reference's answer: what fagen and each peer are checked against before they are timed."""
+    torch = pytest.importorskip("torch")
+    from fagen import reference
+    from fagen.bench.mla_decode import HEAD_DIM, VALUE_DIM, _first_sequence_reference
+    from fagen.spec import Spec
+
+    generator = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 4, 2, HEAD_DIM, generator=generator)
+    k = torch.randn(2, 1, 70, HEAD_DIM, generator=generator)
+    spec = Spec(head_dim=HEAD_DIM, value_head_dim=VALUE_DIM, latent_kv=True, dtype="bf16", softmax_scale=0.07)
+    ref_o, _ = reference.attention_forward(q[:1].double().numpy(), k[:1].double().numpy(),
+                                           k[:1, ..., :VALUE_DIM].double().numpy(), spec)
+    got = _first_sequence_reference(q, k, 0.07).double().numpy()
+    assert abs(got - ref_o[0]).max() < 1e-4
