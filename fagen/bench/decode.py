@@ -7,12 +7,10 @@ plus written over time). Each implementation's output is checked against SDPA's 
 """
 from __future__ import annotations
 
-import json as json_module
-from pathlib import Path
 from typing import Optional, Sequence
 
 from fagen.bench.peers import _backend
-from fagen.bench.report import environment, make_console, reason
+from fagen.bench.report import environment, make_console, reason, write_results
 from fagen.bench.timing import DEVICE, relative_error, time_cuda
 from fagen.spec import Spec
 
@@ -108,7 +106,5 @@ def run_decode(batches: Sequence[int] = (1, 32), kv_lens: Sequence[int] = (8192,
             del q, k, v, expected
             torch.cuda.empty_cache()
     if json:
-        Path(json).parent.mkdir(parents=True, exist_ok=True)
-        Path(json).write_text(json_module.dumps({"meta": {**meta, "copy_bandwidth": bandwidth}, "rows": rows},
-                                                indent=2, default=str) + "\n")
+        write_results(json, {"meta": {**meta, "copy_bandwidth": bandwidth}, "rows": rows})
     return rows

@@ -6,12 +6,10 @@ fp8 inputs; the attempt is reported with its reason. FLOPs: 4 d per visible pair
 """
 from __future__ import annotations
 
-import json as json_module
-from pathlib import Path
 from typing import Optional, Sequence
 
 from fagen.bench.peers import sdpa_with
-from fagen.bench.report import environment, make_console, reason
+from fagen.bench.report import environment, make_console, reason, write_results
 from fagen.bench.timing import DEVICE, MAX_SECONDS_PER_MEASUREMENT, attention_flops, relative_error, time_cuda
 from fagen.spec import Spec
 
@@ -78,5 +76,5 @@ def run_fp8(seqlens: Sequence[int] = (512, 2048, 8192, 16384), tokens: int = 163
                 console.print(f"d {head_dim} {mask} {batch} x {heads} x {seq}: {line}"
                               + (f"; notes: {row['notes']}" if row["notes"] else ""))
     if json:
-        Path(json).write_text(json_module.dumps({"meta": meta, "rows": rows}, indent=1))
+        write_results(json, {"meta": meta, "rows": rows})
     return rows

@@ -11,13 +11,11 @@ refuses the shapes is reported with its reason.
 """
 from __future__ import annotations
 
-import json as json_module
-from pathlib import Path
 from typing import Optional, Sequence
 
 from fagen.bench.decode import copy_bandwidth
 from fagen.bench.peers import _backend, allow_flex_recompiles
-from fagen.bench.report import environment, make_console, reason
+from fagen.bench.report import environment, make_console, reason, write_results
 from fagen.bench.timing import DEVICE, relative_error, time_cuda
 from fagen.spec import Spec
 
@@ -64,9 +62,7 @@ def run_mla_decode(batches: Sequence[int] = (1, 32, 128), kv_lens: Sequence[int]
                                      queries, kv_len, warmup, repeats, peers))
                     torch.cuda.empty_cache()
     if json:
-        Path(json).parent.mkdir(parents=True, exist_ok=True)
-        Path(json).write_text(json_module.dumps({"meta": {**meta, "copy_bandwidth": bandwidth}, "rows": rows},
-                                                indent=2, default=str) + "\n")
+        write_results(json, {"meta": {**meta, "copy_bandwidth": bandwidth}, "rows": rows})
     return rows
 
 

@@ -234,9 +234,14 @@ def write_csv(report: BenchReport, path) -> Path:
 
 def write_json(report: BenchReport, path) -> Path:
     """{"meta": {date, gpu, torch, command, settings...}, "rows": [every number of every row]}."""
+    return write_results(path, report.to_dict())
+
+
+def write_results(path, data: Any) -> Path:
+    """A bench's results as strict JSON (strict_json), its folder made if missing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json_module.dumps(strict_json(report.to_dict()), indent=2, default=str) + "\n")
+    path.write_text(json_module.dumps(strict_json(data), indent=2, default=str) + "\n")
     return path
 
 
