@@ -137,8 +137,7 @@ class ArgumentChecks:
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 if not (math.isfinite(value) and value > 0):
                     raise ArgumentError(f"{name}: expected a positive finite number, got {value}")
-                value = _allocate(like, (1,), "fp32", stream, fill=float(value)) if value else \
-                    _allocate(like, (1,), "fp32", stream, zero=True)
+                value = _allocate(like, (1,), "fp32", stream, fill=float(value))
             elif not _is_device_array(value):
                 raise ArgumentError(f"{name}: expected a number or a float32 CUDA tensor of one element or of shape "
                                     f"(batch, kv_heads) = {(batch, kv_heads)}, got {type(value).__name__}")

@@ -329,21 +329,22 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
         keep = self._runtime_args(args, tensors, problems, given, stream)
         group = heads // tensors["k"].shape[1]
         decode = self.plans.get("decode")
+        # the decode kernel holds a K/V head's query rows in one block (a latent cache's: any number, 16 a block)
+        rows_fit_decode = decode is not None and (self.spec.latent_kv or group * seq_q <= decode.block_r)
         if paged is not None and sequences is not None:   # a packed batch against pages: the forward kernels
             fields, table = paged
             for name, value in fields.items():
                 args[name] = value
             keep.append(table)
         elif paged is not None:
-            if group * seq_q > decode.block_r and not self.spec.latent_kv:
+            if not rows_fit_decode:
                 raise ArgumentError(f"a paged K/V cache is read by the decode kernel, which holds at most {decode.block_r} "
                                     f"query rows per K/V head (query heads per K/V head x Nq); got {group} x {seq_q}")
             fields, table = paged
             for name, value in fields.items():
                 args[name] = value
             keep.append(table)
-        if decode is not None and (group * seq_q <= decode.block_r or self.spec.latent_kv) and not (
-                paged is not None and sequences is not None):
+        if rows_fit_decode and not (paged is not None and sequences is not None):
             return self._decode(decode, args, tensors, shape, group, o, lse, keep, device, stream, signature, given)
         symbol = plan.symbols[0]
         row_blocks = math.ceil(problems[2] / plan.block_r)
