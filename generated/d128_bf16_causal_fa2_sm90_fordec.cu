@@ -590,10 +590,7 @@ __device__ __forceinline__ void load_query_rows(const fagen::AttentionArgs& args
            + (long long)row_position(group, row) * args.q_stride[2];
   };
   constexpr int PER_PIECE = 16 / sizeof(elem_t);
-  const bool aligned = ((reinterpret_cast<unsigned long long>(q) | (unsigned long long)args.q_stride[0]
-                         | (unsigned long long)args.q_stride[1] | (unsigned long long)args.q_stride[2])
-                        * sizeof(elem_t)) % 16 == 0;
-  if (DATA_DIM % PER_PIECE == 0 && HEAD_DIM % PER_PIECE == 0 && aligned) {
+  if (DATA_DIM % PER_PIECE == 0 && HEAD_DIM % PER_PIECE == 0 && fagen::rows_aligned<PER_PIECE, elem_t>(q, args.q_stride)) {
     constexpr int PIECES = HEAD_DIM / PER_PIECE;
     for (int idx = threadIdx.x; idx < ROWS * PIECES; idx += THREADS_) {
       const int r = idx / PIECES, e = (idx % PIECES) * PER_PIECE;
@@ -605,6 +602,35 @@ __device__ __forceinline__ void load_query_rows(const fagen::AttentionArgs& args
   for (int idx = threadIdx.x; idx < ROWS * HEAD_DIM; idx += THREADS_) {
     const int r = idx / HEAD_DIM, e = idx % HEAD_DIM;
     q_tile[r * PITCH + e] = row0 + r < rows && e < DATA_DIM ? row_of(r)[e] : fagen::from_float<elem_t>(0.f);
+  }
+}
+
+// S = score_mod(S), then the mask, on a warp's scores of keys [warp_col0, warp_col0 + 8 S_TILES) in the MMA
+// accumulator layout (this thread's block rows row_low and row_low + 8, each with its own Mods). Keys past key_end
+// and rows past `rows` are hidden too; only a warp whose keys cross a mask edge or the split's end pays for the
+// per-element test.
+template <int S_TILES, typename RowMods, typename KeyVisibility>
+__device__ __forceinline__ void modify_and_mask_scores(float (&s)[S_TILES][4], const RowMods& mods_low,
+                                                       const RowMods& mods_high, const KeyVisibility& visibility,
+                                                       int group, int seq_q, int row_low, int warp_col0, int quad,
+                                                       int key_end, int rows) {
+  if (RowMods::HAS_SCORE) {   // in raw units (the kernels' form: raw_score)
+#pragma unroll
+    for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = row_position(group, row_low + (e / 2) * 8), key = warp_col0 + t * 8 + quad * 2 + (e % 2);
+        s[t][e] = (e / 2 ? mods_high : mods_low).raw_score(s[t][e], i, key, (float)i, (float)key);
+      }
+  }
+  if (!(warp_col0 + 8 * S_TILES <= key_end && visibility.tile_all_visible(0, seq_q, warp_col0, 8 * S_TILES))) {
+#pragma unroll
+    for (int t = 0; t < S_TILES; ++t)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int row = row_low + (e / 2) * 8, key = warp_col0 + t * 8 + quad * 2 + (e % 2);
+        if (!visibility.visible_if((key < key_end) & (row < rows), row_position(group, row), key)) s[t][e] = -INFINITY;
+      }
   }
 }
 
@@ -788,26 +814,8 @@ extern "C" __global__ void __launch_bounds__(128) fagen_dec_d128_bf16_causal_fa2
         tc::mma_16x8x16<elem_t>(s_acc[2 * pair + 1], q_frag[kk], kf[2], kf[3]);
       }
 
-    if (Mods::HAS_SCORE) {   // S = score_mod(S), in raw units (the kernels' form: raw_score)
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int i = row_position(group, frag_row + (e / 2) * 8), key = warp_col0 + t * 8 + quad * 2 + (e % 2);
-          s_acc[t][e] = (e / 2 ? mods_high : mods_low).raw_score(s_acc[t][e], i, key, (float)i, (float)key);
-        }
-    }
-    // mask: only keys that cross a mask edge or the end of this split pay for the per-element test
     // (rows past `rows` hold zeros of Q: finite, and never stored)
-    if (!(warp_col0 + WARP_KEYS <= key_end && visibility.tile_all_visible(0, seq_q, warp_col0, WARP_KEYS))) {
-#pragma unroll
-      for (int t = 0; t < S_TILES; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int r = frag_row + (e / 2) * 8, key = warp_col0 + t * 8 + quad * 2 + (e % 2);
-          if (!visibility.visible_if((key < key_end) & (r < rows), row_position(group, r), key)) s_acc[t][e] = -INFINITY;
-        }
-    }
+    modify_and_mask_scores(s_acc, mods_low, mods_high, visibility, group, seq_q, frag_row, warp_col0, quad, key_end, rows);
 
     // the warp's online softmax per row: m_new = max(m_old, rowmax S); O and l rescaled by e^(tau (m_old - m_new))
 #pragma unroll
