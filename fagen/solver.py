@@ -357,7 +357,8 @@ FAMILIES: tuple[Family, ...] = (
            rules=(("Br = 16: one MMA row slab", lambda r, c, hd, w: r == 16),
                   ("Bc = 32 or 64, 8 or 16 keys per warp (a 64-row page holds whole tiles)",
                    lambda r, c, hd, w: c in (32, 64) and c // w in (8, 16))),
-           timed_first=((576, 16, 64, 8),),   # (docs/decisions/0014-latent-decode.md; sm_80 fits only Bc = 32)
+           # two resident blocks of 32 keys and 4 warps beat one of 64 keys and 8 (0014-latent-decode.md)
+           timed_first=((576, 16, 32, 4),),
            spec_rules=(("latent_kv specs (v is k's first columns)", lambda spec: spec.latent_kv),)),
     # Split-KV decoding on tensor cores: the block's 16 rows (every query of a K/V head group, padded) as
     # register A fragments, Bc / W keys per warp with the warp's own softmax; Q, two cp.async stages of

@@ -146,6 +146,7 @@ def test_latent_arguments_get_clear_errors():
         kernel.forward(q, k[..., :512], None)
     with pytest.raises(ArgumentError, match="torch tensor"):
         kernel.forward(q, np.zeros((1, 1, 128, 576), np.float16), None)
-    cache = torch.randn(4, 32, 1, 576, device="cuda", dtype=torch.bfloat16)
+    half_tile = kernel.plans["decode"].block_c // 2   # a page of half a tile of keys
+    cache = torch.randn(4, half_tile, 1, 576, device="cuda", dtype=torch.bfloat16)
     with pytest.raises(ArgumentError, match="page must hold whole tiles"):
         kernel.forward(q, cache, None, block_table=torch.zeros(1, 4, dtype=torch.int32, device="cuda"))

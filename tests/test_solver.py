@@ -725,12 +725,14 @@ def test_no_16_bit_family_takes_fp8():
 
 
 def test_a_latent_spec_runs_on_the_latent_decode_with_its_footprint():
-    """576 / 512: 8 warps over 64-key tiles; shared memory is Q, two K stages (V is their first 512 columns, no tile
-    of its own), the P~ tile and the warps' row statistics, byte for byte the template's carve-up."""
+    """576 / 512: 4 warps over 32-key tiles, two blocks per multiprocessor; shared memory is Q, two K stages (V is
+    their first 512 columns, no tile of its own), the P~ tile and the warps' row statistics, byte for byte the
+    template's carve-up."""
     spec = Spec(head_dim=576, value_head_dim=512, latent_kv=True, dtype="bf16", mask="padding")
     plan = solve(spec).plans["decode"]
-    assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("decode_latent_mma", 16, 64, 8, 576)
-    assert plan.smem_bytes == 2 * (16 * 584 + 2 * 64 * 584 + 16 * 72) + 4 * 8 * 16
+    assert (plan.family, plan.block_r, plan.block_c, plan.warps, plan.head_dim) == ("decode_latent_mma", 16, 32, 4, 576)
+    assert plan.smem_bytes == 2 * (16 * 584 + 2 * 32 * 584 + 16 * 40) + 4 * 4 * 16
+    assert 2 * plan.smem_bytes <= target_for("sm_90").smem_per_sm
     # the other decode templates are not offered a latent cache, nor this one a plain decode spec
     plain = Spec(head_dim=128, dtype="bf16", passes=["forward", "decode"])
     assert solve(plain).plans["decode"].family != "decode_latent_mma"
