@@ -203,12 +203,14 @@ def _output_like(spec: Spec, q, shape: tuple):
 
 
 def fp8_descales(case: Case, sequences: int, kv_heads: int, device) -> dict:
-    """An fp8 case's q_descale, k_descale, v_descale (drawn from its data seed in [1/2, 2]): q's and v's per
-    (sequence, K/V head), k's one number for the tensor, as float32 CUDA tensors."""
+    """An fp8 case's q_descale, k_descale, v_descale as float32 tensors on `device`, drawn from its data seed: each
+    one number for the tensor or one per (sequence, K/V head) (FlashAttention-3's two forms; the seed picks which,
+    so that the suite meets every mix), with values in [1/2, 2]."""
     import torch
 
     rng = np.random.default_rng(case.data_seed + 7)
-    shapes = {"q_descale": (sequences, kv_heads), "k_descale": (1,), "v_descale": (sequences, kv_heads)}
+    shapes = {name: (sequences, kv_heads) if per_head else (1,)
+              for name, per_head in zip(("q_descale", "k_descale", "v_descale"), rng.integers(0, 2, 3))}
     return {name: torch.from_numpy(rng.uniform(0.5, 2.0, shape).astype(np.float32)).to(device)
             for name, shape in shapes.items()}
 

@@ -1,11 +1,15 @@
 """PyTorch adapter: `fagen.attention(q, k, v, spec, **runtime_args)` with autograd, as custom ops.
 
-Three ops are registered through `torch.library`, with fake (meta) implementations:
+Ops are registered through `torch.library`, with fake (meta) implementations:
 
     fagen::attention_forward(q, k, v, spec, kv_lengths?, block_mask?, seed, offset, seed_tensor?, cu_seqlens_q?,
                              cu_seqlens_k?, max_seqlen_q, max_seqlen_k, mod_tensor0-3?, mod_scalar0-3) -> (o, lse)
     fagen::attention_backward(q, k, v, o, lse, grad_o, grad_lse?, spec, (the same run-time arguments)) -> (dq, dk, dv)
     fagen::attention_backward_input_grads(the same) -> (dq, dk, dv, the gradients of score_mod's tensor inputs)
+
+and, for dtype fp8_e4m3 specs (a forward only: o in bf16),
+
+    fagen::attention_forward_fp8(q, k, v, spec, q_descale?, k_descale?, v_descale?, (the run-time arguments))
 
 A call with no run-time argument takes two ops of their own, with the same kernels and only the arguments before the
 run-time ones (torch.compile's generated code passes every argument of a schema, which costs host time per call):
@@ -36,6 +40,7 @@ an `autograd.Function` (fewer microseconds per call; the maths and the kernels a
 from __future__ import annotations
 
 import json
+import math
 from typing import Optional
 
 try:
@@ -191,6 +196,10 @@ _library.define(f"attention_backward_input_grads(Tensor q, Tensor k, Tensor v, T
 # keywords, and the dispatcher parses each one on every call (`python dev/plain_ops_cost.py`: 9 µs of a compiled
 # forward's host time on the dev machine's CPU, 43 -> 34 µs, and 14-25 µs of a compiled forward + backward)
 _library.define("attention_forward_plain(Tensor q, Tensor k, Tensor v, str spec) -> (Tensor, Tensor)")
+# An fp8 (e4m3) forward: q, k, v's descale factors (float32, one element or (batch, kv_heads); None: 1) before the
+# run-time arguments; o is bf16. No backward (refused by its Autograd kernel when an input requires grad).
+_library.define(f"attention_forward_fp8(Tensor q, Tensor k, Tensor v, str spec, Tensor? q_descale=None, "
+                f"Tensor? k_descale=None, Tensor? v_descale=None, {_RUNTIME_SCHEMA}) -> (Tensor, Tensor)")
 _library.define("attention_backward_plain(Tensor q, Tensor k, Tensor v, Tensor o, Tensor lse, Tensor grad_o, "
                 "Tensor? grad_lse, str spec) -> (Tensor, Tensor, Tensor)")
 
@@ -249,6 +258,16 @@ def _backward_input_grads_cuda(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengt
     return (dq, dk, dv, *(q.new_empty(0, dtype=torch.float32) if g is None else g for g in slots))
 
 
+def _fp8_forward_cuda(q, k, v, spec, q_descale=None, k_descale=None, v_descale=None, kv_lengths=None,
+                      block_mask=None, seed=0, offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+    kernel = kernel_for(spec, q.get_device())
+    seed = seed if seed_tensor is None else seed_tensor
+    return kernel.forward(q, k, v, q_descale=q_descale, k_descale=k_descale, v_descale=v_descale,
+                          **_runtime_kwargs(kernel, kv_lengths, block_mask, seed, offset, cu_seqlens_q, cu_seqlens_k,
+                                            max_seqlen_q, max_seqlen_k, mods))
+
+
 def _plain_forward_cuda(q, k, v, spec):
     return kernel_for(spec, q.get_device()).forward(q, k, v)
 
@@ -261,6 +280,7 @@ _library.impl("attention_forward", _forward_cuda, "CUDA")
 _library.impl("attention_backward", _backward_cuda, "CUDA")
 _library.impl("attention_backward_input_grads", _backward_input_grads_cuda, "CUDA")
 _library.impl("attention_forward_plain", _plain_forward_cuda, "CUDA")
+_library.impl("attention_forward_fp8", _fp8_forward_cuda, "CUDA")
 _library.impl("attention_backward_plain", _plain_backward_cuda, "CUDA")
 
 
@@ -286,6 +306,16 @@ def _backward_fake(q, k, v, o, lse, grad_o, grad_lse, spec, kv_lengths=None, blo
 
 torch.library.register_fake("fagen::attention_forward_plain")(_forward_fake)
 torch.library.register_fake("fagen::attention_backward_plain")(_backward_fake)
+
+
+@torch.library.register_fake("fagen::attention_forward_fp8")
+def _fp8_forward_fake(q, k, v, spec, q_descale=None, k_descale=None, v_descale=None, kv_lengths=None,
+                      block_mask=None, seed=0, offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                      max_seqlen_q=-1, max_seqlen_k=-1, *mods):
+    # o in bf16, laid out as q (the kernels' path: fagen/runtime/device.py `_allocate`)
+    o = empty_in_layout(q, (*q.shape[:-1], v.shape[-1]), torch.bfloat16)
+    lse_shape = (q.shape[1], q.shape[0]) if cu_seqlens_q is not None else q.shape[:3]
+    return o, q.new_empty(lse_shape, dtype=torch.float32)
 
 
 @torch.library.register_fake("fagen::attention_backward_input_grads")
@@ -404,6 +434,15 @@ _library.impl("attention_forward", _autograd_kernel(
 _library.impl("attention_forward_plain", _autograd_kernel(
     torch.ops.fagen.attention_forward_plain.default, lambda keyset, inputs: _PlainForwardOp.apply(*inputs, keyset),
     _plain_forward_cuda), "Autograd", with_keyset=True)
+
+
+def _no_fp8_backward(keyset, inputs):
+    raise runtime.ArgumentError("fp8 attention has no backward yet: q, k, v and the inputs must not require grad")
+
+
+_library.impl("attention_forward_fp8", _autograd_kernel(
+    torch.ops.fagen.attention_forward_fp8.default, _no_fp8_backward, _fp8_forward_cuda), "Autograd",
+    with_keyset=True)
 
 
 def _mod_slots(key: str, inputs: Optional[dict]) -> list:
@@ -597,6 +636,22 @@ def _inputs_wanting_grads(key: str, inputs: dict) -> tuple:
     return tuple(name for name in tensor_names if name in wanted)
 
 
+_DESCALES = ("q_descale", "k_descale", "v_descale")
+
+
+def _descale_tensor(value, name: str, q):
+    """An fp8 call's descale as the op takes it: None, a tensor (checked by the kernel), or a positive number as a
+    float32 tensor of one element on q's device."""
+    if value is None or isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not (math.isfinite(value) and value > 0):
+            raise runtime.ArgumentError(f"{name}: expected a positive finite number, got {value}")
+        return torch.full((1,), float(value), dtype=torch.float32, device=q.device)
+    raise runtime.ArgumentError(f"{name}: expected a number or a float32 CUDA tensor of one element or of shape "
+                                f"(batch, kv_heads), got {type(value).__name__}")
+
+
 def dropout_seed(device=None) -> torch.Tensor:
     """A fresh dropout seed drawn on the GPU by torch's CUDA generator, for `attention(..., seed=)`.
 
@@ -614,7 +669,8 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
 
     dtype fp8_e4m3 specs: q, k, v are torch.float8_e4m3fn, `q_descale`, `k_descale`, `v_descale` (a number, or a
     float32 CUDA tensor of one element or of shape (batch, kv_heads)) give their true values as e4m3 times
-    descale, and o is bf16. The forward only (no gradient), called eagerly (not yet through torch.compile).
+    descale, and o is bf16. The forward only (no gradient), eagerly or through torch.compile (the op
+    fagen::attention_forward_fp8).
 
     `spec`: a fagen.Spec, a dict or JSON string of spec fields, or a compiled Kernel. Under
     torch.compile pass a JSON string (or a Spec made outside the compiled function).
@@ -667,16 +723,12 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
         o = out[0] if return_lse else out
         o = _FirstColumns.apply(o, head_dim) if plan is not None and differentiable else o[..., :head_dim]
         return (o, out[1]) if return_lse else o
-    descales = {name: value for name, value in (("q_descale", q_descale), ("k_descale", k_descale),
-                                                ("v_descale", v_descale)) if value is not None}
+    descales = {name: value for name, value in zip(_DESCALES, (q_descale, k_descale, v_descale)) if value is not None}
     if descales and q.dtype != torch.float8_e4m3fn:
         raise runtime.ArgumentError(f"q_descale, k_descale, v_descale are for dtype fp8_e4m3 specs (q, k, v of "
                                     f"torch.float8_e4m3fn), not q of {q.dtype}")
-    if descales or q.dtype == torch.float8_e4m3fn:
-        # (the custom ops take no descales: fp8 calls run the eager path alone)
-        if torch.compiler.is_compiling() or type(q) is not torch.Tensor or not EAGER_FAST_PATH:
-            raise runtime.ArgumentError("fp8 attention runs eagerly (fagen.torch.EAGER_FAST_PATH on): not yet "
-                                        "through torch.compile, the custom ops or tensor subclasses")
+    fp8 = len(descales) > 0 or q.dtype == torch.float8_e4m3fn   # (len: dynamo cannot take bool of a dict)
+    if fp8:
         if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad or grad_inputs):
             raise runtime.ArgumentError("fp8 attention has no backward yet: q, k, v and the inputs must not require "
                                         "grad")
@@ -711,7 +763,12 @@ def attention(q, k, v, spec, *, kv_lengths=None, block_mask=None, seed=0, offset
     else:
         key = _key_of(spec)
         mod_slots = _mod_slots(key, inputs)   # ([] where the spec declares no inputs)
-        if (PLAIN_OPS and kv_lengths is None and block_mask is None and seed == 0 and seed_tensor is None and offset == 0
+        if fp8:   # (its own op: the descales come before the run-time arguments; no backward)
+            o, lse = torch.ops.fagen.attention_forward_fp8(
+                q, k, v, key, *(_descale_tensor(descales.get(name), name, q) for name in _DESCALES),
+                kv_lengths, block_mask, seed, offset, seed_tensor, cu_seqlens_q, cu_seqlens_k,
+                -1 if max_seqlen_q is None else max_seqlen_q, -1 if max_seqlen_k is None else max_seqlen_k, *mod_slots)
+        elif (PLAIN_OPS and kv_lengths is None and block_mask is None and seed == 0 and seed_tensor is None and offset == 0
                 and not packed and not mod_slots):
             o, lse = torch.ops.fagen.attention_forward_plain(q, k, v, key)
         else:

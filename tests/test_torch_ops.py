@@ -95,6 +95,26 @@ def _reference_backward_input_grads(q, k, v, o, lse, grad_o, grad_lse, spec, kv_
                           for g in slots))
 
 
+def _reference_fp8_forward(q, k, v, spec, q_descale=None, k_descale=None, v_descale=None, kv_lengths=None,
+                           block_mask=None, seed=0, offset=0, seed_tensor=None, cu_seqlens_q=None, cu_seqlens_k=None,
+                           max_seqlen_q=-1, max_seqlen_k=-1, *mod_slots):
+    """The fp8 op in float64 on the values the e4m3 tensors stand for (each times its descale: one element or one
+    per (batch, kv_head), the query heads of a group sharing theirs); o in bf16."""
+    def descaled(t, descale):
+        if descale is None:
+            return t.double()
+        if descale.numel() == 1:
+            return t.double() * descale.item()
+        return t.double() * descale.double().repeat_interleave(t.shape[1] // descale.shape[1], dim=1)[:, :, None, None]
+    groups = q.shape[1] // k.shape[1]
+    as_double = (descaled(q, q_descale), *(descaled(t, d).repeat_interleave(groups, dim=1)
+                                           for t, d in ((k, k_descale), (v, v_descale))))
+    parsed = spec_from_dict(json.loads(spec))
+    fields = {**parsed.to_dict(), "dtype": "fp32"}
+    o, lse = _reference_forward(*as_double, json.dumps(fields))
+    return o.to(torch.bfloat16), lse
+
+
 #: the plain ops' calls (fagen::attention_forward_plain, attention_backward_plain), by name
 PLAIN_OPS_SEEN = []
 
@@ -114,6 +134,7 @@ def cpu_reference_ops():
         fagen_torch._library.impl("attention_backward_input_grads", _reference_backward_input_grads, "CPU")
         fagen_torch._library.impl("attention_forward_plain", _recorded("forward_plain", _reference_forward), "CPU")
         fagen_torch._library.impl("attention_backward_plain", _recorded("backward_plain", _reference_backward), "CPU")
+        fagen_torch._library.impl("attention_forward_fp8", _reference_fp8_forward, "CPU")
         _registered.append(True)
 
 
@@ -706,8 +727,8 @@ def test_the_cuda_kernel_of_the_forward_op_restores_what_the_dispatcher_dropped(
 
 
 def test_fp8_attention_refuses_what_it_cannot_run_before_touching_a_gpu(monkeypatch):
-    """fp8 runs on the eager path alone (the custom ops take no descales) and has no backward: both are refused by
-    name, before any device is needed; so are descales for a 16-bit q."""
+    """fp8 has no backward: refused by name, eagerly and through the op (its Autograd kernel), before any device is
+    needed; so are descales for a 16-bit q and descales that are not positive numbers or tensors."""
     from fagen.runtime import ArgumentError
 
     spec = {"head_dim": 128, "dtype": "fp8_e4m3"}
@@ -715,7 +736,65 @@ def test_fp8_attention_refuses_what_it_cannot_run_before_touching_a_gpu(monkeypa
     with pytest.raises(ArgumentError, match="no backward yet"):
         fagen.attention(q8.clone().requires_grad_(), q8, q8, spec)
     monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
-    with pytest.raises(ArgumentError, match="fp8 attention runs eagerly"):
-        fagen.attention(q8, q8, q8, spec, q_descale=0.5)
+    with pytest.raises(ArgumentError, match="no backward yet"):
+        torch.ops.fagen.attention_forward_fp8(q8.clone().requires_grad_(), q8, q8, json.dumps(spec))
+    with pytest.raises(ArgumentError, match="q_descale: expected a positive finite number, got -0.5"):
+        fagen.attention(q8, q8, q8, spec, q_descale=-0.5)
+    with pytest.raises(ArgumentError, match="v_descale: expected a number or a float32 CUDA tensor"):
+        fagen.attention(q8, q8, q8, spec, v_descale="2")
     with pytest.raises(ArgumentError, match="are for dtype fp8_e4m3 specs"):
         fagen.attention(q8.bfloat16(), q8.bfloat16(), q8.bfloat16(), {"head_dim": 128, "dtype": "bf16"}, k_descale=2.0)
+
+
+def _fp8_inputs(kv_heads=2):
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(2, 4, 19, 64, generator=g).to(torch.float8_e4m3fn)
+    k, v = (torch.randn(2, kv_heads, 23, 64, generator=g).to(torch.float8_e4m3fn) for _ in range(2))
+    return q, k, v
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["op", "compiled"])
+def test_fp8_attention_runs_through_its_op_and_torch_compile(compiled, monkeypatch):
+    """Off the eager path (EAGER_FAST_PATH off, or under torch.compile fullgraph), an fp8 call goes through
+    fagen::attention_forward_fp8 with its descales (numbers become one-element float32 tensors; (batch, kv_heads)
+    tensors pass as they are) and gives bf16 o of the descaled values' attention."""
+    monkeypatch.setattr(fagen_torch, "EAGER_FAST_PATH", False)
+    torch._dynamo.reset()
+    key = fagen.Spec(head_dim=64, dtype="fp8_e4m3", mask="causal").canonical_json()
+    q, k, v = _fp8_inputs()
+    per_head = torch.tensor([[0.5, 1.5], [2.0, 0.25]])
+    def fn(q, k, v):
+        return fagen.attention(q, k, v, key, q_descale=0.5, k_descale=per_head, v_descale=3.0, return_lse=True)
+    if compiled:
+        fn = torch.compile(fn, backend="aot_eager", fullgraph=True)
+    o, lse = fn(q, k, v)
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape and lse.shape == q.shape[:3]
+    heads = per_head.repeat_interleave(2, dim=1)[:, :, None, None]
+    s = (q.double() * 0.5) @ (k.double().repeat_interleave(2, dim=1) * heads.double()).transpose(-1, -2) * 64 ** -0.5
+    s = s.masked_fill(~torch.ones(19, 23, dtype=torch.bool).tril(4), float("-inf"))
+    want = torch.softmax(s, -1) @ (v.double().repeat_interleave(2, dim=1) * 3.0)
+    torch.testing.assert_close(o.double(), want, rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(lse.double(), torch.logsumexp(s, -1), rtol=1e-5, atol=1e-5)
+    unscaled = fagen.attention(q, k, v, key)
+    assert not torch.allclose(unscaled.double(), want, rtol=1e-2, atol=1e-2)
+
+
+def test_fp8_fake_outputs_and_opcheck():
+    """The fp8 op's fake kernel: bf16 o laid out as q, float32 LSE (packed too); opcheck on the CPU reference."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    key = fagen.Spec(head_dim=64, dtype="fp8_e4m3").canonical_json()
+    with FakeTensorMode():
+        q = torch.empty(2, 7, 4, 64, dtype=torch.float8_e4m3fn, device="cuda").transpose(1, 2)
+        o, lse = torch.ops.fagen.attention_forward_fp8(q, q, q, key)
+        packed = torch.empty(11, 4, 64, dtype=torch.float8_e4m3fn, device="cuda")
+        cu = torch.empty(3, dtype=torch.int32, device="cuda")
+        o_packed, lse_packed = torch.ops.fagen.attention_forward_fp8(packed, packed, packed, key, None, None, None,
+                                                                     None, None, 0, 0, None, cu, cu, 7, 7)
+    assert o.dtype == torch.bfloat16 and o.shape == q.shape and o.stride() == q.stride()
+    assert lse.shape == (2, 4, 7) and lse.dtype == torch.float32
+    assert o_packed.shape == packed.shape and o_packed.dtype == torch.bfloat16 and lse_packed.shape == (4, 11)
+    q, k, v = _fp8_inputs()
+    torch.library.opcheck(torch.ops.fagen.attention_forward_fp8.default,
+                          (q, k, v, key, torch.tensor([0.5]), torch.ones(2, 2), None),
+                          test_utils=("test_faketensor",))   # (test_schema multiplies e4m3 tensors: no CPU kernel)
