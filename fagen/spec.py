@@ -398,6 +398,10 @@ class Spec(BaseModel):
         """The head dim of v, o, dO and dV: value_head_dim, or head_dim without one."""
         return self.value_head_dim or self.head_dim
 
+    def tensor_dim(self, name: str) -> int:
+        """The last dim of a call's tensor `name`: head_dim for q and k (and dq, dk), value_dim for v, o, dO, dV."""
+        return self.head_dim if name in ("q", "k", "dq", "dk") else self.value_dim
+
     @property
     def compute_dim(self) -> int:
         """The widest of q's and v's head dims: the tiles' width (the narrower one's columns past its d are zeros)."""

@@ -139,9 +139,6 @@ def input_fields(spec: Spec, batch: int, heads: int, seq_q: int, seq_k: int, see
             "input_shapes": tuple((name, kind, tuple(shapes[name])) for name, kind, _ in mods.tensors)}
 
 
-def _dim_of(spec: Spec, name: str) -> int:
-    """The head dim of tensor `name`: q's and k's head_dim; v's, o's and dO's value_dim."""
-    return spec.head_dim if name in ("q", "k") else spec.value_dim
 
 
 def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cuda"):
@@ -156,13 +153,13 @@ def make_inputs(spec: Spec, case: Case, names=("q", "k", "v"), device: str = "cu
             queries = name in ("q", "do", "o")
             rows = sum(case.q_lengths if queries else case.k_lengths) + case.spare_rows
             heads = case.heads if queries else (case.kv_heads or case.heads)
-            data = rng.standard_normal((heads, rows, _dim_of(spec, name))).astype(np.float32)
+            data = rng.standard_normal((heads, rows, spec.tensor_dim(name))).astype(np.float32)
             tensor = torch.from_numpy(data).to(device=device, dtype=dtype).permute(1, 0, 2)
             tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)
         return tensors
     for name in names:
         rows, heads = (case.seq_q, case.heads) if name in ("q", "do", "o") else (case.seq_k, case.kv_heads or case.heads)
-        data = rng.standard_normal((case.batch, rows, heads, _dim_of(spec, name))).astype(np.float32)
+        data = rng.standard_normal((case.batch, rows, heads, spec.tensor_dim(name))).astype(np.float32)
         tensor = torch.from_numpy(data).to(device=device, dtype=dtype)      # (b, n, h, d) in memory
         tensor = tensor.permute(0, 2, 1, 3)                                    # strided (b, h, n, d) view
         tensors.append(tensor.contiguous() if case.layout == "bhnd" else tensor)

@@ -608,6 +608,9 @@ def test_the_json_schema_has_the_specs_ranges(fields):
 def test_value_head_dim_names_the_spec_and_defaults_to_head_dim():
     mla = Spec(head_dim=192, value_head_dim=128, dtype="bf16")
     assert (mla.value_dim, mla.compute_dim) == (128, 192)
+    # each call tensor's last dim: q, k and their gradients at head_dim, the rest at the values'
+    assert {name: mla.tensor_dim(name) for name in ("q", "k", "dq", "dk", "v", "o", "d_o", "dv")} == {
+        "q": 192, "k": 192, "dq": 192, "dk": 192, "v": 128, "o": 128, "d_o": 128, "dv": 128}
     assert mla.canonical_name.startswith("d192v128_bf16")
     assert json.loads(mla.canonical_json())["value_head_dim"] == 128
     plain = Spec(head_dim=64)

@@ -10,7 +10,7 @@ from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _allocate, ensure_context
 from fagen.runtime.tensors import ELEMENT_BYTES, ArgumentError, DeviceTensor, _is_device_array, as_device_tensor
 
-#: how a message names the spec's head dim of v, o and dO: value_head_dim where the spec sets one
+#: how a message names a tensor's head dim, keyed by whether it is head_dim (q, k, or a spec without value_head_dim)
 VALUE_FIELD = {True: "head_dim", False: "value_head_dim"}
 
 
@@ -31,7 +31,8 @@ class ArgumentChecks:
                 raise ArgumentError(f"{t.name}: expected 4 dimensions (batch, heads, seq, head_dim), got shape {t.shape}")
             if t.dtype != spec.dtype:
                 raise ArgumentError(f"{t.name}: dtype {t.dtype} does not match the spec's dtype {spec.dtype}")
-            dim, field = (spec.head_dim, "head_dim") if t.name in ("q", "k") else (spec.value_dim, VALUE_FIELD[spec.value_head_dim is None])
+            dim = spec.tensor_dim(t.name)
+            field = VALUE_FIELD[t.name in ("q", "k") or spec.value_head_dim is None]
             if t.shape[3] != dim:
                 raise ArgumentError(f"{t.name}: head_dim {t.shape[3]} does not match the spec's {field} {dim}")
             if t.strides[3] != 1:

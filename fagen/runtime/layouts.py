@@ -73,7 +73,7 @@ class Layouts:
             if t.dtype != self.spec.dtype:
                 raise ArgumentError(f"{name}: dtype {t.dtype} does not match the spec's dtype {self.spec.dtype}")
             empty = t.shape[0] == 0   # a batch of empty sequences: its strides are whatever the allocator chose
-            dim = self.spec.head_dim if name in ("q", "k") else self.spec.value_dim
+            dim = self.spec.tensor_dim(name)
             if t.shape[2] != dim or (t.strides[2] != 1 and not empty) or t.shape[1] < 1:
                 raise ArgumentError(f"{name}: expected (total rows, heads >= 1, {dim}) with the last "
                                     f"dim contiguous, got shape {t.shape}, strides {t.strides}")
