@@ -68,6 +68,8 @@ def _load():
             "cuLaunchKernel": [p, u, u, u, u, u, u, u, p, ctypes.POINTER(p), ctypes.POINTER(p)],
             "cuMemsetD32Async": [ctypes.c_uint64, u, s, p], "cuMemsetD8Async": [ctypes.c_uint64, ctypes.c_ubyte, s, p],
             "cuStreamSynchronize": [p],
+            "cuTensorMapEncodeTiled": [p, i, u, p, ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint64),
+                                       ctypes.POINTER(u), ctypes.POINTER(u), i, i, i, i],
             "cuGetErrorName": [i, ctypes.POINTER(ctypes.c_char_p)],
             "cuGetErrorString": [i, ctypes.POINTER(ctypes.c_char_p)],
         }
@@ -244,12 +246,24 @@ def get_function(module: int, symbol: str, dynamic_smem: int = 0) -> int:
 
 
 class LaunchArguments:
-    """One kernel parameter, the AttentionArgs struct, packed into a buffer cuLaunchKernel copies
-    at the launch (so the buffer can be reused by the next call at once)."""
+    """The kernel parameters: the AttentionArgs struct, packed into a buffer cuLaunchKernel copies at the launch
+    (so the buffer can be reused by the next call at once), and where the kernel takes them its TMA tensor maps
+    (`extra`: the host address of that parameter; a kernel of one parameter ignores the second)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, extra: Optional[int] = None):
         self.buffer = ctypes.create_string_buffer(size)
-        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
+        if extra is None:
+            self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.buffer))
+        else:
+            self.params = (ctypes.c_void_p * 2)(ctypes.addressof(self.buffer), extra)
+
+
+def encode_tensor_map(address: int, data_type: int, pointer: int, dims, strides, box, element_strides,
+                      swizzle: int) -> int:
+    """cuTensorMapEncodeTiled into the 64-byte-aligned host `address` (no interleave, 128-byte L2 promotion, zeros
+    out of bounds); its CUresult (0: encoded). `dims`, `strides`, `box`, `element_strides`: ctypes arrays."""
+    return _load().cuTensorMapEncodeTiled(address, data_type, len(dims), pointer, dims, strides, box, element_strides,
+                                          0, swizzle, 2, 0)
 
 
 def launch(function: int, grid: tuple, threads: int, smem: int, stream: int, arguments: LaunchArguments,

@@ -189,6 +189,7 @@ def template_context(spec: Spec, pass_name: str, plan: Plan, input_grads: bool =
         "block_c": plan.block_c,
         "threads": threads,
         "stages": plan.stages,
+        "tensor_map_columns": plan.tensor_map_columns,   # the TMA boxes' columns the host encodes (0: no maps)
         # the blocks per multiprocessor the solver ranked this plan by (its register estimate), for
         # templates that hold ptxas to it with __launch_bounds__
         "resident_blocks": max(1, plan.resident_warps // plan.warps),

@@ -108,6 +108,7 @@ class Family:
     shared_pointer_bytes: int = 0
     weighed_padding_up_to: int = 128  # the largest padded d at which PREFERRED_PADDING weighs this family (rank_key)
     spec_rules: tuple = ()           # (description, predicate(spec)): specs the template is not offered for
+    tensor_maps: bool = False        # the kernel takes q's, k's and v's TMA tensor maps (Plan.tensor_map_columns)
 
 
 # Footprints, byte for byte what the templates carve out of dynamic shared memory. K (and in the
@@ -184,7 +185,7 @@ FAMILIES: tuple[Family, ...] = (
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
            dtypes=("fp16", "bf16"), loop_orders=("fa2",), any_tile=False, head_dim_multiple=32,
-           needs=("warpgroup_mma", "setmaxnreg"),
+           needs=("warpgroup_mma", "setmaxnreg", "tma"), tensor_maps=True,
            preference=-1, occupancy_first=True, tag="_ws",
            walk_warps=4,   # the producer warpgroup walks alone (templates/forward_wgmma_ws.cu.j2)
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
@@ -194,6 +195,25 @@ FAMILIES: tuple[Family, ...] = (
                   ("d = 128 (timed faster there only)", lambda r, c, hd, w: hd == 128)),
            # a mask_mod reading inputs at key positions leaves a row block few visible key blocks, and one 128-row
            # block per SM leaves each block's start and end exposed (0002-forward-wgmma-ws.md)
+           spec_rules=(("not a mask_mod that reads inputs at key positions (documents: forward_wgmma's 64 x 64 at two "
+                        "blocks, timed faster)", lambda spec: not spec.modifiers.mask_reads_keys),)),
+    # The same template in fp8 (e4m3): the producer warpgroup also writes V_j^T from V_j's stage once it landed
+    # (FP8 wgmma reads B K-major only), into STAGES V^T buffers of their own; the consumers compute as the 16-bit
+    # ones do, on FP8 wgmma's k-steps of 32.
+    Family("forward_wgmma_ws_fp8", "forward_wgmma_ws.cu.j2", ("forward",),
+           smem_bytes=E * (Br * d + 3 * 2 * Bc * d) + 1024 + 72 + 12,
+           registers=sp.Integer(168),
+           smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
+           warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
+           dropout_registers=0, packed_registers=0, modifier_registers=0,
+           dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
+           needs=("warpgroup_mma", "fp8_mma", "setmaxnreg", "tma"), tensor_maps=True,   # (loads through cp.async)
+           preference=-1, occupancy_first=True, tag="_ws", walk_warps=4,
+           rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
+                  ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
+                   lambda r, c, hd, w: r * hd / (32 * (w - 4)) + 3 * r * c / (64 * (w - 4)) + 32 <= 224),
+                  ("Bc a multiple of 64 (V^T's rows whole 64-byte panels)", lambda r, c, hd, w: c % 64 == 0),
+                  ("d = 128", lambda r, c, hd, w: hd == 128)),
            spec_rules=(("not a mask_mod that reads inputs at key positions (documents: forward_wgmma's 64 x 64 at two "
                         "blocks, timed faster)", lambda spec: not spec.modifiers.mask_reads_keys),)),
     # Tensor cores (mma.sync m16n8k16): one 16-row slab of Q per warp held in registers, S/P and O in
@@ -416,6 +436,9 @@ class Plan:
     smem_reads: int = 0
     tensor_cores: bool = False
     head_dim: int = 0                # the d the template computes with: the spec's, padded up to the family's multiple
+    # where the kernel takes TMA tensor maps (Family.tensor_maps), their boxes' columns: one panel of the tiles'
+    # Swizzle (128 bytes, or 64 where d's rows are an odd number of 64 bytes); 0: no tensor maps
+    tensor_map_columns: int = 0
 
     def rank_fields(self, data_dim: int = 0) -> tuple[tuple[str, object], ...]:
         """(name, value) pairs, lower is better, compared in order: head-dim padding, the family's preference, timed
@@ -704,8 +727,15 @@ def evaluate(family: Family, spec: Spec, target: Target, pass_name: str,
     blocks = min(blocks_by_smem, blocks_by_regs, target.max_threads_per_sm // threads)
     plan = Plan(family.name, family.template, block_r, block_c, warps, family.stages, threads, smem, regs,
                 hbm_bytes(spec, pass_name, block_r, block_c), blocks * warps,
-                _exact_ceiling(reads), family.tensor_cores, head_dim)
+                _exact_ceiling(reads), family.tensor_cores, head_dim,
+                tensor_map_panel_columns(head_dim, spec.element_bytes) if family.tensor_maps else 0)
     return plan, broken
+
+
+def tensor_map_panel_columns(head_dim: int, element_bytes: int) -> int:
+    """The columns of one swizzle panel of a tile with head_dim columns (templates/warpgroup_mma.cuh Swizzle's
+    PANEL_COLUMNS, which the templates check against it): the TMA box a tensor map copies."""
+    return (128 if head_dim * element_bytes % 128 == 0 else 64) // element_bytes
 
 
 def family_tiles(family: Family) -> list[tuple[int, int]]:

@@ -45,7 +45,7 @@ class ArchFeatures:
     warpgroup_mma: bool = False  # wgmma.mma_async (the forward_wgmma / backward_wgmma families)
     fp8_mma: bool = False        # e4m3 operands of warpgroup MMA (dtype fp8_e4m3)
     setmaxnreg: bool = False     # registers moved between warpgroups (the warp-specialized families)
-    tma: bool = False            # cp.async.bulk.tensor with tensor maps (no template uses it yet)
+    tma: bool = False            # cp.async.bulk.tensor with tensor maps (forward_wgmma_ws)
 
 
 #: The one table of architecture facts. An arch it does not list (a newer GPU's) has none of the features and

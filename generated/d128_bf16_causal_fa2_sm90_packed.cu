@@ -48,6 +48,8 @@ struct KindMask {
 // step waits for the whole block. The two consumers take turns issuing their products (two named
 // barriers), so that one's softmax runs while the other's products hold the tensor cores.
 // The producer gives up registers (setmaxnreg) so that each consumer holds S, P~ and O at d = 128.
+// FP8 (e4m3 q, k, v; o in bf16): k-steps of 32 and P~ packed to e4m3 as forward_wgmma's; the producer also writes
+// V_j^T (FP8 wgmma reads B K-major only) from V_j's stage once its copies landed, so the consumers never transpose.
 // Without a mask_mod, producer and consumers walk the visible key blocks each on their own (the walk is
 // arithmetic); with one, the producer alone walks (its tiles' tests, the run-time summaries) and hands each K
 // stage over with what the consumers need of the walk, as backward_wgmma_ws does: the next visible key block,
@@ -82,22 +84,29 @@ constexpr int WARPS = THREADS / 32;
 constexpr int CONSUMERS = WARPS / 4 - 1;            // warpgroups 1 .. CONSUMERS compute; warpgroup 0 loads
 constexpr int CONSUMER_THREADS = 128 * CONSUMERS;
 constexpr int STAGES = 2;                           // of K_j and of V_j each
-constexpr int K_STEPS = HEAD_DIM / 16;              // wgmma k-steps over d for S = Q K^T
-constexpr int P_STEPS = BLOCK_C / 16;               // wgmma k-steps over the keys for O = P V
+constexpr int K_STEP = FP8 ? 32 : 16;               // elements per wgmma k-step: 32 bytes
+constexpr int K_STEPS = HEAD_DIM / K_STEP;          // wgmma k-steps over d for S = Q K^T
+constexpr int P_STEPS = BLOCK_C / K_STEP;           // wgmma k-steps over the keys for O = P V
 constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S per warp
 constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
-constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * 2;
-constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * 2;    // one of K_j, V_j
+constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * sizeof(elem_t);
+constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * sizeof(elem_t);   // one of K_j, V_j (FP8: and V_j^T)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
 // The producer's and the consumers' registers per thread: 128 x 56 + 256 x 224 <= the 64 K of a multiprocessor
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per consumer warpgroup, two taking turns");
 static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
-using Layout = fagen::wg::Swizzle<HEAD_DIM>;       // every tile here has d columns
+using Layout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<HEAD_DIM>, fagen::wg::Swizzle<HEAD_DIM>>;   // d columns
 using ValueLayout = Layout;                        // V's too (zeros past VALUE_DIM)
-// O += P~ V's operand for k-step kk: V_j read transposed (MN-major)
-__host__ __device__ constexpr unsigned long long value_step(int kk) { return ValueLayout::mn_major_step(kk); }
-static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
+static_assert(Layout::PANEL_COLUMNS == 64, "the host's TMA boxes are the tiles' panels");
+// FP8: V_j^T, d rows of Bc keys (without FP8 unused: V's own, so that no 8-bit layout of Bc is instantiated)
+using TransposedLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<BLOCK_C>, ValueLayout>;
+// O += P~ V's operand for k-step kk: V_j read transposed (MN-major), or FP8's V_j^T (K-major)
+__host__ __device__ constexpr unsigned long long value_step(int kk) {
+  return FP8 ? TransposedLayout::k_major_step(HEAD_DIM, kk) : ValueLayout::mn_major_step(kk);
+}
+static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
+static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
 // The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there (docs/decisions/0011-kernel-techniques.md)
 constexpr bool O_STAGED = 4 * CONSUMERS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGES * KV_BYTES;
 
@@ -120,17 +129,19 @@ __device__ __forceinline__ void o_product(float (&d)[16][4], const unsigned (&a)
 }
 }  // namespace fagen_fwd_d128_bf16_causal_fa2_sm90_packed_br128_bc128_w12_ws_config
 
-extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_fa2_sm90_packed_br128_bc128_w12_ws(const fagen::AttentionArgs args) {
+extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_fa2_sm90_packed_br128_bc128_w12_ws(const fagen::AttentionArgs args,
+                                                                  const __grid_constant__ fagen::wg::TensorMaps maps) {
   using namespace fagen_fwd_d128_bf16_causal_fa2_sm90_packed_br128_bc128_w12_ws_config;
   using namespace fagen;
   extern __shared__ float4 shared_raw[];
   // swizzle atoms must start on their own boundaries: the footprint carries 1 KB of slack for this
   const unsigned q_tile = (tc::shared_address(shared_raw) + wg::TILE_ALIGN - 1) & ~unsigned(wg::TILE_ALIGN - 1);
   const unsigned k_tiles = q_tile + Q_BYTES, v_tiles = k_tiles + STAGES * KV_BYTES;
-  // mbarriers after the tiles: Q full, then per stage K full, K empty, V full, V empty; then the walk's hand-over
-  // words (a mask_mod's): the first visible key block, then per K stage (the next visible key block << 1) | the
-  // mask_mod sees every pair of the stage's block
-  const unsigned barriers = v_tiles + STAGES * KV_BYTES;
+  const unsigned transposed_values = v_tiles + STAGES * KV_BYTES;   // FP8: STAGES x V_j^T
+  // mbarriers after the tiles: Q full, then per stage K full, K empty, V full (FP8: V_j^T written), V empty (FP8:
+  // V_j^T read); then the walk's hand-over words (a mask_mod's): the first visible key block, then per K stage (the
+  // next visible key block << 1) | the mask_mod sees every pair of the stage's block
+  const unsigned barriers = transposed_values + (FP8 ? STAGES * KV_BYTES : 0);
   const unsigned q_full = barriers;
   auto k_full = [&](int s) { return barriers + 8 * (1 + 4 * s); };
   auto k_empty = [&](int s) { return barriers + 8 * (2 + 4 * s); };
@@ -162,14 +173,23 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
 
+  // Q_i, K_j, V_j through the TMA where the host mapped the call's tensors (FP8: cp.async, V_j^T's rows written
+  // by the producer's threads from V_j's once it landed): one thread issues each tile and arrives on its barrier
+  const bool tma = !FP8 && maps.enabled != 0;
+  auto full_barrier_init = [&](unsigned barrier) {
+    if (tma) wg::barrier_init(barrier, 1);
+    else wg::copy_barrier_init(barrier, 128);
+  };
   if (tid == 0) {
-    wg::copy_barrier_init(q_full, 128);
+    full_barrier_init(q_full);
     for (int s = 0; s < STAGES; ++s) {
-      wg::copy_barrier_init(k_full(s), 128);
+      full_barrier_init(k_full(s));
       wg::barrier_init(k_empty(s), CONSUMER_THREADS);
-      wg::copy_barrier_init(v_full(s), 128);
+      if (FP8) wg::barrier_init(v_full(s), 128);   // the producer's threads arrive once V_j^T is written
+      else full_barrier_init(v_full(s));
       wg::barrier_init(v_empty(s), CONSUMER_THREADS);
     }
+    if (tma) wg::fence_barrier_init();
   }
   __syncthreads();   // the barriers are initialised before anyone waits on them; the last block-wide meeting
 
@@ -180,29 +200,75 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     const elem_t* q = problem.query_rows(static_cast<const elem_t*>(args.q), args.q_stride);
     const elem_t* k = problem.key_rows(static_cast<const elem_t*>(args.k), args.k_stride);
     const elem_t* v = problem.key_rows(static_cast<const elem_t*>(args.v), args.v_stride);
-    auto load_rows = [&](unsigned tile, const elem_t* slice, const long long (&stride)[3], int j, int dims) {
-      const int col0 = j * BLOCK_C;
-      wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128>(tile, args, problem.b, slice, stride, col0, min(BLOCK_C, seq_k - col0),
-                                                      dims);
+    if (tma && tid == 0) {
+      wg::prefetch_tensor_map(maps.q);
+      wg::prefetch_tensor_map(maps.k);
+      wg::prefetch_tensor_map(maps.v);
+    }
+    // A tile's loads into `barrier`'s phase: TMA (thread 0 expects the tile's bytes, issues the boxes and, once
+    // anything the consumers read with the tile is written, arrives), or every thread's cp.async copies.
+    auto expect_tile = [&](unsigned barrier, unsigned bytes) {
+      if (tma && tid == 0) wg::barrier_expect_bytes(barrier, bytes);
     };
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128>(q_tile, q, args.q_stride[2], row0, rows_here, DATA_DIM);
+    auto tile_issued = [&](unsigned barrier) {
+      if (!tma) wg::barrier_arrive_when_copied(barrier);
+      else if (tid == 0) wg::barrier_arrive(barrier);
+    };
+    auto load_rows = [&](unsigned tile, const wg::TensorMap& map, unsigned barrier, const elem_t* slice,
+                         const long long (&stride)[3], int j, int dims) {
+      const int col0 = j * BLOCK_C;
+      if (tma) {
+        expect_tile(barrier, KV_BYTES);
+        if (tid == 0)
+          wg::tma_load_rows<BLOCK_C, Layout>(tile, map, barrier, int(problem.k_row0) + col0, int(problem.h_kv),
+                                             int(problem.entry));
+      } else {
+        wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128, Layout::ROW_BYTES>(tile, args, problem.b, slice, stride, col0,
+                                                                           min(BLOCK_C, seq_k - col0), dims);
+      }
+    };
+    // FP8: V_j^T from stage s's V_j once every producer thread's copies of it landed (named barrier 5), published
+    // to the tensor cores by v_full(s). Stage s's V_j is next overwritten two rounds on, after every producer
+    // thread passed the next round's barrier, so done reading it.
+    auto values_ready = [&](int s) {
+      if constexpr (FP8) {
+        tc::cp_async_commit();
+        tc::cp_async_wait<0>();
+        wg::named_barrier_sync<5, 128>();
+        wg::transpose_values_fp8<BLOCK_C, HEAD_DIM, 128, ValueLayout, TransposedLayout>(
+            v_tiles + s * KV_BYTES, transposed_values + s * KV_BYTES);
+        wg::fence_async_proxy();
+        wg::barrier_arrive(v_full(s));
+      } else {
+        tile_issued(v_full(s));
+      }
+    };
+    if (tma) {
+      expect_tile(q_full, Q_BYTES);
+      if (tid == 0)
+        wg::tma_load_rows<BLOCK_R, Layout>(q_tile, maps.q, q_full, int(problem.q_row0) + row0, int(problem.h),
+                                           int(problem.entry));
+    } else {
+      wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128, Layout::ROW_BYTES>(q_tile, q, args.q_stride[2], row0,
+                                                                              rows_here, DATA_DIM);
+    }
     // K_j, V_j into stage i % STAGES; after_k(s) runs while K_j's copies fly, before their arrival
     auto load_key_block = [&](int i, int j, auto&& after_k) {
       const int s = i % STAGES;
       const unsigned parity = ((i / STAGES) & 1) ^ 1;
       wg::barrier_wait(k_empty(s), parity);
-      load_rows(k_tiles + s * KV_BYTES, k, args.k_stride, j, DATA_DIM);
+      load_rows(k_tiles + s * KV_BYTES, maps.k, k_full(s), k, args.k_stride, j, DATA_DIM);
       after_k(s);
-      wg::barrier_arrive_when_copied(k_full(s));
+      tile_issued(k_full(s));
       wg::barrier_wait(v_empty(s), parity);
-      load_rows(v_tiles + s * KV_BYTES, v, args.v_stride, j, VALUE_DIM);
-      wg::barrier_arrive_when_copied(v_full(s));
+      load_rows(v_tiles + s * KV_BYTES, maps.v, v_full(s), v, args.v_stride, j, VALUE_DIM);
+      values_ready(s);
     };
     if constexpr (Mods::HAS_MASK) {
       // thread 0 writes the hand-over words before its arrivals, whose release publishes them
       int j = next_visible(0);
       if (tid == 0) handed[0] = j;
-      wg::barrier_arrive_when_copied(q_full);
+      tile_issued(q_full);
       for (int i = 0; j < col_blocks; ++i) {
         int j_next;
         load_key_block(i, j, [&](int s) {   // the walk past j
@@ -213,7 +279,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
         j = j_next;
       }
     } else {
-      wg::barrier_arrive_when_copied(q_full);
+      tile_issued(q_full);
       int i = 0;
       for (int j = next_visible(0); j < col_blocks; j = next_visible(j + 1), ++i) load_key_block(i, j, [](int) {});
     }
@@ -238,11 +304,14 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   for (int t = 0; t < S_TILES; ++t) s_acc[t][0] = s_acc[t][1] = s_acc[t][2] = s_acc[t][3] = 0.f;
 
   const int warp_row0 = row0 + (warp - 4) * 16;
-  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed). Each is built
-  // once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
+  // Descriptors: Q_g and K_j are K-major (d contiguous), V_j is MN-major (read transposed; FP8's V_j^T K-major).
+  // Each is built once; a k-step adds a compile-time offset to its start address field (Layout::*_step).
   const unsigned long long q_desc = Layout::k_major(q_tile + consumer * 64 * Layout::ROW_BYTES);
   auto k_desc = [&](int s) { return Layout::k_major(k_tiles) + s * (KV_BYTES >> 4); };
-  auto v_desc = [&](int s) { return Layout::mn_major(v_tiles, BLOCK_C) + s * (KV_BYTES >> 4); };
+  auto v_desc = [&](int s) {
+    return FP8 ? TransposedLayout::k_major(transposed_values) + s * (KV_BYTES >> 4)
+               : ValueLayout::mn_major(v_tiles, BLOCK_C) + s * (KV_BYTES >> 4);
+  };
   auto issue_scores = [&](int i) {  // S = Q_g K_j^T, raw scores (tau is folded into the exponent)
     const unsigned long long k_tile = k_desc(i);
     wg::fence_registers(s_acc);

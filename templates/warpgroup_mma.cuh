@@ -41,6 +41,7 @@ struct Swizzle {
                 "whole swizzle panels");
   static constexpr int ROW_BYTES = PANEL_BYTES;                    // bytes per row within a panel
   static constexpr int PANEL_COLUMNS = ROW_BYTES / ELEMENT_BYTES;
+  static constexpr int PANELS = COLUMNS * ELEMENT_BYTES / PANEL_BYTES;
   static constexpr int CHUNKS = ROW_BYTES / 16;                    // 16-byte chunks per panel row
   static constexpr int ATOM_BYTES = 8 * ROW_BYTES;                 // the pattern repeats every 8 rows
   static constexpr unsigned long long MODE = ROW_BYTES == 128 ? 1 : 2;
@@ -272,6 +273,40 @@ __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) 
                  : "=r"(done) : "r"(barrier), "r"(parity) : "memory");
   } while (!done);
 }
+
+// ---- the Tensor Memory Accelerator: a tile copied by one thread through a tensor map the host encoded ----
+// A tensor map (CUtensorMap: 128 opaque bytes from cuTensorMapEncodeTiled), and the kernel parameter that holds
+// q's, k's and v's over (column, row, head, batch entry), one box a column panel of the tiles' Swizzle
+// (fagen/runtime/tensor_maps.py). `enabled` is 0 where the call's tensors cannot be mapped (a paged cache, strides
+// off 16 bytes): the loads then go through cp.async. __grid_constant__ keeps the maps in parameter space, where the
+// TMA reads them.
+struct alignas(64) TensorMap { unsigned long long opaque[16]; };
+struct TensorMaps {
+  TensorMap q, k, v;
+  int enabled;
+};
+// The TMA's completions see the barriers initialised (the async proxy): once, after the mbarrier.inits.
+__device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
+__device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {
+  asm volatile("prefetch.tensormap [%0];\n" :: "l"(&map) : "memory");
+}
+// The barrier's current phase also waits for `bytes` of TMA copies (before they are issued; no arrival).
+__device__ __forceinline__ void barrier_expect_bytes(unsigned barrier, unsigned bytes) {
+  asm volatile("mbarrier.expect_tx.relaxed.cta.shared::cta.b64 [%0], %1;\n" :: "r"(barrier), "r"(bytes) : "memory");
+}
+// Rows [row, row + ROWS) of (head, entry) into a tile of Layout, a box of the map per column panel; each box's
+// bytes (the map's zeros past its rows and columns included) count towards `barrier`'s expected bytes.
+template <int ROWS, typename Layout>
+__device__ __forceinline__ void tma_load_rows(unsigned tile, const TensorMap& map, unsigned barrier, int row, int head,
+                                              int entry) {
+#pragma unroll
+  for (int p = 0; p < Layout::PANELS; ++p)
+    asm volatile("cp.async.bulk.tensor.4d.shared::cluster.global.tile.mbarrier::complete_tx::bytes"
+                 " [%0], [%1, {%2, %3, %4, %5}], [%6];\n"
+                 :: "r"(tile + p * ROWS * Layout::ROW_BYTES), "l"(&map), "r"(p * Layout::PANEL_COLUMNS), "r"(row),
+                    "r"(head), "r"(entry), "r"(barrier) : "memory");
+}
+
 // Registers per thread of the calling warpgroup from here on (a multiple of 8): the producer gives its
 // share to the consumers, whose accumulators need more than an even split of the block's registers.
 template <int REGISTERS> __device__ __forceinline__ void release_registers() {

@@ -223,7 +223,7 @@ def test_every_template_fills_values_only(family):
     tree = rendering._environment.parse(source)
     decode = "decode" in family.passes   # decoding takes every mask but block-sparse, and needs forward
     # the wide backwards: d > 128 only; the warp-specialized forward: d = 128 only
-    spec = Spec(head_dim=192 if "wide" in family.name else 128 if family.name == "forward_wgmma_ws" else 64,
+    spec = Spec(head_dim=192 if "wide" in family.name else 128 if family.name.startswith("forward_wgmma_ws") else 64,
                 dropout=0.1, loop_order=family.loop_orders[0],
                 passes=["forward", "decode"] if decode else list(family.passes),
                 # (the warp-specialized backward is not offered with dropout on a block-sparse mask)

@@ -12,7 +12,7 @@ from fagen.target import target_for
 
 label = sys.argv[1] if len(sys.argv) > 1 else ""
 target = target_for("sm_90")
-for head_dim, heads, wanted in ((128, 16, ((128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))),
+for head_dim, heads, wanted in ((128, 16, ((128, 128, 12), (128, 64, 12), (128, 128, 8), (64, 128, 4), (128, 64, 8), (64, 64, 4))),
                                 (256, 8, ((128, 64, 8), (64, 64, 4), (64, 128, 4)))):
     for mask in ("none", "causal"):
         spec = Spec(head_dim=head_dim, dtype="fp8_e4m3", mask=mask)
@@ -25,7 +25,7 @@ for head_dim, heads, wanted in ((128, 16, ((128, 128, 8), (64, 128, 4), (128, 64
                 continue
             kernel = jit.kernel_for(spec, target, with_plan(solution, "forward", plan))
             ms = time_cuda(lambda: kernel.forward(q, k, v), 3, 10, 10.0)
-            results.append(f"{plan.block_r}x{plan.block_c}w{plan.warps} {flops / ms / 1e9:.0f}")
+            results.append(f"{plan.family} {plan.block_r}x{plan.block_c}w{plan.warps} {flops / ms / 1e9:.0f}")
         bf16 = jit.compile(Spec(head_dim=head_dim, dtype="bf16", mask=mask, passes=["forward"]))
         q16, k16, v16 = (t.bfloat16() for t in (q, k, v))
         ms = time_cuda(lambda: bf16.forward(q16, k16, v16), 3, 10, 10.0)

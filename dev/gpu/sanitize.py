@@ -79,7 +79,9 @@ SPECS = [
     Spec(head_dim=64, value_head_dim=24, dtype="fp16"),
     Spec(head_dim=96, value_head_dim=64, dtype="bf16", mask="block_sparse", block_size=64),
     # the fp8 forward (forward_wgmma's e4m3 build): V^T written from V's stage by every thread between two barriers
+    # (d = 128: forward_wgmma_ws's e4m3 build, the producer writing V^T once V's copies landed)
     Spec(head_dim=128, dtype="fp8_e4m3", mask="causal"),
+    Spec(head_dim=128, dtype="fp8_e4m3", dropout=0.1, layout="packed"),
     Spec(head_dim=256, dtype="fp8_e4m3", dropout=0.1),
     Spec(head_dim=64, dtype="fp8_e4m3", mask="causal", layout="packed"),
     # decoding from a latent cache (MLA): one K tile serves both products, P~ and the row maxes shared by the warps

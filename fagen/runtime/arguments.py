@@ -3,6 +3,7 @@ values, packed once per launch; tests/test_runtime.py checks the two sides again
 from __future__ import annotations
 
 import struct
+from typing import Optional
 
 from fagen import cuda_driver as driver
 
@@ -48,8 +49,10 @@ class LaunchArgs:
         else:
             self.values[start:start + count] = [convert(x) for x in value]
 
-    def packed(self) -> "driver.LaunchArguments":
-        arguments = driver.LaunchArguments(ARGS_STRUCT.size)
+    def packed(self, tensor_maps: Optional[int] = None) -> "driver.LaunchArguments":
+        """The struct in a launch's parameters; `tensor_maps`: the host address of the kernel's TensorMaps
+        parameter, where it takes one (fagen/runtime/tensor_maps.py)."""
+        arguments = driver.LaunchArguments(ARGS_STRUCT.size, tensor_maps)
         ARGS_STRUCT.pack_into(arguments.buffer, 0, *self.values)
         return arguments
 

@@ -10,6 +10,7 @@ from fagen.runtime.arguments import ARGS_STRUCT, _SLOT, LaunchArgs
 from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _TORCH, _filled, _torch_types, empty_in_layout
 from fagen.runtime.grids import _HELPER_KERNELS, backward_scratch
+from fagen.runtime.tensor_maps import TensorMapParameter
 
 def _fast_seed(seed, offset, tensor_type, int64, device: int) -> bool:
     """Whether the fast path takes this seed as it is: an int in range, or a torch tensor of one int64
@@ -51,13 +52,20 @@ class FastCall:
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main", "folded")
+    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main", "folded", "maps")
 
-    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = (), folded: bool = False):
+    def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = (), folded: bool = False,
+                 tensor_maps=None):
         import ctypes
 
         self.values = (ctypes.c_uint64 * len(args.values)).from_buffer_copy(ARGS_STRUCT.pack(*args.values))
-        self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
+        # a kernel that takes TMA tensor maps (`tensor_maps`: q's, k's and v's geometries, pointers[:3] theirs):
+        # encoded again with each call's pointers
+        self.maps = None if tensor_maps is None else TensorMapParameter(tensor_maps)
+        if self.maps is None:
+            self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
+        else:
+            self.params = (ctypes.c_void_p * 2)(ctypes.addressof(self.values), self.maps.address)
         self.slots = tuple(_SLOT[name][0] for name in pointers + ("seed", "offset", "seed_pointer"))
         self.launches = launches     # (CUfunction, grid, threads, smem, symbol)
         self.prepared = [driver.PreparedLaunch(*launch) for launch in launches]
@@ -78,6 +86,8 @@ class FastCall:
                 array = self.values
                 for slot, value in zip(self.slots, values):
                     array[slot] = value
+                if self.maps is not None:
+                    self.maps.encode(values[:3])
                 for launch in self.prepared:
                     code = launch(stream, params)
                     if code:
@@ -165,12 +175,13 @@ class FastPath:
         return names, pointers
 
     def _remember(self, table: dict, key, args: LaunchArgs, names: tuple, launches: list, device: int,
-                  workspaces: tuple = (), folded: bool = False) -> None:
+                  workspaces: tuple = (), folded: bool = False, tensor_maps=None) -> None:
         functions = self._functions[device]
         if len(table) >= FAST_CALLS_KEPT:   # shapes that keep changing (a growing KV cache) start it over
             table.clear()
         table[key] = FastCall(args, names, [(functions[symbol], grid, threads, smem, symbol)
-                                            for symbol, grid, threads, smem in launches], workspaces, folded)
+                                            for symbol, grid, threads, smem in launches], workspaces, folded,
+                              tensor_maps)
 
 
     def _fast_forward_call(self, call: FastCall, q, k, v, given: CallInputs, table_pointer: tuple = ()):

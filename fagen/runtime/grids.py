@@ -127,11 +127,12 @@ class LaunchPlan:
     template: str       # which template made the kernels (their grid layout: GROUPED_TEMPLATES)
     family: str         # the solver's family of that template (fagen/solver.py FAMILIES)
     folds_heads: bool   # a backward built to walk a K/V head's group of query heads (Kernel._folds)
+    tensor_map_columns: int = 0   # the kernel takes TMA tensor maps in boxes of these columns (0: none; tensor_maps.py)
 
     @classmethod
     def from_plan(cls, plan: dict, symbols, head_dim: int, folds_heads: bool) -> "LaunchPlan":
         return cls(tuple(symbols), plan["block_r"], plan["block_c"], plan["threads"], plan["smem_bytes"],
                    plan["stages"], plan["tensor_cores"], plan.get("head_dim") or head_dim, plan["template"],
-                   plan["family"], folds_heads)
+                   plan["family"], folds_heads, plan.get("tensor_map_columns", 0))
 
 

@@ -18,6 +18,7 @@ from fagen.runtime.grids import (_HELPER_KERNELS, FOLD_WAVES, GROUPED_TEMPLATES,
                                  backward_scratch, block_group, decode_splits, grouped_grid, problem_grid,
                                  row_pass_grid)
 from fagen.runtime.layouts import Layouts
+from fagen.runtime.tensor_maps import TensorMapParameter, kernel_geometries
 from fagen.runtime.tensors import ELEMENT_BYTES, TORCH_DTYPES, ArgumentError, DeviceTensor, as_device_tensor
 from fagen.spec import Spec
 from fagen.target import Target
@@ -363,7 +364,15 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             grid = problem_grid(row_groups, problems[0] * heads, args)
         else:
             grid = self._blocks_grid(plan, row_blocks, problems[0] * heads, args)
-        arguments = args.packed()
+        geometries = None   # the TMA's maps of q, k, v where the kernel takes them (none for a paged cache)
+        if plan.tensor_map_columns:
+            geometries = () if paged is not None else kernel_geometries(
+                self.spec.dtype, ELEMENT_BYTES[self.spec.dtype], tensors, plan.tensor_map_columns, plan.block_r,
+                plan.block_c)
+            maps = TensorMapParameter(geometries)
+            maps.encode([tensors[name].pointer for name in ("q", "k", "v")])
+            keep.append(maps)
+        arguments = args.packed(maps.address if geometries is not None else None)
         if self.modifiers.summaries:   # the mask_mod inputs' per-tile bounds, before the kernel reads them
             self._launch(device, symbol + "_summary", arguments, SUMMARY_GRID, 256, 0, stream)
         self._launch(device, symbol, arguments, grid, plan.threads, plan.smem_bytes, stream)
@@ -380,7 +389,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
                 launches.insert(0, (symbol + "_summary", SUMMARY_GRID, 256, 0))
             self._remember(self._fast_forward, signature, args,
                            ("q", "k", "v", "o", "lse") + tuple(slot for slot, _ in summaries) + names,
-                           launches, device, tuple(shape for _, shape in summaries))
+                           launches, device, tuple(shape for _, shape in summaries), tensor_maps=geometries)
         del keep  # torch's allocator orders the reuse of these after the kernel on this stream
         return o, lse
 

@@ -1,0 +1,99 @@
+"""forward_wgmma_ws through the TMA against its cp.async loads, on an H200: `python dev/gpu/tma_check.py`.
+
+First, correctness on layouts the TMA maps differently (contiguous, (B, N, H, d) transposed, grouped heads, a packed
+batch, odd lengths): each call's error against a float64 reference, and whether its maps were encoded (enabled) or
+the kernel fell back to cp.async. Then kernel-level TFLOP/s on FlashAttention-3's grid (B x N = 16k, 16 heads,
+d = 128) with the maps and with them refused (TensorMapParameter.encode patched to say no), and SDPA's cuDNN."""
+import math
+
+import torch
+import torch.nn.functional as F
+
+from fagen import jit
+from fagen.bench.timing import attention_flops, time_cuda
+from fagen.runtime import tensor_maps
+from fagen.spec import Spec
+
+encoded = []
+_encode = tensor_maps.TensorMapParameter.encode
+
+
+def logging_encode(self, pointers):
+    ok = _encode(self, pointers)
+    encoded.append(ok)
+    return ok
+
+
+def refusing_encode(self, pointers):
+    self._enabled.value = 0
+    return False
+
+
+def reference(q, k, v, causal, cu=None):
+    """float64 softmax(Q K^T / sqrt(d)) V per (batch, head), K/V heads repeated for grouped heads."""
+    q, k, v = (t.double() for t in (q, k, v))
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    v = v.repeat_interleave(q.shape[1] // v.shape[1], dim=1)
+    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    if causal:
+        n_q, n_k = s.shape[-2:]
+        keep = torch.ones(n_q, n_k, dtype=torch.bool, device=s.device).tril(n_k - n_q)
+        s = s.masked_fill(~keep, float("-inf"))
+    return torch.softmax(s, -1) @ v
+
+
+tensor_maps.TensorMapParameter.encode = logging_encode
+torch.manual_seed(0)
+dev = "cuda"
+for mask in ("none", "causal"):
+    kernel = jit.compile(Spec(head_dim=128, dtype="bf16", mask=mask, passes=["forward"]))
+    causal = mask == "causal"
+    cases = {
+        "contiguous 2x16x1000": [torch.randn(2, 16, 1000, 128, device=dev, dtype=torch.bfloat16) for _ in range(3)],
+        "(B,N,H,d) transposed 2x8x777": [torch.randn(2, 777, 8, 128, device=dev, dtype=torch.bfloat16).transpose(1, 2)
+                                         for _ in range(3)],
+        "grouped 32/8 heads 1x1531": [torch.randn(1, h, 1531, 128, device=dev, dtype=torch.bfloat16)
+                                      for h in (32, 8, 8)],
+        "batch 3 x 65 rows": [torch.randn(3, 4, 65, 128, device=dev, dtype=torch.bfloat16) for _ in range(3)],
+    }
+    for name, (q, k, v) in cases.items():
+        encoded.clear()
+        for _ in range(2):   # the full path, then the fast path
+            o = torch.full_like(q, float("nan"))   # poisoned: a row the kernel skips shows
+            lse = torch.full(q.shape[:3], float("nan"), device=dev)
+            kernel.forward(q, k, v, out=(o, lse))
+        error = (o.double() - reference(q, k, v, causal)).abs().max().item()
+        print(f"{mask} {name}: max |o - ref| {error:.2e}, maps enabled {encoded}", flush=True)
+    packed = jit.compile(Spec(head_dim=128, dtype="bf16", mask=mask, layout="packed", passes=["forward"]))
+    lengths = [300, 1, 129, 1000]
+    cu = torch.tensor([0] + list(torch.tensor(lengths).cumsum(0)), dtype=torch.int32, device=dev)
+    q, k, v = (torch.randn(sum(lengths), 8, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    encoded.clear()
+    o, _ = packed.forward(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths),
+                          max_seqlen_k=max(lengths))
+    error = 0.0
+    for n in range(len(lengths)):
+        a, b = int(cu[n]), int(cu[n + 1])
+        ref = reference(*(t[a:b].transpose(0, 1)[None] for t in (q, k, v)), causal)[0].transpose(0, 1)
+        error = max(error, (o[a:b].double() - ref).abs().max().item())
+    print(f"{mask} packed {lengths}: max |o - ref| {error:.2e}, maps enabled {encoded}", flush=True)
+
+tensor_maps.TensorMapParameter.encode = _encode
+heads, d = 16, 128
+for mask in ("none", "causal"):
+    kernel = jit.compile(Spec(head_dim=d, dtype="bf16", mask=mask, passes=["forward"]))
+    for n in (512, 2048, 8192, 16384):
+        batch = 16384 // n
+        q, k, v = (torch.randn(batch, heads, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        flops = attention_flops(batch, heads, n, n, d, mask=mask, pass_name="forward")
+        row = []
+        for label, encode in (("tma", _encode), ("cp.async", refusing_encode), ("tma again", _encode)):
+            tensor_maps.TensorMapParameter.encode = encode
+            kernel._fast_forward.clear()
+            ms = time_cuda(lambda: kernel.forward(q, k, v), 3, 20, 10.0)
+            row.append(f"{label} {flops / ms / 1e9:.0f}")
+        tensor_maps.TensorMapParameter.encode = _encode
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
+            ms = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal"), 3, 20, 10.0)
+        row.append(f"cudnn {flops / ms / 1e9:.0f}")
+        print(f"d{d} {mask} N={n} B={batch}: " + ", ".join(row) + " TFLOP/s", flush=True)

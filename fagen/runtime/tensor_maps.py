@@ -1,0 +1,102 @@
+"""TMA tensor maps: the second parameter of the kernels that load through the Tensor Memory Accelerator
+(LaunchPlan.tensor_map_columns; templates/warpgroup_mma.cuh TensorMaps).
+
+Each of q, k and v is mapped as the kernel sees it, (column, row, head, batch entry) innermost first, with a box of
+one swizzle panel (the plan's columns) by the kernel's tile rows, the 128- or 64-byte swizzle of its tiles and
+zeros out of bounds. A packed batch arrives as a (1, heads, total, d) view, so one map covers every sequence. The
+geometry is worked out once per call signature (the fast path keeps it); a call re-encodes the three maps with its
+own pointers (cuTensorMapEncodeTiled, on the host). Where the driver refuses a map (a pointer or stride off 16
+bytes, a paged cache) `enabled` is 0 and the kernel copies through cp.async instead.
+"""
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from fagen import cuda_driver as driver
+
+MAP_BYTES = 128                       # a CUtensorMap
+PARAMETER_BYTES = 3 * MAP_BYTES + 64   # TensorMaps: q, k, v, then `enabled` (padded to the maps' 64-byte alignment)
+ENABLED_OFFSET = 3 * MAP_BYTES
+#: CU_TENSOR_MAP_DATA_TYPE_* (cuda.h) of the dtypes the kernels load
+DATA_TYPES = {"fp8_e4m3": 0, "fp16": 6, "bf16": 9}
+#: CU_TENSOR_MAP_SWIZZLE_* by the panel's bytes: the tiles' Swizzle (its 16-byte chunks XOR-ed by the row's phase)
+SWIZZLES = {64: 2, 128: 3}
+_LIMIT = 1 << 40                      # strides below 2^40 bytes; dims at most 2^32
+
+
+@dataclass(frozen=True)
+class MapGeometry:
+    """One tensor's map but its pointer: dims and box innermost first, strides in bytes of rows, heads, entries."""
+
+    data_type: int
+    dims: tuple
+    strides: tuple
+    box: tuple
+    swizzle: int
+
+
+def map_geometry(dtype: str, element_bytes: int, shape: Sequence[int], strides: Sequence[int], box_columns: int,
+                 box_rows: int) -> Optional[MapGeometry]:
+    """The map of a (batch entry, head, row, column) tensor of `shape` and `strides` (elements) in boxes of
+    box_columns x box_rows, or None where TMA cannot read it as such: a dtype it is not given, columns not
+    contiguous, a stride that is not a whole number of 16 bytes, dims past the driver's limits. A dim of one
+    element takes a stride the driver accepts (it is never stepped)."""
+    data_type = DATA_TYPES.get(dtype)
+    swizzle = SWIZZLES.get(box_columns * element_bytes)
+    if data_type is None or swizzle is None or len(shape) != 4 or strides[3] != 1 or min(shape) < 1:
+        return None
+    dims = (shape[3], shape[2], shape[1], shape[0])
+    steps = []
+    extent = shape[3] * element_bytes
+    for size, stride in zip(dims[1:], (strides[2], strides[1], strides[0])):
+        step = stride * element_bytes if size > 1 else -(-extent // 16) * 16
+        if step <= 0 or step % 16 or step >= _LIMIT:
+            return None
+        steps.append(step)
+        extent = max(extent, step * size)
+    if max(dims) > 1 << 32:
+        return None
+    return MapGeometry(data_type, dims, tuple(steps), (box_columns, min(box_rows, 256), 1, 1), swizzle)
+
+
+class TensorMapParameter:
+    """The kernel's TensorMaps parameter in a 64-byte-aligned host buffer (cuLaunchKernel copies it at the launch),
+    for q, k and v of given geometries: `encode` writes the maps of one call's pointers, `address` is what the
+    launch passes. Without geometries (or where one is None) the maps stay unset and `enabled` 0."""
+
+    __slots__ = ("_raw", "address", "_maps", "_enabled")
+
+    def __init__(self, geometries: Sequence[Optional[MapGeometry]]):
+        self._raw = ctypes.create_string_buffer(PARAMETER_BYTES + 64)
+        self.address = (ctypes.addressof(self._raw) + 63) & ~63
+        self._maps = None
+        if geometries and all(g is not None for g in geometries):
+            u64, u32 = ctypes.c_uint64, ctypes.c_uint
+            self._maps = [(self.address + n * MAP_BYTES, g.data_type, (u64 * 4)(*g.dims), (u64 * 3)(*g.strides),
+                           (u32 * 4)(*g.box), (u32 * 4)(1, 1, 1, 1), g.swizzle) for n, g in enumerate(geometries)]
+        self._enabled = ctypes.c_int.from_address(self.address + ENABLED_OFFSET)
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self._enabled.value)
+
+    def encode(self, pointers: Sequence[int]) -> bool:
+        """The maps of q, k and v at `pointers`; whether the kernel takes them (False: its cp.async loads)."""
+        ok = self._maps is not None and all(pointer % 16 == 0 for pointer in pointers)
+        if ok:
+            for (address, data_type, dims, strides, box, steps, swizzle), pointer in zip(self._maps, pointers):
+                if driver.encode_tensor_map(address, data_type, pointer, dims, strides, box, steps, swizzle):
+                    ok = False
+                    break
+        self._enabled.value = int(ok)
+        return ok
+
+
+def kernel_geometries(dtype: str, element_bytes: int, tensors: dict, columns: int, block_r: int,
+                      block_c: int) -> list:
+    """q's (boxes of block_r rows), k's and v's (block_c) geometries from the call's DeviceTensors."""
+    return [map_geometry(dtype, element_bytes, tensors[name].shape, tensors[name].strides, columns, rows)
+            for name, rows in (("q", block_r), ("k", block_c), ("v", block_c))]
+
