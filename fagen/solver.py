@@ -201,13 +201,13 @@ FAMILIES: tuple[Family, ...] = (
     # (FP8 wgmma reads B K-major only), into STAGES V^T buffers of their own; the consumers compute as the 16-bit
     # ones do, on FP8 wgmma's k-steps of 32.
     Family("forward_wgmma_ws_fp8", "forward_wgmma_ws.cu.j2", ("forward",),
-           smem_bytes=E * (Br * d + 3 * 2 * Bc * d) + 1024 + 72 + 12,
+           smem_bytes=E * (Br * d + 3 * 2 * Bc * d) + 1024 + 72 + 16 + 16,   # + the walk's words padded, V landed
            registers=sp.Integer(168),
            smem_reads=2 * 2 * d * ((W - 4) / 4) / Br + 2 * d / Bc,
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, min_block_c=64, max_block_c=128,
            dropout_registers=0, packed_registers=0, modifier_registers=0,
            dtypes=("fp8_e4m3",), loop_orders=("fa2",), any_tile=False, head_dim_multiple=64,
-           needs=("warpgroup_mma", "fp8_mma", "setmaxnreg", "tma"), tensor_maps=True,   # (loads through cp.async)
+           needs=("warpgroup_mma", "fp8_mma", "setmaxnreg", "tma"), tensor_maps=True,
            preference=-1, occupancy_first=True, tag="_ws", walk_warps=4,
            rules=(("Br = 64 rows per consumer warpgroup", lambda r, c, hd, w: r == 64 * (w // 4 - 1)),
                   ("the consumers' registers: Br d / 32 (W - 4) + 3 Br Bc / 64 (W - 4) + 32 <= 224",
@@ -274,7 +274,8 @@ FAMILIES: tuple[Family, ...] = (
            smem_reads=E * ((W - 4) / 4 * (2 * 64 * d + 4 * Br * d) + Br * Bc + Bc * d) / (Br * Bc),
            warps=(12,), stages=2, tensor_cores=True, tile_walk=True, dropout_registers=0, packed_registers=0,
            modifier_registers=0, dtypes=("fp16", "bf16"), any_tile=False, head_dim_multiple=32, deterministic=False,
-           needs=("warpgroup_mma", "setmaxnreg"), preference=-1, occupancy_first=True, tag="_ws",
+           needs=("warpgroup_mma", "setmaxnreg", "tma"), tensor_maps=True, preference=-1, occupancy_first=True,
+           tag="_ws",
            # a mask_mod's elements tested ahead of the score products (templates/backward_wgmma_rows.cu.j2): beside
            # S^T and dP^T its loads spilled the consumers' 232 registers
            options=(("mask_bits_ahead", True),),

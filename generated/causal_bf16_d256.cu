@@ -600,8 +600,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
   // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads). A query head's
   // rows in LSE, D and the accumulator: seq_q of (batch, heads, seq_q); packed, the whole (heads, total_q) row
   [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  [[maybe_unused]] int query_head = (int)problem.h;   // the head of q, d_o now (a TMA load's coordinate)
   [[maybe_unused]] auto next_query_head = [&] {
     const long long head_rows = PACKED ? args.seq_q : seq_q;
+    ++query_head;
     q += args.q_stride[1];
     d_o += args.do_stride[1];
     lse += head_rows;
@@ -625,11 +627,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
     mods_full = walk.mods_full(i);   // read before the walk moves past i
     i_next = next_visible(i + 1);
   };
-  auto load_q_block = [&](int i, int stage) {
+  // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
+  auto load_row_stats = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
-    // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
       const int r = tid + n * LOADERS;
@@ -639,6 +639,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d256_bf16_causal_fa2
       float* dst = (r < BLOCK_R ? lse_tiles : delta_tiles) + stage * BLOCK_R + row;
       tc::cp_async_4(dst, (r < BLOCK_R ? lse : delta) + (valid ? row0 + row : 0), valid);
     }
+  };
+  auto load_q_block = [&](int i, int stage) {
+    const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
+    load_row_stats(i, stage);
   };
 
   auto load_key_block = [&] {

@@ -547,6 +547,7 @@ using ScoreLayout = fagen::wg::Swizzle<BLOCK_R>;   // dS^T: one row of Br querie
 static_assert(DQ_BY_ROWS || (HEAD_DIM - 64) % Layout::PANEL_COLUMNS == 0, "dQ by dims: every warpgroup starts on a panel");
 static_assert(sizeof(elem_t) == 2, "fp16 / bf16 only");
 
+static_assert(Layout::PANEL_COLUMNS == 64, "the host's TMA boxes are the tiles' panels");
 // scores_product: S^T (dP^T) += K_g Q_i^T (V_g dO_i^T), m64 x Br; key_grad_product: dV (dK) += P^T dO_i
 // (dS^T Q_i), m64 x d, A from registers, B transposed; dq_product: dQ += dS K_j, both read transposed.
 __device__ __forceinline__ void scores_product(float (&d)[16][4], unsigned long long a, unsigned long long b, int accumulate) {
@@ -579,7 +580,8 @@ __device__ __forceinline__ void dq_product(float (&d)[8][4], unsigned long long 
 static_assert(!(FOLDS_HEADS && Mods::HAS_SCORE), "no score_mod on a block that walks a K/V head's group");
 }  // namespace fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w12_ws_config
 
-extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w12_ws(const fagen::AttentionArgs args) {
+extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w12_ws(const fagen::AttentionArgs args,
+                                                                  const __grid_constant__ fagen::wg::TensorMaps maps) {
   using namespace fagen_bwd_d59_bf16_causal_fa2_sm90_br128_bc128_w12_ws_config;
   using namespace fagen;
   // Shared memory (fagen/solver.py declares the same footprint): K_j, V_j, 2 stages x (Q_i, dO_i), 2 x dS^T, all
@@ -627,8 +629,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
   // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads). A query head's
   // rows in LSE, D and the accumulator: seq_q of (batch, heads, seq_q); packed, the whole (heads, total_q) row
   [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  [[maybe_unused]] int query_head = (int)problem.h;   // the head of q, d_o now (a TMA load's coordinate)
   [[maybe_unused]] auto next_query_head = [&] {
     const long long head_rows = PACKED ? args.seq_q : seq_q;
+    ++query_head;
     q += args.q_stride[1];
     d_o += args.do_stride[1];
     lse += head_rows;
@@ -652,11 +656,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
     mods_full = walk.mods_full(i);   // read before the walk moves past i
     i_next = next_visible(i + 1);
   };
-  auto load_q_block = [&](int i, int stage) {
+  // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
+  auto load_row_stats = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
-    // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
       const int r = tid + n * LOADERS;
@@ -667,17 +669,27 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
       tc::cp_async_4(dst, (r < BLOCK_R ? lse : delta) + (valid ? row0 + row : 0), valid);
     }
   };
+  auto load_q_block = [&](int i, int stage) {
+    const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
+    load_row_stats(i, stage);
+  };
 
   auto load_key_block = [&] {
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(k_tile, k, args.k_stride[2], col0, cols_here, DATA_DIM);
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
+  // K_j, V_j, Q_i and dO_i through the TMA where the host mapped the call's tensors: thread 0 adds their bytes to
+  // the stage's "full" barrier and issues them, while every loader still copies LSE_i, D_i and arrives as before
+  const bool tma = maps.enabled != 0;
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
     for (int s = 0; s < 2; ++s) {
       wg::copy_barrier_init(full(s), LOADERS);
       wg::barrier_init(empty(s), CONSUMER_THREADS);
     }
+    if (tma) wg::fence_barrier_init();
   }
   __syncthreads();   // the barriers are initialised before anyone waits on them; the last block-wide meeting
 
@@ -686,45 +698,76 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d59_bf16_causal_f
     // into stage n % 2, once the consumers emptied what it held two row blocks before (the first round finds both
     // stages empty). Thread 0 writes the hand-over words before its arrival, whose release publishes them.
     wg::release_registers<PRODUCER_REGISTERS>();
-    if constexpr (Mods::HAS_MASK) {
-      const int first = next_visible(0);
-      if (tid == 0) handed[0] = first;
-      if (first < row_blocks) load_key_block();
-      wg::barrier_arrive_when_copied(kv_full);
-      int n = 0;
-      for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads, the same walk each)
-        int i = first;
-        if (head > 0) {
-          next_query_head();
-          if (first < row_blocks) next_visible(0);   // the walk begun again (its tile tests), as the first head's
+    // The loop built twice, with the TMA's loads and with cp.async's (one of them per call): both in one loop
+    // spilled the producer's 40 registers with a mask_mod that reads inputs at key positions (documents)
+    auto produce = [&](auto mapped) {
+      constexpr bool TMA = decltype(mapped)::value;
+      auto load_keys = [&] {
+        if constexpr (!TMA) {
+          load_key_block();
+        } else if (tid == 0) {
+          wg::barrier_expect_bytes(kv_full, 2 * KV_BYTES);
+          wg::tma_load_rows<BLOCK_C, Layout>(k_tile, maps.k, kv_full, int(problem.k_row0) + col0, int(problem.h_kv),
+                                             int(problem.entry));
+          wg::tma_load_rows<BLOCK_C, Layout>(v_tile, maps.v, kv_full, int(problem.k_row0) + col0, int(problem.h_kv),
+                                             int(problem.entry));
         }
-        for (; i < row_blocks; ++n) {
-          const int s = n % 2;
-          wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+      };
+      auto load_rows = [&](int i, int s) {
+        if constexpr (!TMA) {
           load_q_block(i, s);
-          // the walk while the copies fly
-          bool mods_full;
-          int i_next;
-          walk_row_block(i, s, mods_full, i_next);
-          if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
-          wg::barrier_arrive_when_copied(full(s));
-          i = i_next;
+          return;
+        }
+        if (tid == 0) {
+          const int row = int(problem.q_row0) + i * BLOCK_R;
+          wg::barrier_expect_bytes(full(s), 2 * QB_BYTES);
+          wg::tma_load_rows<BLOCK_R, Layout>(q_tile(s), maps.q, full(s), row, query_head, int(problem.entry));
+          wg::tma_load_rows<BLOCK_R, Layout>(do_tile(s), maps.d_o, full(s), row, query_head, int(problem.entry));
+        }
+        load_row_stats(i, s);
+      };
+      if constexpr (Mods::HAS_MASK) {
+        const int first = next_visible(0);
+        if (tid == 0) handed[0] = first;
+        if (first < row_blocks) load_keys();
+        wg::barrier_arrive_when_copied(kv_full);
+        int n = 0;
+        for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads, the same walk each)
+          int i = first;
+          if (head > 0) {
+            next_query_head();
+            if (first < row_blocks) next_visible(0);   // the walk begun again (its tile tests), as the first head's
+          }
+          for (; i < row_blocks; ++n) {
+            const int s = n % 2;
+            wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+            load_rows(i, s);
+            // the walk while the copies fly
+            bool mods_full;
+            int i_next;
+            walk_row_block(i, s, mods_full, i_next);
+            if (tid == 0) handed_stage[s] = i_next << 1 | int(mods_full);
+            wg::barrier_arrive_when_copied(full(s));
+            i = i_next;
+          }
+        }
+      } else {   // (this order: the walk's first step after K_j, V_j's copies; the mask_mod's order spilled at d = 59)
+        load_keys();
+        wg::barrier_arrive_when_copied(kv_full);
+        int n = 0;
+        for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads in turn)
+          if (head > 0) next_query_head();
+          for (int i = next_visible(0); i < row_blocks; i = next_visible(i + 1), ++n) {
+            const int s = n % 2;
+            wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
+            load_rows(i, s);
+            wg::barrier_arrive_when_copied(full(s));
+          }
         }
       }
-    } else {   // (this order: the walk's first step after K_j, V_j's copies; the mask_mod's order spilled at d = 59)
-      load_key_block();
-      wg::barrier_arrive_when_copied(kv_full);
-      int n = 0;
-      for (int head = 0; head < heads_here; ++head) {   // (FOLDS_HEADS: the group's query heads in turn)
-        if (head > 0) next_query_head();
-        for (int i = next_visible(0); i < row_blocks; i = next_visible(i + 1), ++n) {
-          const int s = n % 2;
-          wg::barrier_wait(empty(s), ((n / 2) & 1) ^ 1);
-          load_q_block(i, s);
-          wg::barrier_arrive_when_copied(full(s));
-        }
-      }
-    }
+    };
+    if (tma) produce(std::true_type{});
+    else produce(std::false_type{});
     tc::cp_async_commit();   // the block outlives this warpgroup, but its copies land before it leaves
     tc::cp_async_wait<0>();
     return;

@@ -231,6 +231,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
   volatile int* handed = reinterpret_cast<volatile int*>(reinterpret_cast<char*>(shared_raw) +
                                                          (barriers + 8 * (1 + 4 * STAGES) - tc::shared_address(shared_raw)));
   volatile int* handed_stage = handed + 1;
+  // FP8 through the TMA: per stage, V_j's raw tile landed (the producer's threads then write V_j^T), after the words
+  auto v_landed = [&](int s) { return barriers + 8 * (1 + 4 * STAGES) + 8 * ((1 + STAGES + 1) / 2) + 8 * s; };
 
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
   const int group = lane / 4, quad = lane % 4;                     // accumulator fragment coordinates
@@ -254,9 +256,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
 
-  // Q_i, K_j, V_j through the TMA where the host mapped the call's tensors (FP8: cp.async, V_j^T's rows written
-  // by the producer's threads from V_j's once it landed): one thread issues each tile and arrives on its barrier
-  const bool tma = !FP8 && maps.enabled != 0;
+  // Q_i, K_j, V_j through the TMA where the host mapped the call's tensors: one thread issues each tile and arrives
+  // on its barrier (FP8: V_j on v_landed, whose completion every producer thread waits for to write V_j^T)
+  const bool tma = maps.enabled != 0;
   auto full_barrier_init = [&](unsigned barrier) {
     if (tma) wg::barrier_init(barrier, 1);
     else wg::copy_barrier_init(barrier, 128);
@@ -266,8 +268,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     for (int s = 0; s < STAGES; ++s) {
       full_barrier_init(k_full(s));
       wg::barrier_init(k_empty(s), CONSUMER_THREADS);
-      if (FP8) wg::barrier_init(v_full(s), 128);   // the producer's threads arrive once V_j^T is written
-      else full_barrier_init(v_full(s));
+      if (FP8) {
+        wg::barrier_init(v_full(s), 128);   // the producer's threads arrive once V_j^T is written
+        if (tma) wg::barrier_init(v_landed(s), 1);
+      } else {
+        full_barrier_init(v_full(s));
+      }
       wg::barrier_init(v_empty(s), CONSUMER_THREADS);
     }
     if (tma) wg::fence_barrier_init();
@@ -308,14 +314,19 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
                                                                            min(BLOCK_C, seq_k - col0), dims);
       }
     };
-    // FP8: V_j^T from stage s's V_j once every producer thread's copies of it landed (named barrier 5), published
-    // to the tensor cores by v_full(s). Stage s's V_j is next overwritten two rounds on, after every producer
-    // thread passed the next round's barrier, so done reading it.
-    auto values_ready = [&](int s) {
+    // FP8: V_j^T from stage s's V_j once it landed (the TMA's bytes on v_landed(s), or every producer thread's
+    // copies: named barrier 5), published to the tensor cores by v_full(s). Stage s's V_j is next overwritten two
+    // rounds on, once the consumers emptied its V_j^T, which every producer thread wrote after reading V_j.
+    auto values_ready = [&](int i, int s) {
       if constexpr (FP8) {
-        tc::cp_async_commit();
-        tc::cp_async_wait<0>();
-        wg::named_barrier_sync<5, 128>();
+        if (tma) {
+          tile_issued(v_landed(s));
+          wg::barrier_wait(v_landed(s), (i / STAGES) & 1);
+        } else {
+          tc::cp_async_commit();
+          tc::cp_async_wait<0>();
+          wg::named_barrier_sync<5, 128>();
+        }
         wg::transpose_values_fp8<BLOCK_C, HEAD_DIM, 128, ValueLayout, TransposedLayout>(
             v_tiles + s * KV_BYTES, transposed_values + s * KV_BYTES);
         wg::fence_async_proxy();
@@ -342,8 +353,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       after_k(s);
       tile_issued(k_full(s));
       wg::barrier_wait(v_empty(s), parity);
-      load_rows(v_tiles + s * KV_BYTES, maps.v, v_full(s), v, args.v_stride, j, VALUE_DIM);
-      values_ready(s);
+      load_rows(v_tiles + s * KV_BYTES, maps.v, FP8 ? v_landed(s) : v_full(s), v, args.v_stride, j, VALUE_DIM);
+      values_ready(i, s);
     };
     if constexpr (Mods::HAS_MASK) {
       // thread 0 writes the hand-over words before its arrivals, whose release publishes them
@@ -805,8 +816,10 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
   // rows of Q, dO, LSE, D and dQ's accumulator (the caller of each side advances what it reads). A query head's
   // rows in LSE, D and the accumulator: seq_q of (batch, heads, seq_q); packed, the whole (heads, total_q) row
   [[maybe_unused]] const int heads_here = FOLDS_HEADS && args.fold_heads > 1 ? (int)args.fold_heads : 1;
+  [[maybe_unused]] int query_head = (int)problem.h;   // the head of q, d_o now (a TMA load's coordinate)
   [[maybe_unused]] auto next_query_head = [&] {
     const long long head_rows = PACKED ? args.seq_q : seq_q;
+    ++query_head;
     q += args.q_stride[1];
     d_o += args.do_stride[1];
     lse += head_rows;
@@ -830,11 +843,9 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
     mods_full = walk.mods_full(i);   // read before the walk moves past i
     i_next = next_visible(i + 1);
   };
-  auto load_q_block = [&](int i, int stage) {
+  // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
+  auto load_row_stats = [&](int i, int stage) {
     const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
-    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
-    // LSE_i and D_i, a row a thread: a constant trip count (the loop over r < 2 Br was unrolled with a remainder)
 #pragma unroll
     for (int n = 0; n < (2 * BLOCK_R + LOADERS - 1) / LOADERS; ++n) {
       const int r = tid + n * LOADERS;
@@ -844,6 +855,12 @@ extern "C" __global__ void __launch_bounds__(256) fagen_bwd_d128_bf16_causal_fa2
       float* dst = (r < BLOCK_R ? lse_tiles : delta_tiles) + stage * BLOCK_R + row;
       tc::cp_async_4(dst, (r < BLOCK_R ? lse : delta) + (valid ? row0 + row : 0), valid);
     }
+  };
+  auto load_q_block = [&](int i, int stage) {
+    const int row0 = i * BLOCK_R, rows = min(BLOCK_R, seq_q - row0);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(q_tile(stage), q, args.q_stride[2], row0, rows, DATA_DIM);
+    wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(do_tile(stage), d_o, args.do_stride[2], row0, rows, VALUE_DIM);
+    load_row_stats(i, stage);
   };
 
   auto load_key_block = [&] {

@@ -276,15 +276,16 @@ __device__ __forceinline__ void barrier_wait(unsigned barrier, unsigned parity) 
 
 // ---- the Tensor Memory Accelerator: a tile copied by one thread through a tensor map the host encoded ----
 // A tensor map (CUtensorMap: 128 opaque bytes from cuTensorMapEncodeTiled), and the kernel parameter that holds
-// q's, k's and v's over (column, row, head, batch entry), one box a column panel of the tiles' Swizzle
+// q's, k's, v's (and a backward's dO's) over (column, row, head, batch entry), one box a column panel of the tiles' Swizzle
 // (fagen/runtime/tensor_maps.py). `enabled` is 0 where the call's tensors cannot be mapped (a paged cache, strides
 // off 16 bytes): the loads then go through cp.async. __grid_constant__ keeps the maps in parameter space, where the
 // TMA reads them.
 struct alignas(64) TensorMap { unsigned long long opaque[16]; };
 struct TensorMaps {
-  TensorMap q, k, v;
+  TensorMap q, k, v, d_o;
   int enabled;
 };
+static_assert(sizeof(TensorMaps) == 576, "fagen/runtime/tensor_maps.py PARAMETER_BYTES");
 // The TMA's completions see the barriers initialised (the async proxy): once, after the mbarrier.inits.
 __device__ __forceinline__ void fence_barrier_init() { asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory"); }
 __device__ __forceinline__ void prefetch_tensor_map(const TensorMap& map) {

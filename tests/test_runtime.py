@@ -445,10 +445,22 @@ def test_a_tensor_map_parameter_without_maps_stays_disabled_without_the_driver()
     g = map_geometry("bf16", 2, (1, 2, 64, 64), (8192, 4096, 64, 1), 64, 64)
     for geometries in ((), (g, None, g)):
         parameter = TensorMapParameter(geometries)
-        assert parameter.address % 64 == 0 and PARAMETER_BYTES == 448
+        assert parameter.address % 64 == 0
         assert parameter.encode([256, 512, 768]) is False and not parameter.enabled
     # a pointer off 16 bytes is refused before the driver is asked
     assert TensorMapParameter((g, g, g)).encode([256, 520, 768]) is False
+
+
+def test_the_tensor_map_parameter_is_the_kernels_struct():
+    import re
+
+    from fagen.runtime.tensor_maps import MAPPED, PARAMETER_BYTES
+    from fagen.sources import TEMPLATE_DIR
+
+    header = (TEMPLATE_DIR / "warpgroup_mma.cuh").read_text()
+    assert int(re.search(r"sizeof\(TensorMaps\) == (\d+)", header).group(1)) == PARAMETER_BYTES
+    fields = re.search(r"struct TensorMaps \{\s*TensorMap ([^;]+);", header).group(1)
+    assert tuple(name.strip() for name in fields.split(",")) == MAPPED
 
 
 def test_plans_of_the_tma_kernels_carry_their_box_columns():
@@ -464,3 +476,7 @@ def test_plans_of_the_tma_kernels_carry_their_box_columns():
     assert solve(Spec(head_dim=128, dtype="bf16"), sm80).plans["forward"].tensor_map_columns == 0
     launch = LaunchPlan.from_plan(bf16.to_dict(), ["f"], 128, False)
     assert launch.tensor_map_columns == 64
+    # the backward's: d = 96 in 64-byte panels of 32 columns
+    for head_dim, columns in ((64, 64), (96, 32), (128, 64)):
+        backward = solve(Spec(head_dim=head_dim, dtype="bf16", mask="causal"), sm90).plans["backward"]
+        assert (backward.family, backward.tensor_map_columns) == ("backward_wgmma_ws", columns)

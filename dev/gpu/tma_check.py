@@ -1,10 +1,13 @@
-"""forward_wgmma_ws through the TMA against its cp.async loads, on an H200: `python dev/gpu/tma_check.py`.
+"""forward_wgmma_ws through the TMA against its cp.async loads, on an H200: `python dev/gpu/tma_check.py [PART ...]`
+(parts: layouts, bf16, fp8, bwd; default all).
 
 First, correctness on layouts the TMA maps differently (contiguous, (B, N, H, d) transposed, grouped heads, a packed
 batch, odd lengths): each call's error against a float64 reference, and whether its maps were encoded (enabled) or
 the kernel fell back to cp.async. Then kernel-level TFLOP/s on FlashAttention-3's grid (B x N = 16k, 16 heads,
-d = 128) with the maps and with them refused (TensorMapParameter.encode patched to say no), and SDPA's cuDNN."""
+d = 128) with the maps and with them refused (TensorMapParameter.encode patched to say no), and SDPA's cuDNN; the
+same A/B for the fp8 (e4m3) forward at d = 128 (o in bf16, no descales)."""
 import math
+import sys
 
 import torch
 import torch.nn.functional as F
@@ -42,10 +45,11 @@ def reference(q, k, v, causal, cu=None):
     return torch.softmax(s, -1) @ v
 
 
+parts = set(sys.argv[1:]) or {"layouts", "bf16", "fp8", "bwd"}
 tensor_maps.TensorMapParameter.encode = logging_encode
 torch.manual_seed(0)
 dev = "cuda"
-for mask in ("none", "causal"):
+for mask in ("none", "causal") if "layouts" in parts else ():
     kernel = jit.compile(Spec(head_dim=128, dtype="bf16", mask=mask, passes=["forward"]))
     causal = mask == "causal"
     cases = {
@@ -80,20 +84,43 @@ for mask in ("none", "causal"):
 
 tensor_maps.TensorMapParameter.encode = _encode
 heads, d = 16, 128
-for mask in ("none", "causal"):
-    kernel = jit.compile(Spec(head_dim=d, dtype="bf16", mask=mask, passes=["forward"]))
+for dtype, mask in [(t, m) for t, part in (("bf16", "bf16"), ("fp8_e4m3", "fp8")) if part in parts
+                    for m in ("none", "causal")]:
+    kernel = jit.compile(Spec(head_dim=d, dtype=dtype, mask=mask, passes=["forward"]))
     for n in (512, 2048, 8192, 16384):
         batch = 16384 // n
         q, k, v = (torch.randn(batch, heads, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        if dtype == "fp8_e4m3":
+            q8, k8, v8 = (t.to(torch.float8_e4m3fn) for t in (q, k, v))
+            q, k, v = (t.to(torch.bfloat16) for t in (q8, k8, v8))   # cuDNN's bf16 run on the values fp8 stands for
         flops = attention_flops(batch, heads, n, n, d, mask=mask, pass_name="forward")
         row = []
         for label, encode in (("tma", _encode), ("cp.async", refusing_encode), ("tma again", _encode)):
             tensor_maps.TensorMapParameter.encode = encode
             kernel._fast_forward.clear()
-            ms = time_cuda(lambda: kernel.forward(q, k, v), 3, 20, 10.0)
+            inputs = (q8, k8, v8) if dtype == "fp8_e4m3" else (q, k, v)
+            ms = time_cuda(lambda: kernel.forward(*inputs), 3, 20, 10.0)
             row.append(f"{label} {flops / ms / 1e9:.0f}")
         tensor_maps.TensorMapParameter.encode = _encode
         with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.CUDNN_ATTENTION):
             ms = time_cuda(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=mask == "causal"), 3, 20, 10.0)
         row.append(f"cudnn {flops / ms / 1e9:.0f}")
-        print(f"d{d} {mask} N={n} B={batch}: " + ", ".join(row) + " TFLOP/s", flush=True)
+        print(f"{dtype} d{d} {mask} N={n} B={batch}: " + ", ".join(row) + " TFLOP/s", flush=True)
+
+# the backward (backward_wgmma_ws) at d = 128, bf16: TMA against cp.async, kernel level (Kernel.backward)
+for mask in ("none", "causal") if "bwd" in parts else ():
+    kernel = jit.compile(Spec(head_dim=d, dtype="bf16", mask=mask))
+    for n in (2048, 8192, 16384):
+        batch = 16384 // n
+        q, k, v = (torch.randn(batch, heads, n, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+        o, lse = kernel.forward(q, k, v)
+        do = torch.randn_like(o)
+        flops = 2.5 * attention_flops(batch, heads, n, n, d, mask=mask, pass_name="forward")
+        row = []
+        for label, encode in (("tma", _encode), ("cp.async", refusing_encode), ("tma again", _encode)):
+            tensor_maps.TensorMapParameter.encode = encode
+            kernel._fast_backward.clear()
+            ms = time_cuda(lambda: kernel.backward(q, k, v, o, lse, do), 3, 10, 10.0)
+            row.append(f"{label} {flops / ms / 1e9:.0f}")
+        tensor_maps.TensorMapParameter.encode = _encode
+        print(f"backward bf16 d{d} {mask} N={n} B={batch}: " + ", ".join(row) + " TFLOP/s", flush=True)

@@ -10,7 +10,7 @@ from fagen.runtime.arguments import ARGS_STRUCT, _SLOT, LaunchArgs
 from fagen.runtime.call_inputs import CallInputs
 from fagen.runtime.device import _TORCH, _filled, _torch_types, empty_in_layout
 from fagen.runtime.grids import _HELPER_KERNELS, backward_scratch
-from fagen.runtime.tensor_maps import TensorMapParameter
+from fagen.runtime.tensor_maps import MAPPED, TensorMapParameter
 
 def _fast_seed(seed, offset, tensor_type, int64, device: int) -> bool:
     """Whether the fast path takes this seed as it is: an int in range, or a torch tensor of one int64
@@ -52,16 +52,18 @@ class FastCall:
     A call that matches one only allocates its outputs, writes those slots and launches: the checks
     ran on the first call with this signature and their outcome depends on nothing else."""
 
-    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main", "folded", "maps")
+    __slots__ = ("values", "params", "slots", "launches", "prepared", "lock", "workspaces", "main", "folded", "maps",
+                 "mapped")
 
     def __init__(self, args: LaunchArgs, pointers: tuple, launches: list, workspaces: tuple = (), folded: bool = False,
                  tensor_maps=None):
         import ctypes
 
         self.values = (ctypes.c_uint64 * len(args.values)).from_buffer_copy(ARGS_STRUCT.pack(*args.values))
-        # a kernel that takes TMA tensor maps (`tensor_maps`: q's, k's and v's geometries, pointers[:3] theirs):
-        # encoded again with each call's pointers
+        # a kernel that takes TMA tensor maps (`tensor_maps`: the geometries of MAPPED's first, q, k, v (, d_o)):
+        # encoded again with each call's pointers, found in `pointers` by name
         self.maps = None if tensor_maps is None else TensorMapParameter(tensor_maps)
+        self.mapped = tuple(pointers.index(name) for name in MAPPED[:len(tensor_maps or ())])
         if self.maps is None:
             self.params = (ctypes.c_void_p * 1)(ctypes.addressof(self.values))
         else:
@@ -87,7 +89,7 @@ class FastCall:
                 for slot, value in zip(self.slots, values):
                     array[slot] = value
                 if self.maps is not None:
-                    self.maps.encode(values[:3])
+                    self.maps.encode([values[n] for n in self.mapped])
                 for launch in self.prepared:
                     code = launch(stream, params)
                     if code:

@@ -577,7 +577,14 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             launches.append((main + "_dq_convert", row_pass_grid(rows), 256, 0))
         if summed:
             launches.append((main + "_kv_group_sum", row_pass_grid(batch * kv_heads * seq_k), 256, 0))
-        arguments = args.packed()   # after problem_grid set args["problems"]
+        geometries = None   # the TMA's maps of q, k, v, dO where the main kernel takes them
+        if plan.tensor_map_columns:
+            geometries = kernel_geometries(self.spec.dtype, ELEMENT_BYTES[self.spec.dtype], tensors,
+                                           plan.tensor_map_columns, plan.block_r, plan.block_c)
+            maps = TensorMapParameter(geometries)
+            maps.encode([tensors[name].pointer for name in ("q", "k", "v", "d_o")])
+            keep.append(maps)
+        arguments = args.packed(maps.address if geometries is not None else None)   # after problem_grid set args["problems"]
         functions = self._load_input_grad_backward(device) if input_grad_out is not None else None
         for symbol, grid, threads, smem in launches:
             self._launch(device, symbol, arguments, grid, threads, smem, stream, functions)
@@ -592,7 +599,7 @@ class Kernel(ArgumentChecks, Layouts, FastPath):
             self._remember(self._fast_backward, signature, args,
                            ("q", "k", "v", "o", "d_o", "lse") + (("d_lse",) if d_lse_pointer else ()) + outputs + workspaces
                            + tuple(slot for slot, _ in summaries) + names, launches, device,
-                           tuple(shape for _, shape in summaries), folded)
+                           tuple(shape for _, shape in summaries), folded, geometries)
         del keep
         return grads
 

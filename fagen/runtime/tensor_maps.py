@@ -1,7 +1,7 @@
 """TMA tensor maps: the second parameter of the kernels that load through the Tensor Memory Accelerator
 (LaunchPlan.tensor_map_columns; templates/warpgroup_mma.cuh TensorMaps).
 
-Each of q, k and v is mapped as the kernel sees it, (column, row, head, batch entry) innermost first, with a box of
+Each of q, k and v (and a backward's dO) is mapped as the kernel sees it, (column, row, head, batch entry) innermost first, with a box of
 one swizzle panel (the plan's columns) by the kernel's tile rows, the 128- or 64-byte swizzle of its tiles and
 zeros out of bounds. A packed batch arrives as a (1, heads, total, d) view, so one map covers every sequence. The
 geometry is worked out once per call signature (the fast path keeps it); a call re-encodes the three maps with its
@@ -17,8 +17,9 @@ from typing import Optional, Sequence
 from fagen import cuda_driver as driver
 
 MAP_BYTES = 128                       # a CUtensorMap
-PARAMETER_BYTES = 3 * MAP_BYTES + 64   # TensorMaps: q, k, v, then `enabled` (padded to the maps' 64-byte alignment)
-ENABLED_OFFSET = 3 * MAP_BYTES
+MAPPED = ("q", "k", "v", "d_o")       # TensorMaps' maps, in order (a forward leaves d_o's unset)
+PARAMETER_BYTES = len(MAPPED) * MAP_BYTES + 64   # then `enabled` (padded to the maps' 64-byte alignment)
+ENABLED_OFFSET = len(MAPPED) * MAP_BYTES
 #: CU_TENSOR_MAP_DATA_TYPE_* (cuda.h) of the dtypes the kernels load
 DATA_TYPES = {"fp8_e4m3": 0, "fp16": 6, "bf16": 9}
 #: CU_TENSOR_MAP_SWIZZLE_* by the panel's bytes: the tiles' Swizzle (its 16-byte chunks XOR-ed by the row's phase)
@@ -63,8 +64,9 @@ def map_geometry(dtype: str, element_bytes: int, shape: Sequence[int], strides: 
 
 class TensorMapParameter:
     """The kernel's TensorMaps parameter in a 64-byte-aligned host buffer (cuLaunchKernel copies it at the launch),
-    for q, k and v of given geometries: `encode` writes the maps of one call's pointers, `address` is what the
-    launch passes. Without geometries (or where one is None) the maps stay unset and `enabled` 0."""
+    for the first of MAPPED (q, k, v; a backward's dO too) of given geometries: `encode` writes the maps of one
+    call's pointers, `address` is what the launch passes. Without geometries (or where one is None) the maps stay
+    unset and `enabled` 0."""
 
     __slots__ = ("_raw", "address", "_maps", "_enabled")
 
@@ -83,7 +85,7 @@ class TensorMapParameter:
         return bool(self._enabled.value)
 
     def encode(self, pointers: Sequence[int]) -> bool:
-        """The maps of q, k and v at `pointers`; whether the kernel takes them (False: its cp.async loads)."""
+        """The maps at `pointers` (one per geometry); whether the kernel takes them (False: its cp.async loads)."""
         ok = self._maps is not None and all(pointer % 16 == 0 for pointer in pointers)
         if ok:
             for (address, data_type, dims, strides, box, steps, swizzle), pointer in zip(self._maps, pointers):
@@ -96,7 +98,9 @@ class TensorMapParameter:
 
 def kernel_geometries(dtype: str, element_bytes: int, tensors: dict, columns: int, block_r: int,
                       block_c: int) -> list:
-    """q's (boxes of block_r rows), k's and v's (block_c) geometries from the call's DeviceTensors."""
-    return [map_geometry(dtype, element_bytes, tensors[name].shape, tensors[name].strides, columns, rows)
-            for name, rows in (("q", block_r), ("k", block_c), ("v", block_c))]
+    """q's (boxes of block_r rows), k's and v's (block_c), and where `tensors` has one dO's (block_r) geometries from
+    the call's DeviceTensors, in MAPPED's order."""
+    rows = {"q": block_r, "k": block_c, "v": block_c, "d_o": block_r}
+    return [map_geometry(dtype, element_bytes, tensors[name].shape, tensors[name].strides, columns, rows[name])
+            for name in MAPPED if name in tensors]
 
