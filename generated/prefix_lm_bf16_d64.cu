@@ -822,6 +822,9 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_none_fa2
     else produce(std::false_type{});
     tc::cp_async_commit();   // the block outlives this warpgroup, but its copies land before it leaves
     tc::cp_async_wait<0>();
+    // K_j, V_j's TMA copies too: consumers that see no row block never wait for them, and a block must not end with
+    // copies into its shared memory in flight (every loader arrived on kv_full above, so its phase 0 completes)
+    if (tma && tid == 0) wg::barrier_wait(kv_full, 0);
     return;
   }
 

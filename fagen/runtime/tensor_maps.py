@@ -4,7 +4,7 @@
 Each of q, k and v (and a backward's dO) is mapped as the kernel sees it, (column, row, head, batch entry) innermost first, with a box of
 one swizzle panel (the plan's columns) by the kernel's tile rows, the 128- or 64-byte swizzle of its tiles and
 zeros out of bounds. A packed batch arrives as a (1, heads, total, d) view, so one map covers every sequence. The
-geometry is worked out once per call signature (the fast path keeps it); a call re-encodes the three maps with its
+geometry is worked out once per call signature (the fast path keeps it); a call re-encodes the maps with its
 own pointers (cuTensorMapEncodeTiled, on the host). Where the driver refuses a map (a pointer or stride off 16
 bytes, a paged cache) `enabled` is 0 and the kernel copies through cp.async instead.
 """
