@@ -88,15 +88,19 @@ constexpr int K_STEP = FP8 ? 32 : 16;               // elements per wgmma k-step
 constexpr int K_STEPS = HEAD_DIM / K_STEP;          // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / K_STEP;           // wgmma k-steps over the keys for O = P V
 constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S per warp
-constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * sizeof(elem_t);
-constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * sizeof(elem_t);   // one of K_j, V_j (FP8: and V_j^T)
 constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
+static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
+static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
+static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
+template <int COLUMNS>
+using TileLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<COLUMNS>, fagen::wg::Swizzle<COLUMNS>>;
+constexpr int O_TILES = HEAD_DIM / 8;               // 8-dim column tiles of O per warp
+constexpr int KV_BYTES = BLOCK_C * HEAD_DIM * sizeof(elem_t);   // one of K_j, V_j (FP8: and V_j^T)
 // The producer's and the consumers' registers per thread: 128 x 56 + 256 x 224 <= the 64 K of a multiprocessor
 constexpr int PRODUCER_REGISTERS = 56, CONSUMER_REGISTERS = 224;
 static_assert(BLOCK_R == 64 * CONSUMERS && CONSUMERS == 2, "one 64-row slab per consumer warpgroup, two taking turns");
-static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
-using Layout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<HEAD_DIM>, fagen::wg::Swizzle<HEAD_DIM>>;   // d columns
+using Layout = TileLayout<HEAD_DIM>;                // Q's, K's tiles: d columns
 using ValueLayout = Layout;                        // V's too (zeros past VALUE_DIM)
 static_assert(Layout::PANEL_COLUMNS == 64, "the host's TMA boxes are the tiles' panels");
 // FP8: V_j^T, d rows of Bc keys (without FP8 unused: V's own, so that no 8-bit layout of Bc is instantiated)
@@ -105,8 +109,6 @@ using TransposedLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<BLOCK_C>
 __host__ __device__ constexpr unsigned long long value_step(int kk) {
   return FP8 ? TransposedLayout::k_major_step(HEAD_DIM, kk) : ValueLayout::mn_major_step(kk);
 }
-static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
-static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
 // The epilogue's O through shared memory (the K, V stages) where every consumer warp's tile fits there (docs/decisions/0011-kernel-techniques.md)
 constexpr bool O_STAGED = 4 * CONSUMERS * fagen::tc::StagedTile<O_TILES>::BYTES <= 2 * STAGES * KV_BYTES;
 

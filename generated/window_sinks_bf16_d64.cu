@@ -120,12 +120,17 @@ constexpr int K_STEP = FP8 ? 32 : 16;               // elements per wgmma k-step
 constexpr int K_STEPS = HEAD_DIM / K_STEP;          // wgmma k-steps over d for S = Q K^T
 constexpr int P_STEPS = BLOCK_C / K_STEP;           // wgmma k-steps over the keys for O = P V
 constexpr int S_TILES = BLOCK_C / 8;                // 8-key column tiles of S per warp
-constexpr int O_TILES = VALUE_TILE_DIM / 8;         // 8-dim column tiles of O per warp
 constexpr int Q_BYTES = BLOCK_R * HEAD_DIM * sizeof(elem_t);
+constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
+static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
+static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
+static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
+template <int COLUMNS>
+using TileLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<COLUMNS>, fagen::wg::Swizzle<COLUMNS>>;
+constexpr int O_TILES = VALUE_TILE_DIM / 8;         // 8-dim column tiles of O per warp
 constexpr int K_BYTES = BLOCK_C * HEAD_DIM * sizeof(elem_t);     // K_j
 constexpr int V_BYTES = BLOCK_C * VALUE_TILE_DIM * sizeof(elem_t);   // V_j: MLA's narrower values take narrower tiles
 constexpr int STAGE_BYTES = K_BYTES + V_BYTES;
-constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_grow_with_rows)
 // Where d > 128 (one block per multiprocessor), the copies of the next K and V are issued once S_j's wgmma is
 // on the tensor cores instead of before it: 2-6% faster on most d = 160 / 256 shapes timed and 2% at d = 192 without a
 // mask, but 1-5% slower at d = 192 with a causal or window mask (so d = 192 with any mask keeps the old order; with
@@ -133,15 +138,10 @@ constexpr bool ROWS_LAST_FIRST = true;   // later rows see more keys (Spec.keys_
 // cores while these copies issue (docs/benchmarks-journal.md, "The forward's copies issued behind the scores' wgmma")
 constexpr bool COPIES_AFTER_SCORES = HEAD_DIM > 128 && (HEAD_DIM != 192 || (MASK == fagen::MASK_NONE && !Mods::HAS_MASK));
 static_assert(BLOCK_R == 16 * WARPS && WARPS % 4 == 0, "one 64-row slab per warpgroup");
-static_assert(BLOCK_C % 16 == 0, "whole k-steps of keys");
-template <int COLUMNS>
-using TileLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<COLUMNS>, fagen::wg::Swizzle<COLUMNS>>;
 using Layout = TileLayout<HEAD_DIM>;                // Q's and K's tiles: d columns
 using ValueLayout = TileLayout<VALUE_TILE_DIM>;     // V's
 // FP8: V_j^T, d rows of Bc keys (without FP8 unused: V's own, so that no 8-bit layout of Bc is instantiated)
 using TransposedLayout = std::conditional_t<FP8, fagen::wg::Swizzle8Bit<BLOCK_C>, ValueLayout>;
-static_assert(sizeof(elem_t) == 2 || FP8, "fp16 / bf16, or e4m3");
-static_assert(!FP8 || (BLOCK_C % 64 == 0 && HEAD_DIM % 64 == 0), "FP8: whole 64-byte panels of V^T's and Q's rows");
 // O += P~ V's operand for k-step kk: V_j read transposed (MN-major), or FP8's V_j^T (K-major)
 __host__ __device__ constexpr unsigned long long value_step(int kk) {
   return FP8 ? TransposedLayout::k_major_step(VALUE_TILE_DIM, kk) : ValueLayout::mn_major_step(kk);
