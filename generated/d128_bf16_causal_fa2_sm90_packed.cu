@@ -177,23 +177,20 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
     return walk.next<true>(visibility, j, col_blocks, BLOCK_C, row0, rows_here, seq_k);
   };
 
-  // Q_i, K_j, V_j through the TMA where the host mapped the call's tensors: one thread issues each tile and arrives
-  // on its barrier (FP8: V_j on v_landed, whose completion every producer thread waits for to write V_j^T)
+  // Q_i, K_j, V_j through the TMA where the host mapped the call's tensors, else by cp.async. Either way every
+  // producer thread arrives on a tile's barrier once its own copies landed; for a TMA tile thread 0 first adds the
+  // tile's bytes (FP8: V_j lands on v_landed, whose completion every producer thread waits for to write V_j^T)
   const bool tma = maps.enabled != 0;
-  auto full_barrier_init = [&](unsigned barrier) {
-    if (tma) wg::barrier_init(barrier, 1);
-    else wg::copy_barrier_init(barrier, 128);
-  };
   if (tid == 0) {
-    full_barrier_init(q_full);
+    wg::copy_barrier_init(q_full, 128);
     for (int s = 0; s < STAGES; ++s) {
-      full_barrier_init(k_full(s));
+      wg::copy_barrier_init(k_full(s), 128);
       wg::barrier_init(k_empty(s), CONSUMER_THREADS);
       if (FP8) {
         wg::barrier_init(v_full(s), 128);   // the producer's threads arrive once V_j^T is written
-        if (tma) wg::barrier_init(v_landed(s), 1);
+        wg::copy_barrier_init(v_landed(s), 128);
       } else {
-        full_barrier_init(v_full(s));
+        wg::copy_barrier_init(v_full(s), 128);
       }
       wg::barrier_init(v_empty(s), CONSUMER_THREADS);
     }
@@ -213,41 +210,32 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
       wg::prefetch_tensor_map(maps.k);
       wg::prefetch_tensor_map(maps.v);
     }
-    // A tile's loads into `barrier`'s phase: TMA (thread 0 expects the tile's bytes, issues the boxes and, once
-    // anything the consumers read with the tile is written, arrives), or every thread's cp.async copies.
-    auto expect_tile = [&](unsigned barrier, unsigned bytes) {
-      if (tma && tid == 0) wg::barrier_expect_bytes(barrier, bytes);
-    };
-    auto tile_issued = [&](unsigned barrier) {
-      if (!tma) wg::barrier_arrive_when_copied(barrier);
-      else if (tid == 0) wg::barrier_arrive(barrier);
-    };
+    // A tile's loads into `barrier`'s phase: TMA (thread 0 expects the tile's bytes and issues the boxes) or every
+    // thread's cp.async copies; then every thread arrives, once anything it wrote with the tile is written.
+    auto tile_issued = [&](unsigned barrier) { wg::barrier_arrive_when_copied(barrier); };
+    // A packed batch's map spans every sequence: a key block running past this sequence's keys is copied by cp.async,
+    // whose zeros (not the next sequence's rows, or a buffer's unused tail) meet its zero weights
     auto load_rows = [&](unsigned tile, const wg::TensorMap& map, unsigned barrier, const elem_t* slice,
                          const long long (&stride)[3], int j, int dims) {
       const int col0 = j * BLOCK_C;
-      if (tma) {
-        expect_tile(barrier, KV_BYTES);
-        if (tid == 0)
+      if (tma && !(PACKED && col0 + BLOCK_C > seq_k)) {
+        if (tid == 0) {
+          wg::barrier_expect_bytes(barrier, KV_BYTES);
           wg::tma_load_rows<BLOCK_C, Layout>(tile, map, barrier, int(problem.k_row0) + col0, int(problem.h_kv),
                                              int(problem.entry));
+        }
       } else {
         wg::async_load_key_rows<BLOCK_C, HEAD_DIM, 128, Layout::ROW_BYTES>(tile, args, problem.b, slice, stride, col0,
                                                                            min(BLOCK_C, seq_k - col0), dims);
       }
     };
-    // FP8: V_j^T from stage s's V_j once it landed (the TMA's bytes on v_landed(s), or every producer thread's
-    // copies: named barrier 5), published to the tensor cores by v_full(s). Stage s's V_j is next overwritten two
-    // rounds on, once the consumers emptied its V_j^T, which every producer thread wrote after reading V_j.
+    // FP8: V_j^T from stage s's V_j once it landed on v_landed(s), published to the tensor cores by v_full(s).
+    // Stage s's V_j is next overwritten two rounds on, once the consumers emptied its V_j^T, which every producer
+    // thread wrote after reading V_j.
     auto values_ready = [&](int i, int s) {
       if constexpr (FP8) {
-        if (tma) {
-          tile_issued(v_landed(s));
-          wg::barrier_wait(v_landed(s), (i / STAGES) & 1);
-        } else {
-          tc::cp_async_commit();
-          tc::cp_async_wait<0>();
-          wg::named_barrier_sync<5, 128>();
-        }
+        tile_issued(v_landed(s));
+        wg::barrier_wait(v_landed(s), (i / STAGES) & 1);
         wg::transpose_values_fp8<BLOCK_C, HEAD_DIM, 128, ValueLayout, TransposedLayout>(
             v_tiles + s * KV_BYTES, transposed_values + s * KV_BYTES);
         wg::fence_async_proxy();
@@ -256,11 +244,12 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_fwd_d128_bf16_causal_
         tile_issued(v_full(s));
       }
     };
-    if (tma) {
-      expect_tile(q_full, Q_BYTES);
-      if (tid == 0)
+    if (tma) {   // (Q_i's rows past a sequence only make rows that are never stored)
+      if (tid == 0) {
+        wg::barrier_expect_bytes(q_full, Q_BYTES);
         wg::tma_load_rows<BLOCK_R, Layout>(q_tile, maps.q, q_full, int(problem.q_row0) + row0, int(problem.h),
                                            int(problem.entry));
+      }
     } else {
       wg::async_load_rows_swizzled<BLOCK_R, HEAD_DIM, 128, Layout::ROW_BYTES>(q_tile, q, args.q_stride[2], row0,
                                                                               rows_here, DATA_DIM);
@@ -810,7 +799,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
   // K_j, V_j, Q_i and dO_i through the TMA where the host mapped the call's tensors: thread 0 adds their bytes to
-  // the stage's "full" barrier and issues them, while every loader still copies LSE_i, D_i and arrives as before
+  // the stage's "full" barrier and issues them, while every loader still copies LSE_i, D_i and arrives (the forward's
+  // protocol too)
   const bool tma = maps.enabled != 0;
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
@@ -831,8 +821,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
     // spilled the producer's 40 registers with a mask_mod that reads inputs at key positions (documents)
     auto produce = [&](auto mapped) {
       constexpr bool TMA = decltype(mapped)::value;
+      // A packed batch's maps span every sequence: a block running past this sequence's rows is copied by cp.async,
+      // whose zeros (not the next sequence's rows, or a buffer's unused tail) meet its zero weights
       auto load_keys = [&] {
-        if constexpr (!TMA) {
+        if (!TMA || (PACKED && col0 + BLOCK_C > seq_k)) {
           load_key_block();
         } else if (tid == 0) {
           wg::barrier_expect_bytes(kv_full, 2 * KV_BYTES);
@@ -843,7 +835,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d128_bf16_causal_
         }
       };
       auto load_rows = [&](int i, int s) {
-        if constexpr (!TMA) {
+        if (!TMA || (PACKED && (i + 1) * BLOCK_R > seq_q)) {
           load_q_block(i, s);
           return;
         }

@@ -826,7 +826,8 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
     wg::async_load_rows_swizzled<BLOCK_C, HEAD_DIM, LOADERS, Layout::ROW_BYTES>(v_tile, v, args.v_stride[2], col0, cols_here, VALUE_DIM);
   };
   // K_j, V_j, Q_i and dO_i through the TMA where the host mapped the call's tensors: thread 0 adds their bytes to
-  // the stage's "full" barrier and issues them, while every loader still copies LSE_i, D_i and arrives as before
+  // the stage's "full" barrier and issues them, while every loader still copies LSE_i, D_i and arrives (the forward's
+  // protocol too)
   const bool tma = maps.enabled != 0;
   if (tid == 0) {
     wg::copy_barrier_init(kv_full, LOADERS);
@@ -847,8 +848,10 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
     // spilled the producer's 40 registers with a mask_mod that reads inputs at key positions (documents)
     auto produce = [&](auto mapped) {
       constexpr bool TMA = decltype(mapped)::value;
+      // A packed batch's maps span every sequence: a block running past this sequence's rows is copied by cp.async,
+      // whose zeros (not the next sequence's rows, or a buffer's unused tail) meet its zero weights
       auto load_keys = [&] {
-        if constexpr (!TMA) {
+        if (!TMA || (PACKED && col0 + BLOCK_C > seq_k)) {
           load_key_block();
         } else if (tid == 0) {
           wg::barrier_expect_bytes(kv_full, 2 * KV_BYTES);
@@ -859,7 +862,7 @@ extern "C" __global__ void __launch_bounds__(384, 1) fagen_bwd_d64_bf16_causal_f
         }
       };
       auto load_rows = [&](int i, int s) {
-        if constexpr (!TMA) {
+        if (!TMA || (PACKED && (i + 1) * BLOCK_R > seq_q)) {
           load_q_block(i, s);
           return;
         }

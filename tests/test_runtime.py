@@ -403,66 +403,7 @@ def test_a_latent_call_takes_v_from_k_and_names_what_it_refuses():
         kernel.forward_keyed(torch.zeros(2, 16, 1, 576, dtype=torch.bfloat16), k, v)
 
 
-# ---- TMA tensor maps (fagen/runtime/tensor_maps.py) ----
-def test_tensor_map_geometry_is_the_kernels_view_innermost_first():
-    from fagen.runtime.tensor_maps import map_geometry
-
-    shape, strides = (2, 16, 1000, 128), (16 * 1000 * 128, 1000 * 128, 128, 1)
-    g = map_geometry("bf16", 2, shape, strides, 64, 128)
-    assert g.dims == (128, 1000, 16, 2) and g.strides == (256, 256_000, 4_096_000)
-    assert g.box == (64, 128, 1, 1) and g.swizzle == 3 and g.data_type == 9
-    # (B, N, H, d) seen as (B, H, N, d): the strides follow the view, not the memory order
-    t = map_geometry("fp16", 2, (2, 8, 777, 128), (777 * 8 * 128, 128, 8 * 128, 1), 64, 64)
-    assert t.strides == (2048, 256, 777 * 8 * 256) and t.data_type == 6
-    # fp8: a 128-byte panel of 128 columns; a 64-byte panel (d = 32 bf16) swizzles 64 bytes
-    assert map_geometry("fp8_e4m3", 1, shape, strides, 128, 128).swizzle == 3
-    assert map_geometry("bf16", 2, (1, 2, 10, 32), (640, 320, 32, 1), 32, 64).swizzle == 2
-
-
-def test_tensor_map_geometry_gives_a_one_element_dim_a_stride_the_driver_takes():
-    from fagen.runtime.tensor_maps import map_geometry
-
-    # a packed batch's (1, heads, total, d) view: its batch stride may be anything, even 0
-    g = map_geometry("bf16", 2, (1, 8, 301, 128), (0, 128, 8 * 128, 1), 64, 128)
-    assert g.dims[3] == 1 and g.strides[2] > 0 and g.strides[2] % 16 == 0
-
-
-@pytest.mark.parametrize("shape, strides, why", [
-    ((1, 2, 10, 60), (1200, 600, 60, 1), "rows of 120 bytes"),
-    ((1, 2, 10, 64), (1280, 640, 1, 10), "columns not contiguous"),
-    ((2, 2, 10, 64), (0, 640, 64, 1), "a broadcast batch (stride 0)"),
-])
-def test_tensor_map_geometry_refuses_what_the_tma_cannot_read(shape, strides, why):
-    from fagen.runtime.tensor_maps import map_geometry
-
-    assert map_geometry("bf16", 2, shape, strides, 64, 128) is None, why
-    assert map_geometry("fp32", 4, (1, 2, 10, 64), (1280, 640, 64, 1), 32, 128) is None   # a dtype not loaded
-
-
-def test_a_tensor_map_parameter_without_maps_stays_disabled_without_the_driver():
-    from fagen.runtime.tensor_maps import PARAMETER_BYTES, TensorMapParameter, map_geometry
-
-    g = map_geometry("bf16", 2, (1, 2, 64, 64), (8192, 4096, 64, 1), 64, 64)
-    for geometries in ((), (g, None, g)):
-        parameter = TensorMapParameter(geometries)
-        assert parameter.address % 64 == 0
-        assert parameter.encode([256, 512, 768]) is False and not parameter.enabled
-    # a pointer off 16 bytes is refused before the driver is asked
-    assert TensorMapParameter((g, g, g)).encode([256, 520, 768]) is False
-
-
-def test_the_tensor_map_parameter_is_the_kernels_struct():
-    import re
-
-    from fagen.runtime.tensor_maps import MAPPED, PARAMETER_BYTES
-    from fagen.sources import TEMPLATE_DIR
-
-    header = (TEMPLATE_DIR / "warpgroup_mma.cuh").read_text()
-    assert int(re.search(r"sizeof\(TensorMaps\) == (\d+)", header).group(1)) == PARAMETER_BYTES
-    fields = re.search(r"struct TensorMaps \{\s*TensorMap ([^;]+);", header).group(1)
-    assert tuple(name.strip() for name in fields.split(",")) == MAPPED
-
-
+# ---- TMA tensor maps: tests/test_tensor_maps.py; the plans that take them ----
 def test_plans_of_the_tma_kernels_carry_their_box_columns():
     from fagen.runtime.grids import LaunchPlan
     from fagen.target import target_for

@@ -133,3 +133,105 @@ def test_tma_loads_in_the_backward_give_the_cp_async_loads_gradients(spec, shape
     assert torch.equal(dk, dk2) and torch.equal(dk, dk3) and torch.equal(dv, dv2) and torch.equal(dv, dv3)
     scale = dq.float().abs().max().item()
     assert (dq.float() - dq3.float()).abs().max().item() <= 2**-7 * scale
+
+
+PACKED_SPECS = [
+    Spec(head_dim=128, dtype="bf16", mask="causal", layout="packed"),
+    Spec(head_dim=64, dtype="fp16", layout="packed"),
+    Spec(head_dim=128, dtype="fp8_e4m3", mask="causal", layout="packed", passes=["forward"]),
+]
+
+
+@pytest.mark.parametrize("spec", PACKED_SPECS, ids=lambda s: s.canonical_name)
+def test_a_packed_batch_reads_no_row_past_a_sequence(spec, monkeypatch):
+    """A packed batch's map spans every sequence, so a tile running past one would read the next sequence's rows or
+    the tensor's unused tail. Those tiles go by cp.async (zeros): an Inf in one sequence, or NaN in the tail past
+    cu_seqlens[-1], leaves every other sequence's output and gradients as they were, with the maps in use."""
+    from fagen import jit
+
+    kernel = jit.compile(spec)
+    mapped = lambda name: [True] if kernel.plans[name].tensor_map_columns else []  # noqa: E731
+    assert mapped("backward" if "backward" in spec.passes else "forward"), "no pass of this spec takes the maps"
+    lengths, tail, heads = [1, 130, 257, 64], 77, 4
+    starts = [0] + torch.tensor(lengths).cumsum(0).tolist()
+    cu = torch.tensor(starts, dtype=torch.int32, device="cuda")
+    used, total = starts[-1], starts[-1] + tail
+    dtype = getattr(torch, DTYPES[spec.dtype])
+    clean = [torch.randn(total, heads, spec.head_dim, device="cuda").to(dtype) for _ in range(3)]
+    for t in clean:
+        t[used:] = 0
+    poisoned = [t.clone() for t in clean]
+    for t in poisoned:
+        t[used:] = float("nan")
+        t[starts[1]:starts[2]] = float("inf")   # sequence 1: its own outputs are not compared
+    keep = torch.ones(total, dtype=torch.bool, device="cuda")
+    keep[starts[1]:starts[2]] = False
+    keep[used:] = False
+    packed = dict(cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max(lengths), max_seqlen_k=max(lengths))
+    runs = []
+    for tensors in (clean, poisoned):
+        encoded = _recording(monkeypatch)
+        o, lse = kernel.forward(*tensors, **packed)
+        assert encoded == mapped("forward"), "the maps were refused"
+        runs.append((o, lse))
+    (o, lse), (o_poisoned, lse_poisoned) = runs
+    assert torch.isfinite(o[keep].float()).all()
+    assert torch.equal(o[keep], o_poisoned[keep]) and torch.equal(lse[:, keep], lse_poisoned[:, keep])
+    if "backward" not in spec.passes:
+        return
+    do = torch.randn_like(o)
+    do[used:] = 0
+    do_poisoned = do.clone()
+    do_poisoned[used:] = float("nan")
+    do_poisoned[starts[1]:starts[2]] = float("inf")
+    grads = []
+    for tensors, (out, stats), d_o in ((clean, runs[0], do), (poisoned, runs[1], do_poisoned)):
+        encoded = _recording(monkeypatch)
+        grads.append(kernel.backward(*tensors, out, stats, d_o, **packed))
+        assert encoded == mapped("backward")
+    (dq, dk, dv), (dq2, dk2, dv2) = grads
+    for a in (dq, dk, dv):
+        assert torch.isfinite(a[keep].float()).all()
+    assert torch.equal(dk[keep], dk2[keep]) and torch.equal(dv[keep], dv2[keep])
+    scale = dq[keep].float().abs().max().item()
+    assert (dq[keep].float() - dq2[keep].float()).abs().max().item() <= 2**-7 * scale
+
+
+def test_this_drivers_maps_are_patched_not_encoded_and_give_the_same_bits(monkeypatch):
+    """The driver's address field is found (tensor_maps.address_field) for every geometry the kernels use here, and
+    once a geometry's is known a call writes only the address words: no cuTensorMapEncodeTiled, on the general path
+    (out=) and the fast path, with the same outputs as the cp.async loads of the same inputs, call after call with
+    new tensors."""
+    from fagen import cuda_driver, jit
+    from fagen.runtime import tensor_maps
+
+    for spec, shape, kv_heads, layout in CASES:
+        kernel = jit.compile(spec)
+        geometries = [tensor_maps.map_geometry(spec.dtype, t.element_size(), t.shape, t.stride(),
+                                               kernel.plans["forward"].tensor_map_columns, 128)
+                      for t in _tensors(spec, shape, kv_heads, layout)]
+        for g in geometries:
+            field = tensor_maps.address_field(g)
+            assert field is not None, f"{spec.canonical_name}: no address field found in {g}"
+            for t in _tensors(spec, shape, kv_heads, layout):   # real pointers, beside the random ones it checked
+                patched = field.patched(t.data_ptr()).to_bytes(8, "little")
+                assert tensor_maps._encoded(g, t.data_ptr()) == \
+                    field.template[:8 * field.word] + patched + field.template[8 * field.word + 8:]
+    spec, shape, kv_heads, layout = CASES[0]
+    kernel = jit.compile(spec)
+    encodes = []
+    real = cuda_driver.encode_tensor_map
+    monkeypatch.setattr(cuda_driver, "encode_tensor_map", lambda *a: encodes.append(a) or real(*a))
+    for call in range(5):
+        q, k, v = _tensors(spec, shape, kv_heads, layout)
+        encodes.clear()
+        o, lse = _forward(kernel, q, k, v)
+        if call >= 1:   # (the first call's geometries may be new: address_field encodes its probes)
+            assert encodes == [], f"call {call} encoded {len(encodes)} maps"
+        o_fast, lse_fast = kernel.forward(q, k, v)   # the fast path's own parameter (out= calls take the general one)
+        assert call == 0 or encodes == []
+        assert torch.equal(o_fast, o) and torch.equal(lse_fast, lse)
+        with monkeypatch.context() as refused:
+            _recording(refused, refuse=True)
+            o_copied, lse_copied = _forward(kernel, q, k, v)
+        assert torch.equal(o, o_copied) and torch.equal(lse, lse_copied), f"call {call}"

@@ -1,11 +1,13 @@
 """forward_wgmma_ws through the TMA against its cp.async loads, on an H200: `python dev/gpu/tma_check.py [PART ...]`
-(parts: layouts, bf16, fp8, bwd; default all).
+(parts: layouts, bf16, fp8, bwd, host; default all).
 
 First, correctness on layouts the TMA maps differently (contiguous, (B, N, H, d) transposed, grouped heads, a packed
 batch, odd lengths): each call's error against a float64 reference, and whether its maps were encoded (enabled) or
 the kernel fell back to cp.async. Then kernel-level TFLOP/s on FlashAttention-3's grid (B x N = 16k, 16 heads,
 d = 128) with the maps and with them refused (TensorMapParameter.encode patched to say no), and SDPA's cuDNN; the
-same A/B for the fp8 (e4m3) forward at d = 128 (o in bf16, no descales)."""
+same A/B for the fp8 (e4m3) forward at d = 128 (o in bf16, no descales). `host`: host time per call of the fast
+path (Kernel.forward, d = 128 bf16, one tiny block) with the maps patched (the default), encoded in full each call
+(no address field), and refused (cp.async: no maps written); and TensorMapParameter.encode alone, patched and full."""
 import math
 import sys
 
@@ -45,7 +47,7 @@ def reference(q, k, v, causal, cu=None):
     return torch.softmax(s, -1) @ v
 
 
-parts = set(sys.argv[1:]) or {"layouts", "bf16", "fp8", "bwd"}
+parts = set(sys.argv[1:]) or {"layouts", "bf16", "fp8", "bwd", "host"}
 tensor_maps.TensorMapParameter.encode = logging_encode
 torch.manual_seed(0)
 dev = "cuda"
@@ -124,3 +126,45 @@ for mask in ("none", "causal") if "bwd" in parts else ():
             row.append(f"{label} {flops / ms / 1e9:.0f}")
         tensor_maps.TensorMapParameter.encode = _encode
         print(f"backward bf16 d{d} {mask} N={n} B={batch}: " + ", ".join(row) + " TFLOP/s", flush=True)
+
+# host time per call: the maps patched, encoded in full, or refused (kernel level: Kernel.forward's fast path)
+if "host" in parts:
+    import time
+
+    def per_call_us(fn, calls=5000):
+        for _ in range(500):
+            fn()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best = min(best, (time.perf_counter() - start) / calls * 1e6)
+            torch.cuda.synchronize()
+        return best
+
+    kernel = jit.compile(Spec(head_dim=128, dtype="bf16", mask="causal", passes=["forward"]))
+    q, k, v = (torch.randn(1, 1, 128, 128, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    found = tensor_maps.address_field
+    for label, encode, field in (("patched", _encode, found), ("full encode", _encode, lambda g: None),
+                                 ("refused (cp.async)", refusing_encode, found), ("patched again", _encode, found)):
+        tensor_maps.TensorMapParameter.encode = encode
+        tensor_maps.address_field = field
+        kernel._fast_forward.clear()
+        us = per_call_us(lambda: kernel.forward(q, k, v))
+        print(f"host forward d128 bf16 (1,1,128,128), {label}: {us:.2f} us/call", flush=True)
+    tensor_maps.TensorMapParameter.encode, tensor_maps.address_field = _encode, found
+    geometries = [tensor_maps.map_geometry("bf16", 2, t.shape, t.stride(), 64, 128) for t in (q, k, v)]
+    pointers = [t.data_ptr() for t in (q, k, v)]
+    for label, patching in (("patched", True), ("full encode", False)):
+        parameter = tensor_maps.TensorMapParameter(geometries)
+        parameter.encode(pointers)
+        assert parameter.patching, "no address field on this driver"
+        if not patching:
+            parameter._patches, parameter._fields = None, ()   # (fields looked up: every call encodes in full)
+        start = time.perf_counter()
+        for _ in range(20000):
+            parameter.encode(pointers)
+        us = (time.perf_counter() - start) / 20000 * 1e6
+        print(f"host TensorMapParameter.encode (q, k, v), {label}: {us:.2f} us", flush=True)
